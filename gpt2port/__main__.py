@@ -1,0 +1,3 @@
+from gpt2port.cli import main
+
+main()

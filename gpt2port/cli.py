@@ -1,0 +1,116 @@
+"""The `gpt2port` command line. Thin: parse, call one function, print, exit code.
+
+Every failure is one line on stderr naming the path, key or repo at fault, and a non-zero exit; --debug shows the
+traceback. Modules are imported inside the commands so `gpt2port --help` stays fast and never imports transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+
+from gpt2port.errors import GPT2PortError
+
+DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+
+
+def _handle_errors(fn):
+    """Turn GPT2PortError / OSError / Ctrl-C into one line and an exit code (tracebacks only with --debug)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        debug = click.get_current_context().find_root().params.get("debug", False)
+        try:
+            return fn(*args, **kwargs)
+        except (GPT2PortError, OSError) as e:
+            if debug:
+                raise
+            msg = str(e) if isinstance(e, GPT2PortError) else f"{getattr(e, 'filename', '') or ''}: {e.strerror or e}"
+            click.echo(f"error: {msg}", err=True)
+            sys.exit(EXIT_FAILURE)
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            click.echo("error: interrupted; nothing was left under the output name", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.version_option(package_name="gpt2port")
+def main(debug: bool) -> None:
+    """Convert, verify and run GPT-2 checkpoints in a from-scratch PyTorch model."""
+
+
+@main.command()
+@click.argument("src", type=click.Path(path_type=str))
+@click.option("--out", required=True, type=click.Path(path_type=str), help="Output checkpoint directory.")
+@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Output dtype (default: the source's).")
+@click.option("--force", is_flag=True, help="Replace an existing checkpoint at --out.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_handle_errors
+def convert(src, out, dtype, force, quiet):
+    """Convert a local Hugging Face GPT-2 checkpoint (repo directory or weights file) to gpt2port's layout."""
+    from gpt2port.convert import convert as run_convert
+    from gpt2port.progress import byte_progress
+
+    with byte_progress("converting", quiet) as progress:
+        result = run_convert(src, out, dtype=dtype, force=force, progress=progress)
+    for w in result.warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(f"wrote {result.out} ({result.n_params:,} parameters, {_dtype_label(result.dtype)}, "
+               f"{result.bytes_written / 1e9:.2f} GB) in {result.seconds:.1f}s")
+
+
+@main.command()
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_handle_errors
+def info(ckpt, as_json):
+    """Config, dtype, size, provenance and a parameter ledger of a converted checkpoint."""
+    from gpt2port.info import checkpoint_info, format_info
+
+    facts = checkpoint_info(ckpt)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(facts, indent=2))
+    else:
+        click.echo(format_info(facts))
+
+
+@main.command()
+@click.argument("ckpt")
+@click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
+@click.option("--to", "to", type=click.Choice(["gpt2port", "hf"]), default="gpt2port", show_default=True,
+              help="Layout: gpt2port's own, or Hugging Face's (loads with GPT2LMHeadModel.from_pretrained).")
+@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Output dtype (default: the checkpoint's).")
+@click.option("--force", is_flag=True, help="Replace an existing directory at --out.")
+@_handle_errors
+def export(ckpt, out, to, dtype, force):
+    """Re-export a converted checkpoint: another dtype, or back to the Hugging Face layout."""
+    from gpt2port.export import export as run_export
+
+    result = run_export(ckpt, out, to=to, dtype=dtype, force=force)
+    click.echo(f"wrote {result.out} ({to} layout, {_dtype_label(result.dtype)}, {result.bytes_written / 1e9:.2f} GB)")
+
+
+def _dtype_label(dtype) -> str:
+    from gpt2port.checkpoint import DTYPE_LABELS
+
+    return DTYPE_LABELS.get(dtype, str(dtype))
+
+
+# --- download: owned by the download issue -------------------------------------------------------------------------
+# --- verify: owned by the verify issue -------------------------------------------------------------------------------
+# --- generate: owned by the generation issue ------------------------------------------------------------------------
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""GPTConfig: the shape of a GPT-2, the four official presets and their aliases, and the bridge to HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpt2port.errors import GPT2PortError
+
+# Activations the model implements, by their HF `activation_function` name. GPT-2 itself uses the tanh
+# approximation ("gelu_new"); the others appear in fine-tuned or re-implemented checkpoints.
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu", "silu", "swish")
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block; n_embd must divide by it
+    n_embd: int = 768  # width of the residual stream
+    vocab_size: int = 50257  # GPT-2 BPE: 50,000 merges + 256 byte tokens + <|endoftext|>
+    n_positions: int = 1024  # context length = rows of the learned position embedding
+    n_inner: int | None = None  # MLP hidden width; None means 4 * n_embd, as in every official GPT-2
+    layer_norm_epsilon: float = 1e-5  # GPT-2's LayerNorm eps (PyTorch's default is also 1e-5)
+    activation: str = "gelu_new"  # GPT-2 uses the tanh approximation of GELU, not the exact erf form
+    scale_attn_weights: bool = True  # divide attention scores by sqrt(head_dim), as GPT-2 does
+    dropout: float = 0.0  # for fine-tuning only; pretrained inference is deterministic with 0
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise GPT2PortError(f"config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.activation not in ACTIVATIONS:
+            raise GPT2PortError(
+                f"config: activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
+
+    @property
+    def mlp_width(self) -> int:
+        return self.n_inner if self.n_inner is not None else 4 * self.n_embd
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @classmethod
+    def preset(cls, name: str) -> "GPTConfig":
+        return cls(**PRESETS[canonical_name(name)])
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, source: str = "config.json") -> "GPTConfig":
+        """Build from a transformers GPT2Config dict; refuse settings this model cannot reproduce exactly."""
+        model_type = hf.get("model_type", "gpt2")
+        if model_type != "gpt2":
+            raise GPT2PortError(f"{source}: model_type {model_type!r} is not GPT-2")
+        for key, ok_value in _HF_SETTINGS_MUST_BE.items():
+            if key in hf and hf[key] not in (None, ok_value):
+                raise GPT2PortError(f"{source}: {key}={hf[key]!r} is not supported ({_HF_SETTING_WHY[key]})")
+        activation = hf.get("activation_function", "gelu_new")
+        if activation not in ACTIVATIONS:
+            raise GPT2PortError(
+                f"{source}: activation_function {activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+            )
+        try:
+            return cls(
+                n_layer=int(hf["n_layer"]),
+                n_head=int(hf["n_head"]),
+                n_embd=int(hf["n_embd"]),
+                vocab_size=int(hf["vocab_size"]),
+                n_positions=int(hf.get("n_positions", hf.get("n_ctx", 1024))),
+                n_inner=hf.get("n_inner"),
+                layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+                activation=activation,
+                scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
+            )
+        except KeyError as e:
+            raise GPT2PortError(f"{source}: missing required field {e.args[0]!r}") from None
+        except GPT2PortError as e:
+            raise GPT2PortError(f"{source}: {e}") from None
+
+    def to_hf_config(self) -> dict:
+        """A config.json that transformers.GPT2LMHeadModel loads as this exact model."""
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+            "vocab_size": self.vocab_size,
+            "n_positions": self.n_positions,
+            "n_ctx": self.n_positions,
+            "n_inner": self.n_inner,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "activation_function": self.activation,
+            "scale_attn_weights": self.scale_attn_weights,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "add_cross_attention": False,
+            "tie_word_embeddings": True,
+            "attn_pdrop": 0.1,
+            "embd_pdrop": 0.1,
+            "resid_pdrop": 0.1,
+            "initializer_range": 0.02,
+            "bos_token_id": 50256,
+            "eos_token_id": 50256,
+        }
+
+
+# HF GPT2Config switches that change the computation in ways this model does not implement.
+_HF_SETTINGS_MUST_BE = {
+    "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False,
+}
+_HF_SETTING_WHY = {
+    "scale_attn_by_inverse_layer_idx": "per-layer attention scaling is not implemented",
+    "add_cross_attention": "cross-attention (encoder-decoder use) is not implemented",
+}
+
+PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+}
+
+HUB_REPOS = {name: f"openai-community/{name}" for name in PRESETS}
+
+# Every spelling people use for the four models: parameter counts, OpenAI's original release names, Hub ids.
+ALIASES = {
+    **{name: name for name in PRESETS},
+    **{repo: name for name, repo in HUB_REPOS.items()},
+    "124M": "gpt2", "117M": "gpt2", "small": "gpt2",
+    "355M": "gpt2-medium", "345M": "gpt2-medium", "medium": "gpt2-medium",
+    "774M": "gpt2-large", "762M": "gpt2-large", "large": "gpt2-large",
+    "1558M": "gpt2-xl", "1542M": "gpt2-xl", "1.5B": "gpt2-xl", "xl": "gpt2-xl",
+}
+_ALIASES_FOLDED = {k.lower(): v for k, v in ALIASES.items()}
+
+
+def canonical_name(name: str) -> str:
+    """gpt2 / gpt2-medium / gpt2-large / gpt2-xl for any known alias; a clear error otherwise."""
+    found = _ALIASES_FOLDED.get(name.lower())
+    if found is None:
+        raise GPT2PortError(
+            f"unknown model name {name!r}; known: {', '.join(PRESETS)} "
+            f"(aliases: {', '.join(k for k in ALIASES if k not in PRESETS and '/' not in k)})"
+        )
+    return found
+
+
+def is_known_name(name: str) -> bool:
+    return name.lower() in _ALIASES_FOLDED
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise GPT2PortError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GPT2PortError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise GPT2PortError(f"{path}: expected a JSON object")
+    return data

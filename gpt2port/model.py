@@ -1,0 +1,175 @@
+"""The GPT-2 language model, written from scratch in plain PyTorch.
+
+Token + learned position embeddings, a stack of pre-LayerNorm blocks (fused-qkv causal self-attention, then a
+4x MLP), a final LayerNorm, and a head that is the token embedding itself (one Parameter, not a copy).
+Parameter names are gpt2port's own; gpt2port/keymap.py maps them to and from Hugging Face's names.
+
+The optional KVCache lets generation feed one new token per step instead of re-running the whole context.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt2port.config import GPTConfig
+
+_ACTIVATIONS = {
+    # GPT-2's own: the tanh approximation. Exact-erf GELU differs by up to ~1e-3 and breaks logit parity.
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+class KVCache:
+    """Keys and values of every layer for positions [0, length), preallocated up to max_len positions."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int | None = None, dtype=None, device=None):
+        self.max_len = max_len or config.n_positions
+        shape = (config.n_layer, batch_size, config.n_head, self.max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v (B, H, T, D) for `layer`; return all keys and values so far."""
+        end = self.length + k.size(2)
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in that order, as GPT-2's c_attn
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        # GPT-2 scales scores by 1/sqrt(head_dim); a config may switch scaling off, which SDPA expresses as 1.0.
+        self.scale = None if config.scale_attn_weights else 1.0
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(layer, k, v)
+        mask, is_causal = None, T > 1
+        if past and T > 1:
+            # New queries see every cached position plus the causal part of their own chunk.
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            is_causal = False
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.mlp_width)
+        self.proj = nn.Linear(config.mlp_width, config.n_embd)
+        self.act = _ACTIVATIONS[config.activation]
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache, layer)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.n_positions, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight  # tied: one Parameter, stored and counted once
+        if self.tok_emb.weight.device.type != "meta":
+            self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        # GPT-2's initialisation, for training from scratch; from_pretrained skips it (meta device).
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif name.endswith("proj.weight"):  # residual projections, scaled per the GPT-2 paper
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.config.n_layer))
+            elif "norm" in name or ".ln" in name:
+                nn.init.ones_(p)
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def num_params(self) -> int:
+        """Parameters counted once each: the tied head adds nothing to the token embedding."""
+        return sum(p.numel() for p in self.parameters())
+
+    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+        T = idx.size(1)
+        if start_pos + T > self.config.n_positions:
+            raise ValueError(
+                f"sequence of {start_pos + T} tokens exceeds the model's context of {self.config.n_positions}"
+            )
+        pos = torch.arange(start_pos, start_pos + T, device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                last_only: bool = False):
+        """idx (B, T) int64 -> logits (B, T, vocab); with targets (B, T), returns (logits, mean cross-entropy).
+
+        With a cache, idx holds only the new tokens; their positions continue from cache.length.
+        last_only computes logits for the final position only (all generation needs).
+        """
+        x = self.embed(idx, cache.length if cache is not None else 0)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache, i)
+        if cache is not None:
+            cache.length += idx.size(1)
+        x = self.final_norm(x)
+        if last_only:
+            x = x[:, -1:, :]
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None) -> "GPT":
+        """Load a converted checkpoint (a directory, or a NAME under ./checkpoints) without random init or copies."""
+        from gpt2port.checkpoint import load_model
+
+        return load_model(path, dtype=dtype, device=device)

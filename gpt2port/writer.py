@@ -1,0 +1,220 @@
+"""Writing outputs so that nothing is ever half-written under a final name.
+
+A checkpoint directory is built under a temporary sibling name, every file flushed and fsynced, the weights
+re-opened and checked, and only then renamed into place. The safetensors file itself is streamed: its header
+is known up front (names, dtypes, shapes), so each tensor's bytes go to disk as soon as they are converted and
+peak memory is one tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import torch
+
+from gpt2port.errors import GPT2PortError
+from gpt2port.safetensors_format import encode_header, read_header
+
+PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
+OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
+
+
+class StreamingSafetensorsWriter:
+    """Writes tensors declared in advance, in that order, one at a time. Use as a context manager; `close()`
+    fsyncs and re-checks the file against the declaration."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+        self.path = Path(path)
+        self.entries = entries
+        self.metadata = metadata
+        header, self._sizes = encode_header(entries, metadata)
+        self._next = 0
+        self._file = open(self.path, "xb")
+        self._write(header)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected_name, dtype, shape = self.entries[self._next]
+        if name != expected_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise GPT2PortError(f"{self.path}: internal error: got {name} {tensor.dtype} {tuple(tensor.shape)}, "
+                                f"declared {expected_name} {dtype} {tuple(shape)}")
+        # Raw bytes, whatever the dtype (numpy has no bfloat16): reinterpret as uint8 without a copy.
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self._write(memoryview(data))
+        self._next += 1
+
+    def _write(self, data) -> None:
+        try:
+            self._file.write(data)
+        except OSError as e:
+            raise GPT2PortError(f"{self.path}: write failed: {_os_reason(e)}") from None
+
+    def close(self) -> None:
+        if self._next != len(self.entries):
+            raise GPT2PortError(f"{self.path}: internal error: {len(self.entries) - self._next} tensors never written")
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise GPT2PortError(f"{self.path}: write failed: {_os_reason(e)}") from None
+        finally:
+            self._file.close()
+        check_written(self.path, self.entries, self.metadata)
+
+    def abort(self) -> None:
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def check_written(path: Path, entries, metadata: dict[str, str]) -> None:
+    """Re-open a file just written and confirm its header says exactly what was declared."""
+    header = read_header(path)
+    got = [(e.name, e.dtype, tuple(e.shape)) for e in header.entries.values()]
+    if got != [(n, d, tuple(s)) for n, d, s in entries] or header.metadata != metadata:
+        raise GPT2PortError(f"{path}: post-write check failed: the file on disk does not match what was written")
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """A small file (config, manifest), flushed to disk."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise GPT2PortError(f"{path}: write failed: {_os_reason(e)}") from None
+
+
+def write_json(path: Path, obj) -> None:
+    write_file(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    try:
+        shutil.copyfile(src, dst)
+        with open(dst, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise GPT2PortError(f"{dst}: copy from {src} failed: {_os_reason(e)}") from None
+
+
+@contextlib.contextmanager
+def staged_directory(dest: Path, force: bool = False):
+    """Yield a temporary directory beside `dest`; on success it becomes `dest`, on any failure it vanishes.
+
+    An existing non-empty `dest` is replaced only with force=True, and survives untouched until the new
+    directory is complete: it is moved aside, the new one renamed in, and only then removed.
+    """
+    dest = Path(dest)
+    parent = dest.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GPT2PortError(f"{parent}: cannot create output directory: {_os_reason(e)}") from None
+    sweep_leftovers(dest)
+    if dest.exists() and not dest.is_dir():
+        raise GPT2PortError(f"{dest}: exists and is not a directory")
+    if dest.is_dir() and any(dest.iterdir()) and not force:
+        raise GPT2PortError(f"{dest}: already exists (use --force to replace it)")
+    stage = parent / f".{dest.name}{PARTIAL_MARK}{os.getpid()}"
+    try:
+        stage.mkdir()
+    except OSError as e:
+        raise GPT2PortError(f"{parent}: cannot write here: {_os_reason(e)}") from None
+    try:
+        yield stage
+        _fsync_dir(stage)
+        _swap_in(stage, dest)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def _swap_in(stage: Path, dest: Path) -> None:
+    old = None
+    with _signals_deferred():
+        if dest.exists():
+            old = dest.parent / f".{dest.name}{OLD_MARK}{os.getpid()}"
+            os.rename(dest, old)
+        try:
+            os.rename(stage, dest)
+        except OSError:
+            if old is not None:
+                os.rename(old, dest)
+            raise
+        _fsync_dir(dest.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def sweep_leftovers(dest: Path) -> list[Path]:
+    """Remove build directories that a killed run left beside `dest` (their process is gone); restore a
+    checkpoint that was moved aside if its replacement never arrived."""
+    removed = []
+    for p in dest.parent.glob(f".{dest.name}.*"):
+        for mark in (PARTIAL_MARK, OLD_MARK):
+            if mark in p.name and not _pid_alive(p.name.rsplit(mark, 1)[1]):
+                if mark == OLD_MARK and not dest.exists():
+                    os.rename(p, dest)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def _pid_alive(pid: str) -> bool:
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT/SIGTERM across the two renames so Ctrl-C cannot land between them."""
+    caught = []
+    handlers = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, lambda s, f: caught.append(s))
+    except ValueError:  # not the main thread: signals cannot be caught here anyway
+        handlers = {}
+    try:
+        yield
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        for sig in caught:
+            os.kill(os.getpid(), sig)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_reason(e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return "no space left on device"
+    return e.strerror or str(e)
