@@ -1,0 +1,77 @@
+"""Shared fixtures: random-weight GPT-2 checkpoints made by transformers, in real HF layouts, built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import hf_fixtures  # noqa: E402
+
+# Tests must never reach the network: HF libraries stay offline, and the Hub cache lives in a temporary place.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY = hf_fixtures.TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model():
+    """A tiny GPT2LMHeadModel (2 layers, 32 wide, 64 positions, full 50257 vocab) with random weights."""
+    return hf_fixtures.make_hf_model(hf_fixtures.hf_config(TINY), seed=0)
+
+
+@pytest.fixture(scope="session")
+def make_hf_repo(tmp_path_factory, tiny_hf_model):
+    """make_hf_repo(layout="hub", dtype="fp32", model=None) -> a directory in that HF layout (cached per session)."""
+    made: dict = {}
+
+    def make(layout: str = "hub", dtype: str = "fp32", model=None, tokenizer: bool = True) -> Path:
+        key = (layout, dtype, id(model), tokenizer)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"hf-{layout}-{dtype}")
+            src = model if model is not None else tiny_hf_model
+            # write_repo casts in place; keep the session's model in fp32.
+            import copy
+
+            hf_fixtures.write_repo(copy.deepcopy(src), out, layout, dtype, tokenizer)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, make_hf_repo):
+    """A converted gpt2port checkpoint of the tiny model (fp32, from the hub layout)."""
+    from gpt2port.convert import convert
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    convert(make_hf_repo("hub"), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt2_hf_repo(tmp_path_factory):
+    """A full-size (124M-shape) random-weight GPT-2 in the 2019 hub layout."""
+    out = tmp_path_factory.mktemp("hf-gpt2-full")
+    model = hf_fixtures.make_hf_model(hf_fixtures.hf_config("gpt2"), seed=124)
+    hf_fixtures.write_repo(model, out, "hub", "fp32")
+    return out
+
+
+@pytest.fixture(scope="session")
+def gpt2_ckpt(tmp_path_factory, gpt2_hf_repo):
+    from gpt2port.convert import convert
+
+    out = tmp_path_factory.mktemp("ckpt-full") / "gpt2"
+    convert(gpt2_hf_repo, out)
+    return out
