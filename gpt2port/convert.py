@@ -23,7 +23,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.keymap import FORMAT_TAG, HF_EMBEDDING, apply, expected_shapes, plan_hf_to_ours, source_shape, strip_prefix
 from gpt2port.safetensors_format import FLOAT_DTYPES
 from gpt2port.sources import Source, open_source
-from gpt2port.writer import StreamingSafetensorsWriter, copy_file, staged_directory, write_json
+from gpt2port.writer import copy_file, staged_directory, stream_safetensors, write_json
 
 HASH_CHUNK = 16 << 20
 
@@ -45,7 +45,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, p
 
     provenance: extra facts for the manifest (e.g. the Hub repo and commit a download came from).
     known_sha256: file name -> sha256 already established (a verified download), so it is not hashed again.
-    progress(done_bytes, total_bytes) is called after each tensor.
+    progress(done_bytes, total_bytes) is called after each tensor is written.
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -71,23 +71,22 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, p
         ordered = sorted(mappings, key=lambda m: (file_rank[source.tensors[m.source].file],
                                                   source.tensors[m.source].entry.offset
                                                   if source.tensors[m.source].entry else 0))
-        entries = [(m.target, out_dtype, shapes[m.target]) for m in ordered]
-        total = sum(source.tensors[m.source].dtype.itemsize * _numel(shapes[m.target]) for m in ordered)
         hasher = _SourceHasher(source.weight_files + source.side_files(), known_sha256 or {})
         warnings: list[str] = []
-        done = 0
+
+        def produce(m):
+            def read():
+                tensor = source.read(m.source)
+                if not bool(torch.isfinite(tensor).all()):
+                    warnings.append(f"{source.tensors[m.source].file}: tensor {m.source!r} contains NaN or Inf")
+                if head is not None and strip_prefix(m.source) == HF_EMBEDDING:
+                    _check_head_is_tied(source, head, tensor)
+                return apply(m.transform, tensor)
+            return read
+
+        items = [(m.target, out_dtype, shapes[m.target], produce(m)) for m in ordered]
         with staged_directory(out, force) as stage:
-            with StreamingSafetensorsWriter(stage / WEIGHTS, entries, dict(FORMAT_TAG)) as writer:
-                for m in ordered:
-                    tensor = source.read(m.source)
-                    if not bool(torch.isfinite(tensor).all()):
-                        warnings.append(f"{source.tensors[m.source].file}: tensor {m.source!r} contains NaN or Inf")
-                    if head is not None and strip_prefix(m.source) == HF_EMBEDDING:
-                        _check_head_is_tied(source, head, tensor)
-                    writer.write(m.target, apply(m.transform, tensor).to(out_dtype))
-                    done += tensor.nbytes
-                    if progress:
-                        progress(done, total)
+            stream_safetensors(stage / WEIGHTS, items, dict(FORMAT_TAG), progress)
             write_json(stage / CONFIG, config_json(config))
             for f in source.tokenizer_files():
                 copy_file(f, stage / f.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import shutil
 import signal
@@ -77,6 +78,19 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+def stream_safetensors(path: Path, items, metadata: dict[str, str], progress=None) -> None:
+    """Write `items` [(name, dtype, shape, produce)] to `path`, calling each produce() only when its turn comes,
+    so at most one tensor is in memory. progress(done_bytes, total_bytes) after each tensor."""
+    total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in items)
+    done = 0
+    with StreamingSafetensorsWriter(path, [(n, d, s) for n, d, s, _ in items], metadata) as writer:
+        for name, dtype, shape, produce in items:
+            writer.write(name, produce().to(dtype))
+            done += math.prod(shape) * dtype.itemsize
+            if progress:
+                progress(done, total)
 
 
 def check_written(path: Path, entries, metadata: dict[str, str]) -> None:
