@@ -1,0 +1,76 @@
+"""`gpt2port info`: what a converted checkpoint holds, with a parameter ledger counted from the file itself."""
+
+from __future__ import annotations
+
+import math
+
+from gpt2port.checkpoint import DTYPE_LABELS, WEIGHTS, check_weights, read_config, read_manifest, resolve
+
+# Ledger rows: (label, parameter-name suffixes within a block or at the top level). One table, read from the file.
+BLOCK_ROWS = [
+    ("ln1 (LayerNorm)", ("ln1.weight", "ln1.bias")),
+    ("attn qkv", ("attn.qkv.weight", "attn.qkv.bias")),
+    ("attn proj", ("attn.proj.weight", "attn.proj.bias")),
+    ("ln2 (LayerNorm)", ("ln2.weight", "ln2.bias")),
+    ("mlp fc", ("mlp.fc.weight", "mlp.fc.bias")),
+    ("mlp proj", ("mlp.proj.weight", "mlp.proj.bias")),
+]
+TOP_ROWS_BEFORE = [("token embedding (wte)", ("tok_emb.weight",)), ("position embedding (wpe)", ("pos_emb.weight",))]
+TOP_ROWS_AFTER = [("final LayerNorm", ("final_norm.weight", "final_norm.bias"))]
+
+
+def checkpoint_info(ckpt) -> dict:
+    ckpt_dir = resolve(ckpt)
+    config = read_config(ckpt_dir)
+    header = check_weights(ckpt_dir / WEIGHTS, config)
+    dtypes = sorted({DTYPE_LABELS.get(e.dtype, str(e.dtype)) for e in header.entries.values()})
+
+    ledger = parameter_ledger({name: e.shape for name, e in header.entries.items()}, config.n_layer)
+    return {
+        "path": str(ckpt_dir),
+        "config": config.to_dict(),
+        "dtype": "/".join(dtypes),
+        "file_bytes": header.file_size,
+        "total_params": sum(row["params"] for row in ledger),
+        "ledger": ledger,
+        "manifest": read_manifest(ckpt_dir),
+    }
+
+
+def parameter_ledger(shapes: dict[str, tuple[int, ...]], n_layer: int) -> list[dict]:
+    """Rows of (part, params) in the seed tutorials' style; the tied head counts 0 because it is wte itself."""
+    numel = {name: math.prod(shape) for name, shape in shapes.items()}
+    ledger = [{"part": label, "params": sum(numel[k] for k in keys)} for label, keys in TOP_ROWS_BEFORE]
+    per_block = [{"part": label, "params": sum(numel[f"blocks.0.{k}"] for k in keys)} for label, keys in BLOCK_ROWS]
+    block_total = sum(numel[f"blocks.{i}.{k}"] for i in range(n_layer) for _, keys in BLOCK_ROWS for k in keys)
+    ledger.append({"part": f"{n_layer} blocks", "params": block_total, "per_block": per_block,
+                   "per_block_total": sum(r["params"] for r in per_block)})
+    ledger += [{"part": label, "params": sum(numel[k] for k in keys)} for label, keys in TOP_ROWS_AFTER]
+    ledger.append({"part": "lm_head (tied to wte)", "params": 0})
+    return ledger
+
+
+def format_info(facts: dict) -> str:
+    c, m = facts["config"], facts["manifest"]
+    src = m.get("source", {})
+    lines = [
+        f"checkpoint  {facts['path']}",
+        f"model       {c['n_layer']} layers, {c['n_head']} heads, {c['n_embd']} wide, vocab {c['vocab_size']}, "
+        f"context {c['n_positions']}, {c['activation']}",
+        f"weights     {facts['dtype']}, {facts['file_bytes'] / 1e9:.3f} GB",
+    ]
+    if m:
+        origin = src.get("repo") and f"{src['repo']}@{src.get('commit', src.get('revision', '?'))}" or src.get("path")
+        lines.append(f"source      {origin} ({src.get('dtype', '?')}), converted {m.get('created', '?')} "
+                     f"by gpt2port {m.get('version', '?')}")
+        for f in src.get("files", []):
+            lines.append(f"            {f['name']}  {f['size']:,} bytes  sha256 {f['sha256']}")
+    lines += ["", f"{'parameters':<34}{'count':>16}"]
+    for row in facts["ledger"]:
+        lines.append(f"{row['part']:<34}{row['params']:>16,}")
+        if "per_block" in row:
+            for sub in row["per_block"]:
+                lines.append(f"  per block: {sub['part']:<21}{sub['params']:>16,}")
+            lines.append(f"  per block: {'total':<21}{row['per_block_total']:>16,}")
+    lines.append(f"{'total':<34}{facts['total_params']:>16,}")
+    return "\n".join(lines)
