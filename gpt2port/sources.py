@@ -60,13 +60,14 @@ class Source:
         """The small files that travel with the weights: index, config, tokenizer."""
         return ([self.index_file] if self.index_file else []) + ([self.config_path] if self.config_path else []) + self.tokenizer_files()
 
-    def read(self, key: str) -> torch.Tensor:
+    def read(self, key: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """One tensor. With `into` (a uint8 buffer), safetensors data lands there and the result is a view of it."""
         t = self.tensors[key]
         if self._pickled is not None:
             return self._pickled[key]
         if t.file not in self._handles:
             self._handles[t.file] = open(t.file, "rb")
-        return read_tensor(self._handles[t.file], t.entry)
+        return read_tensor(self._handles[t.file], t.entry, into)
 
     def dtype(self) -> torch.dtype:
         """The checkpoint's dtype: that of its token embedding (mask buffers are often fp32 in fp16 files)."""

@@ -34,20 +34,34 @@ class StreamingSafetensorsWriter:
         self.path = Path(path)
         self.entries = entries
         self.metadata = metadata
-        header, self._sizes = encode_header(entries, metadata)
+        header, sizes = encode_header(entries, metadata)
+        self._largest = max(sizes, default=0)
+        self._staging: torch.Tensor | None = None
         self._next = 0
         self._file = open(self.path, "xb")
         self._write(header)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected_name, dtype, shape = self.entries[self._next]
-        if name != expected_name or tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+        if name != expected_name or tuple(tensor.shape) != tuple(shape):
             raise GPT2PortError(f"{self.path}: internal error: got {name} {tensor.dtype} {tuple(tensor.shape)}, "
                                 f"declared {expected_name} {dtype} {tuple(shape)}")
         # Raw bytes, whatever the dtype (numpy has no bfloat16): reinterpret as uint8 without a copy.
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        data = self._layout(tensor.detach().cpu(), dtype).reshape(-1).view(torch.uint8).numpy()
         self._write(memoryview(data))
         self._next += 1
+
+    def _layout(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor as contiguous `dtype`: transpose and cast in one copy, into a staging buffer reused across
+        tensors (a fresh allocation per tensor costs page faults on every byte)."""
+        if tensor.dtype == dtype and tensor.is_contiguous():
+            return tensor
+        nbytes = tensor.numel() * dtype.itemsize
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(max(nbytes, self._largest), dtype=torch.uint8)
+        staged = self._staging[:nbytes].view(dtype).view(tensor.shape)
+        staged.copy_(tensor)
+        return staged
 
     def _write(self, data) -> None:
         try:
@@ -87,7 +101,7 @@ def stream_safetensors(path: Path, items, metadata: dict[str, str], progress=Non
     done = 0
     with StreamingSafetensorsWriter(path, [(n, d, s) for n, d, s, _ in items], metadata) as writer:
         for name, dtype, shape, produce in items:
-            writer.write(name, produce().to(dtype))
+            writer.write(name, produce())
             done += math.prod(shape) * dtype.itemsize
             if progress:
                 progress(done, total)

@@ -128,13 +128,13 @@ def write_random_hub_file(path: Path, size: str, dtype: str = "fp32", seed: int 
     tensors += [(f"h.{i}.{n}", s) for i in range(L) for n, s in per_layer]
     tensors += [("ln_f.weight", (C,)), ("ln_f.bias", (C,))]
     tdtype = DTYPES[dtype]
-    entries = [(n, torch.float32 if n.endswith("attn.bias") else tdtype, s) for n, s in tensors]
+    entries = [(n, torch.float32 if n.endswith(".attn.bias") else tdtype, s) for n, s in tensors]
     header, _ = encode_header(entries, {"format": "pt"})
     g = torch.Generator().manual_seed(seed)
     with open(path, "wb") as f:
         f.write(header)
         for name, dt, s in entries:
-            if name.endswith("attn.bias"):
+            if name.endswith(".attn.bias"):
                 t = torch.tril(torch.ones(P, P)).view(s)
             elif "ln_" in name and name.endswith("weight"):
                 t = 1.0 + 0.1 * torch.randn(s, generator=g)

@@ -1,0 +1,179 @@
+"""Benchmark: converting and loading a GPT-2 checkpoint, gpt2port against the nanoGPT-style baseline, side by side.
+
+Builds a random-weight checkpoint in the 2019 hub layout at --size (default gpt2-xl, 6.4 GB), warms the page cache,
+then measures in fresh processes, one after the other in the same run:
+  (a) gpt2port convert                           wall time, peak RSS
+  (b) nanoGPT-style: HF from_pretrained + own model + copy with transposes + safetensors save_file
+  (c) cp of the source file                      the floor: bytes moved through the page cache, nothing else
+  load: GPT.from_pretrained(converted) -> first logits  vs  HF GPT2LMHeadModel.from_pretrained -> first logits,
+        each in a fresh process, imports included
+Targets (issue 2): (a) wall <= 2.5x (c), peak RSS <= 1.5 GB; load <= 1.0x HF.
+
+    python scripts/bench_convert.py [--size gpt2-xl] [--workdir /tmp/gpt2port-bench] [--repeat 1] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+
+# --- steps, each run in its own process so its peak RSS is its own -------------------------------------------------
+
+def step_gpt2port(src: Path, out: Path) -> None:
+    from gpt2port.convert import convert
+
+    convert(src, out, force=True)
+
+
+def step_nanogpt(src: Path, out: Path) -> None:
+    """What nanoGPT's from_pretrained does (HF model and own model in memory at once), then save_file."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GPT2LMHeadModel
+
+    from gpt2port.config import GPTConfig
+    from gpt2port.keymap import plan_hf_to_ours
+    from gpt2port.model import GPT
+
+    hf = GPT2LMHeadModel.from_pretrained(src)
+    sd_hf = hf.state_dict()
+    config = GPTConfig.from_hf_config(hf.config.to_dict())
+    model = GPT(config)  # randomly initialised, as nanoGPT does, then overwritten
+    sd = model.state_dict()
+    mappings, _, _ = plan_hf_to_ours(list(sd_hf), config, str(src))
+    with torch.no_grad():
+        for m in mappings:
+            sd[m.target].copy_(sd_hf[m.source].t() if m.transform else sd_hf[m.source])
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"}, out / "model.safetensors")
+
+
+def step_cp(src: Path, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", str(src / "model.safetensors"), str(out / "model.safetensors")], check=True)
+
+
+def step_load_gpt2port(ckpt: Path, _out: Path) -> None:
+    import torch
+
+    from gpt2port import GPT
+
+    model = GPT.from_pretrained(ckpt)
+    with torch.inference_mode():
+        model(torch.tensor([[464, 3290, 373, 1043]]))
+
+
+def step_load_hf(src: Path, _out: Path) -> None:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(src).eval()
+    with torch.inference_mode():
+        model(torch.tensor([[464, 3290, 373, 1043]])).logits
+
+
+STEPS = {"gpt2port": step_gpt2port, "nanogpt": step_nanogpt, "cp": step_cp,
+         "load_gpt2port": step_load_gpt2port, "load_hf": step_load_hf}
+
+
+def run_step(name: str, src: Path, out: Path) -> dict:
+    """Run one step in a fresh interpreter; its wall time includes interpreter start and imports."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--step", name, str(src), str(out)],
+                          capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"step {name} failed:\n{proc.stderr[-3000:]}")
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"step": name, "wall_s": wall, **facts}
+
+
+def _child_main(name: str, src: str, out: str) -> None:
+    t0 = time.perf_counter()
+    STEPS[name](Path(src), Path(out))
+    inner = time.perf_counter() - t0
+    # ru_maxrss is KiB on Linux; for `cp` the peak is the cp child's.
+    self_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    child_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(json.dumps({"inner_s": inner, "peak_rss_gb": max(self_rss, child_rss) * 1024 / 1e9}))
+
+
+def warm(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="gpt2-xl")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/gpt2port-bench"))
+    ap.add_argument("--repeat", type=int, default=1, help="repeat the convert/cp trio, report the best of each")
+    ap.add_argument("--skip-baseline", action="store_true", help="skip the nanoGPT-style baseline (needs ~13 GB)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--step", nargs=3, metavar=("NAME", "SRC", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.step:
+        return _child_main(*args.step)
+
+    import hf_fixtures
+
+    work = args.workdir / args.size
+    src = work / "hf"
+    if not (src / "model.safetensors").exists():
+        print(f"building a random {args.size} checkpoint in the hub layout at {src} ...", file=sys.stderr)
+        src.mkdir(parents=True, exist_ok=True)
+        hf_fixtures.write_random_hub_file(src / "model.safetensors", args.size)
+    size_gb = (src / "model.safetensors").stat().st_size / 1e9
+    warm(src / "model.safetensors")
+
+    results: dict[str, dict] = {}
+    trio = ["cp", "gpt2port"] + ([] if args.skip_baseline else ["nanogpt"])
+    for _ in range(args.repeat):
+        for name in trio:
+            shutil.rmtree(work / f"out-{name}", ignore_errors=True)  # no step pays for deleting an old output
+            r = run_step(name, src, work / f"out-{name}")
+            if name not in results or r["wall_s"] < results[name]["wall_s"]:
+                results[name] = r
+    for name, ckpt in [("load_hf", src), ("load_gpt2port", work / "out-gpt2port")]:
+        warm(ckpt / "model.safetensors")
+        results[name] = run_step(name, ckpt, work)
+
+    cp = results["cp"]["wall_s"]
+    print(f"\n## convert {args.size} ({size_gb:.2f} GB source, page cache warm, {os.cpu_count()} cores)\n")
+    print("| step | wall (s) | x cp | peak RSS (GB) |")
+    print("|---|---:|---:|---:|")
+    for name in trio:
+        r = results[name]
+        print(f"| {name} | {r['wall_s']:.1f} | {r['wall_s'] / cp:.2f} | {r['peak_rss_gb']:.2f} |")
+    if "nanogpt" in results:
+        print(f"\ngpt2port vs nanoGPT-style: {results['nanogpt']['wall_s'] / results['gpt2port']['wall_s']:.1f}x "
+              f"faster, {results['nanogpt']['peak_rss_gb'] / results['gpt2port']['peak_rss_gb']:.1f}x less memory")
+    lg, lh = results["load_gpt2port"], results["load_hf"]
+    print(f"\n## load {args.size} to first logits (fresh process, imports included)\n")
+    print("| loader | wall (s) | peak RSS (GB) |")
+    print("|---|---:|---:|")
+    print(f"| HF GPT2LMHeadModel.from_pretrained | {lh['wall_s']:.1f} | {lh['peak_rss_gb']:.2f} |")
+    print(f"| gpt2port GPT.from_pretrained | {lg['wall_s']:.1f} | {lg['peak_rss_gb']:.2f} |")
+    print(f"\ngpt2port load = {lg['wall_s'] / lh['wall_s']:.2f}x HF's time")
+    print(f"\ntargets: convert {results['gpt2port']['wall_s'] / cp:.2f}x cp (<= 2.5), "
+          f"peak RSS {results['gpt2port']['peak_rss_gb']:.2f} GB (<= 1.5), load {lg['wall_s'] / lh['wall_s']:.2f}x HF (<= 1.0)")
+    print(json.dumps(results), file=sys.stderr)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Generation speed of gpt2port vs Hugging Face transformers, side by side in one process, same threads.
+
+For each size: a random-weight hub-layout checkpoint is written (hf_fixtures.write_random_hub_file), converted with
+gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the same files. Then:
+
+  decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill;
+           gpt2port fp32 and bf16, HF fp32; the runs alternate (ours, HF, ours, HF, ...) and the best is kept,
+           so both see the same machine load.
+  floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
+           once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
+           fp32 matrix-vector product (the operation a decode step is made of).
+  prefill  one forward over 1024 tokens, all logits, gpt2port vs HF (fp32), best of --repeats.
+
+Usage: python scripts/bench_generate.py [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_fixtures  # noqa: E402
+
+from gpt2port import GPT  # noqa: E402
+from gpt2port.convert import convert  # noqa: E402
+from gpt2port.generate import steps  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
+
+
+def matvec_bandwidth(repeats: int = 20) -> float:
+    """Bytes/s streamed by F.linear of one row against a 256 MB fp32 weight (far larger than any cache)."""
+    w = torch.randn(8192, 8192)
+    x = torch.randn(1, 8192)
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)
+        best = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(repeats))
+    return w.numel() * w.element_size() / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes_per_token(model: GPT) -> int:
+    """Every parameter is read once per decode step, except the position table, of which one row is."""
+    c = model.config
+    elem = model.tok_emb.weight.element_size()
+    return (model.num_params() - (c.n_positions - 1) * c.n_embd) * elem
+
+
+def ours_decode(model: GPT, prompt: torch.Tensor) -> tuple[float, list[int]]:
+    tokens = []
+    t = time.perf_counter()
+    for step in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None):
+        tokens.append(int(step[0]))
+    return NEW_TOKENS / (time.perf_counter() - t), tokens
+
+
+def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        seconds = time.perf_counter() - t
+    return NEW_TOKENS / seconds, out[0, prompt.size(1):].tolist()
+
+
+def prefill_seconds(fn, idx: torch.Tensor, repeats: int) -> float:
+    with torch.inference_mode():
+        fn(idx)  # warm-up
+        return min(_timed(lambda: fn(idx)) for _ in range(repeats))
+
+
+def prepare(size: str, root: Path) -> tuple[Path, Path]:
+    hf_dir, ckpt = root / f"{size}-hf", root / f"{size}-gpt2port"
+    if not (hf_dir / "model.safetensors").is_file():
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[{size}] writing random hub-layout weights to {hf_dir}", file=sys.stderr)
+        hf_fixtures.write_random_hub_file(hf_dir / "model.safetensors", size, "fp32", seed=0)
+    if not (ckpt / "model.safetensors").is_file():
+        print(f"[{size}] converting to {ckpt}", file=sys.stderr)
+        convert(hf_dir, ckpt, force=True)
+    return hf_dir, ckpt
+
+
+def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
+    from transformers import GPT2LMHeadModel
+
+    hf_dir, ckpt = prepare(size, root)
+    ours = GPT.from_pretrained(ckpt)
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 50257, (1, PROMPT_LEN), generator=g)
+    long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g)
+
+    print(f"[{size}] warm-up", file=sys.stderr)
+    ours_decode(ours, prompt[:, :4])
+    hf_decode(hf, prompt[:, :4])
+    rates = {"gpt2port fp32": [], "HF fp32": []}
+    for r in range(repeats):
+        rate, ours_tokens = ours_decode(ours, prompt)
+        rates["gpt2port fp32"].append(rate)
+        rate, hf_tokens = hf_decode(hf, prompt)
+        rates["HF fp32"].append(rate)
+        print(f"[{size}] decode run {r + 1}: ours {rates['gpt2port fp32'][-1]:.2f}, HF {rate:.2f} tokens/s",
+              file=sys.stderr)
+    same = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
+
+    print(f"[{size}] prefill {PREFILL_LEN}", file=sys.stderr)
+    prefill = {"gpt2port fp32": prefill_seconds(ours, long, repeats),
+               "HF fp32": prefill_seconds(lambda i: hf(i).logits, long, repeats)}
+    fp32_bytes = weight_bytes_per_token(ours)
+    del hf
+    gc.collect()
+
+    bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16)
+    ours_decode(bf16, prompt[:, :4])
+    rates["gpt2port bf16"] = [ours_decode(bf16, prompt)[0] for _ in range(repeats)]
+    bf16_bytes = weight_bytes_per_token(bf16)
+    del bf16, ours
+    gc.collect()
+
+    best = {k: max(v) for k, v in rates.items()}
+    bytes_per_token = {"gpt2port fp32": fp32_bytes, "HF fp32": fp32_bytes, "gpt2port bf16": bf16_bytes}
+    return {
+        "size": size,
+        "tokens_per_s": best,
+        "all_runs": rates,
+        "speedup_vs_hf_fp32": best["gpt2port fp32"] / best["HF fp32"],
+        "speedup_bf16_vs_hf_fp32": best["gpt2port bf16"] / best["HF fp32"],
+        "floor_tokens_per_s": {k: bandwidth / b for k, b in bytes_per_token.items()},
+        "fraction_of_floor": {k: best[k] / (bandwidth / bytes_per_token[k]) for k in best},
+        "greedy_tokens_equal_to_hf": f"{same}/{NEW_TOKENS}",
+        "prefill_seconds": prefill,
+        "prefill_speedup_vs_hf": prefill["HF fp32"] / prefill["gpt2port fp32"],
+    }
+
+
+def report(result: dict) -> str:
+    lines = [f"== {result['size']} ==  greedy, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens"]
+    for k, rate in result["tokens_per_s"].items():
+        lines.append(f"  {k:14s} {rate:7.2f} tokens/s   {result['fraction_of_floor'][k]:5.1%} of the bandwidth "
+                     f"floor ({result['floor_tokens_per_s'][k]:.1f} tokens/s)")
+    lines.append(f"  gpt2port fp32 / HF fp32: {result['speedup_vs_hf_fp32']:.2f}x   "
+                 f"gpt2port bf16 / HF fp32: {result['speedup_bf16_vs_hf_fp32']:.2f}x   "
+                 f"(greedy tokens equal to HF: {result['greedy_tokens_equal_to_hf']})")
+    p = result["prefill_seconds"]
+    lines.append(f"  prefill {PREFILL_LEN} tokens: gpt2port {p['gpt2port fp32']:.3f} s, HF {p['HF fp32']:.3f} s "
+                 f"-> {result['prefill_speedup_vs_hf']:.2f}x")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="gpt2", help="comma-separated: gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the random checkpoints here for reuse")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    torch.set_num_threads(args.threads)
+
+    bandwidth = matvec_bandwidth()
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32 matvec bandwidth {bandwidth / 1e9:.1f} GB/s")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
+        root = args.workdir or Path(tmp)
+        for size in args.sizes.split(","):
+            results.append(bench_size(size.strip(), root, args.repeats, bandwidth))
+            print(report(results[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"threads": args.threads, "bandwidth_bytes_per_s": bandwidth,
+                                         "torch": torch.__version__, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
