@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ class StreamingSafetensorsWriter:
         self._staging: torch.Tensor | None = None
         self._next = 0
         self._file = open(self.path, "xb")
+        self._flusher = _BackgroundFlusher(self._file.fileno())
         self._write(header)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -66,6 +68,7 @@ class StreamingSafetensorsWriter:
     def _write(self, data) -> None:
         try:
             self._file.write(data)
+            self._flusher.wrote(len(data))
         except OSError as e:
             raise GPT2PortError(f"{self.path}: write failed: {_os_reason(e)}") from None
 
@@ -74,6 +77,7 @@ class StreamingSafetensorsWriter:
             raise GPT2PortError(f"{self.path}: internal error: {len(self.entries) - self._next} tensors never written")
         try:
             self._file.flush()
+            self._flusher.finish()
             os.fsync(self._file.fileno())
         except OSError as e:
             raise GPT2PortError(f"{self.path}: write failed: {_os_reason(e)}") from None
@@ -82,6 +86,10 @@ class StreamingSafetensorsWriter:
         check_written(self.path, self.entries, self.metadata)
 
     def abort(self) -> None:
+        try:
+            self._flusher.finish()
+        except OSError:
+            pass  # already failing; the file is about to be deleted
         self._file.close()
 
     def __enter__(self):
@@ -92,6 +100,51 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+class _BackgroundFlusher:
+    """fdatasync on a second thread every FLUSH_EVERY bytes, so the disk writes while we convert and the final
+    fsync has little left to wait for. Errors surface at finish()."""
+
+    FLUSH_EVERY = 256 << 20
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._pending = 0
+        self._wake = threading.Event()
+        self._done = False
+        self._error: OSError | None = None
+        self._thread: threading.Thread | None = None
+
+    def wrote(self, n: int) -> None:
+        self._pending += n
+        if self._pending >= self.FLUSH_EVERY:
+            self._pending = 0
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True)
+                self._thread.start()
+            self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._done:
+                return
+            try:
+                os.fdatasync(self._fd)
+            except OSError as e:
+                self._error = e
+                return
+
+    def finish(self) -> None:
+        if self._thread is not None:
+            self._done = True
+            self._wake.set()
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
 
 
 def stream_safetensors(path: Path, items, metadata: dict[str, str], progress=None) -> None:
