@@ -88,9 +88,15 @@ class Source:
         self.close()
 
     def _config(self) -> GPTConfig:
-        if self.hf_config is not None:
-            return GPTConfig.from_hf_config(self.hf_config, str(self.config_path))
-        return infer_config({strip_prefix(k): t.shape for k, t in self.tensors.items()}, self.path)
+        shapes = {strip_prefix(k): t.shape for k, t in self.tensors.items()}
+        if self.hf_config is None:
+            return infer_config(shapes, self.path)
+        _check_config_values(self.hf_config, self.config_path)
+        config = GPTConfig.from_hf_config(self.hf_config, str(self.config_path))
+        # Before anything sizes itself by the config: a config.json copied from another size (or a hostile one
+        # saying 10**12 layers) must fail here in words, not later as 300 "missing keys" or an out-of-memory.
+        check_config_matches_weights(config, shapes, self.config_path)
+        return config
 
 
 def open_source(path: str | Path) -> Source:
@@ -178,6 +184,60 @@ def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
 
 
 _LAYER = re.compile(r"^h\.(\d+)\.")
+_CONFIG_SIZES = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "n_ctx", "n_inner")
+_CONFIG_NULLABLE = ("n_positions", "n_ctx", "n_inner")  # null means "the default"
+
+
+def _check_config_values(hf: dict, path: Path) -> None:
+    """Sizes in config.json must be positive integers (a hand-edited file may say "twelve", 0 or -1)."""
+    for key in _CONFIG_SIZES:
+        if key not in hf or (hf[key] is None and key in _CONFIG_NULLABLE):
+            continue  # absent: from_hf_config names a missing required field, or a default applies
+        value = hf[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GPT2PortError(f"{path}: {key} must be a positive integer, got {value!r}")
+
+
+def layers_held(shapes: dict[str, tuple[int, ...]], where) -> int | None:
+    """How many transformer blocks the tensors hold (h.0 ... h.N-1), or None if they hold no blocks at all."""
+    seen = {int(m.group(1)) for k in shapes if (m := _LAYER.match(k))}
+    if not seen:
+        return None
+    n = max(seen) + 1
+    if len(seen) != n:
+        gap = min(set(range(n)) - seen)
+        raise GPT2PortError(f"{where}: the weights hold layers up to h.{n - 1} but nothing for h.{gap}")
+    return n
+
+
+def check_config_matches_weights(config: GPTConfig, shapes: dict[str, tuple[int, ...]], config_path: Path) -> None:
+    """config.json and the tensors must describe the same model; name every number that disagrees."""
+    held = {"n_layer": layers_held(shapes, config_path.parent)}
+    wte, wpe, fc = shapes.get("wte.weight"), shapes.get("wpe.weight"), shapes.get("h.0.mlp.c_fc.weight")
+    if wte is not None and len(wte) == 2:
+        held["vocab_size"], held["n_embd"] = wte
+    if wpe is not None and len(wpe) == 2:
+        held["n_positions"] = wpe[0]
+    if fc is not None and len(fc) == 2:
+        held["mlp_width"] = fc[1]
+    said = {"n_layer": config.n_layer, "n_embd": config.n_embd, "vocab_size": config.vocab_size,
+            "n_positions": config.n_positions, "mlp_width": config.mlp_width}
+    differ = [k for k, v in held.items() if v is not None and v != said[k]]
+    if not differ:
+        return
+    words = {"n_layer": "{} layers", "n_embd": "width {}", "vocab_size": "vocab_size {}",
+             "n_positions": "n_positions {}", "mlp_width": "MLP width {}"}
+
+    def describe(facts: dict) -> str:
+        text = ", ".join(words[k].format(facts[k]) for k in differ)
+        size = _preset_name(facts.get("n_layer"), facts.get("n_embd"))
+        return text + (f" ({size})" if size else "")
+
+    raise GPT2PortError(f"{config_path} says {describe(said)}; the weights hold {describe(held)}")
+
+
+def _preset_name(n_layer, n_embd) -> str | None:
+    return next((name for name, p in PRESETS.items() if p["n_layer"] == n_layer and p["n_embd"] == n_embd), None)
 
 
 def infer_config(shapes: dict[str, tuple[int, ...]], where: Path) -> GPTConfig:
