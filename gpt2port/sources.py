@@ -7,7 +7,10 @@ opened for reading.
 
 from __future__ import annotations
 
+import os
+import pickle
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,9 +107,10 @@ def open_source(path: str | Path) -> Source:
     if not path.exists():
         raise GPT2PortError(f"{path}: no such file or directory")
     if path.is_dir():
-        weights = next((path / n for n in WEIGHT_FILES if (path / n).is_file()), None)
+        weights = next((path / n for n in WEIGHT_FILES if os.path.lexists(path / n)), None)
         if weights is None:
             raise GPT2PortError(f"{path}: no GPT-2 weights found (looked for {', '.join(WEIGHT_FILES)})")
+        _check_regular_file(weights)
     else:
         weights = path
     config_path = weights.parent / "config.json"
@@ -129,6 +133,14 @@ def open_source(path: str | Path) -> Source:
                   weights if name.endswith(".index.json") else None)
 
 
+def _check_regular_file(file: Path) -> None:
+    # An HF cache snapshot is symlinks into blobs/: a deleted blob leaves a dangling link, worth naming as such.
+    if file.is_symlink() and not file.exists():
+        raise GPT2PortError(f"{file}: is a broken symbolic link (its target {os.readlink(file)} is missing)")
+    if not file.is_file():
+        raise GPT2PortError(f"{file}: is a directory or special file, expected a weights file")
+
+
 def _safetensors_tensors(file: Path) -> dict[str, SourceTensor]:
     header = read_header(file)
     return {k: SourceTensor(k, e.dtype, e.shape, file, e) for k, e in header.entries.items()}
@@ -139,6 +151,12 @@ def _open_sharded(index_path: Path):
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise GPT2PortError(f"{index_path}: no weight_map")
+    for key, shard in weight_map.items():
+        # Shards live beside the index: a name with a path in it could make us read (and hash into the manifest)
+        # any file on the disk.
+        if not isinstance(shard, str) or shard in ("", ".", "..") or "/" in shard or "\\" in shard:
+            raise GPT2PortError(f"{index_path}: key {key!r} is placed in {shard!r}, which is not a file name "
+                                f"beside the index")
     shard_names = sorted(set(weight_map.values()))
     files = [index_path.parent / s for s in shard_names]
     for f in files:
@@ -169,15 +187,24 @@ def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
         if f.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX:
             raise GPT2PortError(f"{file}: is a Git LFS pointer file, not the weights (fetch the real file)")
     try:
-        try:
-            sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):  # legacy (pre-zip) format cannot be mapped; load it normally
-                raise
-            sd = torch.load(file, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols on stderr; the error says it all
+            warnings.simplefilter("ignore")
+            try:
+                sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):  # legacy (pre-zip) format cannot be mapped; load it normally
+                    raise
+                sd = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's own message invites the user to retry with weights_only=False: exactly what must not be done
+        # with a file that asks for arbitrary globals. Keep only the refused instruction.
+        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not an allowed global|\n|$)", str(e))
+        detail = found.group(1).strip() if found else "not plain tensors"
+        raise GPT2PortError(f"{file}: refused: not plain tensors ({detail}); gpt2port loads .bin files with "
+                            f"torch.load(weights_only=True), which never runs code from a pickle") from None
     except Exception as e:  # noqa: BLE001 - torch raises many types for bad pickles; all mean "unreadable"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise GPT2PortError(f"{file}: cannot be loaded safely as weights ({first})") from None
+        raise GPT2PortError(f"{file}: cannot be loaded as weights ({first})") from None
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
         raise GPT2PortError(f"{file}: is not a flat state dict of tensors")
     return sd
