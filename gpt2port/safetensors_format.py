@@ -101,7 +101,7 @@ def read_header(path: Path) -> Header:
 def _entry(path: Path, name: str, info, data_start: int) -> TensorEntry:
     if not isinstance(info, dict):
         raise GPT2PortError(f"{path}: header entry {name!r} is not an object")
-    dtype = DTYPES.get(info.get("dtype"))
+    dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None  # a list is unhashable
     if dtype is None:
         raise GPT2PortError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
