@@ -220,6 +220,10 @@ class FakeHub:
         with self._lock:
             return [e["file"] for e in self.log if e["method"] == "GET" and e["file"] and e["status"] in (200, 206)]
 
+    def entries(self) -> list[dict]:
+        with self._lock:
+            return [dict(e) for e in self.log]
+
     def requested_files(self) -> set[str]:
         """Every file path that was asked about at all (HEAD or GET)."""
         with self._lock:
@@ -280,9 +284,11 @@ def _handler_for(hub: FakeHub):
             split = urlsplit(self.path)
             # Split before unquoting: a revision like refs%2Fpr%2F1 is one path segment.
             segs = [unquote(s) for s in split.path.split("/")[1:]]
+            # Logged as it starts (status filled in when known), so a test can see a transfer in progress.
             self._entry = {"method": method, "path": split.path, "query": split.query,
                            "range": self.headers.get("Range"), "auth": self.headers.get("Authorization") is not None,
-                           "kind": None, "file": None, "status": None}
+                           "kind": None, "file": None, "status": None, "done": False}
+            hub._record(self._entry)
             try:
                 self._route(method, segs, parse_qs(split.query))
             except HubError as e:
@@ -290,7 +296,7 @@ def _handler_for(hub: FakeHub):
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True
             finally:
-                hub._record(self._entry)
+                self._entry["done"] = True
 
         def _route(self, method, segs, query):
             if segs[:1] == ["_fake"]:
@@ -301,6 +307,10 @@ def _handler_for(hub: FakeHub):
                 commit, rev_dir = hub.store.resolve(repo_id, segs[3])
                 f = hub.store.file(rev_dir, "/".join(segs[4:]), commit)
                 return self._send_file(method, f, commit, cdn=True)
+            if segs == ["api", "agent-harnesses"] and method == "GET":
+                # huggingface_hub >= 2 fetches this registry once a day (best effort); an empty one detects nothing.
+                self._entry["kind"] = "api"
+                return self._json({"standardEnvVars": [], "harnesses": {}}, None)
             if segs[:2] == ["api", "models"] and len(segs) >= 4:
                 self._entry["kind"] = "api"
                 self._check_auth()
@@ -495,7 +505,7 @@ def _handler_for(hub: FakeHub):
             self._entry["kind"] = "control"
             if segs == ["log"] and method == "GET":
                 with hub._lock:
-                    log = list(hub.log)
+                    log = [dict(e) for e in hub.log]
                 return self._json(log, None)
             if segs == ["faults"] and method == "POST":
                 length = int(self.headers.get("Content-Length") or 0)
