@@ -19,26 +19,47 @@ EXIT_INTERRUPTED = 130
 
 
 def _handle_errors(fn):
-    """Turn GPT2PortError / OSError / Ctrl-C into one line and an exit code (tracebacks only with --debug)."""
+    """Turn every failure into one line on stderr and an exit code (tracebacks only with --debug).
+
+    GPT2PortError and OSError are expected failures; anything else is a bug, but the user still gets one line
+    (saying so) rather than a traceback. click's own exceptions pass through: click reports those itself.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         debug = click.get_current_context().find_root().params.get("debug", False)
         try:
             return fn(*args, **kwargs)
+        except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
+            raise
         except (GPT2PortError, OSError) as e:
             if debug:
                 raise
-            msg = str(e) if isinstance(e, GPT2PortError) else f"{getattr(e, 'filename', '') or ''}: {e.strerror or e}"
-            click.echo(f"error: {msg}", err=True)
+            click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(EXIT_FAILURE)
         except KeyboardInterrupt:
             if debug:
                 raise
             click.echo("error: interrupted; nothing was left under the output name", err=True)
             sys.exit(EXIT_INTERRUPTED)
+        except Exception as e:  # noqa: BLE001 - the last line of defence of the one-line promise
+            if debug:
+                raise
+            click.echo(f"error: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
+                       f"traceback, and please report it)", err=True)
+            sys.exit(EXIT_FAILURE)
 
     return wrapper
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and not isinstance(e, GPT2PortError):
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
+        reason = e.strerror or str(e)
+        return f"{where}: {reason}" if where else reason
+    # A message that spans lines (torch's do) is folded onto one; spaces inside a line (a path's) stay as they are.
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text or type(e).__name__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -108,35 +129,6 @@ def _dtype_label(dtype) -> str:
 
 
 # --- download: owned by the download issue -------------------------------------------------------------------------
-@main.command()
-@click.argument("name")
-@click.option("--revision", default=None, help="Branch, tag or commit hash on the Hub (default: main).")
-@click.option("--out", type=click.Path(path_type=str), default=None,
-              help="Output checkpoint directory (default: ./checkpoints/NAME, or $GPT2PORT_CHECKPOINTS/NAME).")
-@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Output dtype (default: the weights' own).")
-@click.option("--verify", "run_verify", is_flag=True, help="Run `gpt2port verify` on the result before finishing.")
-@click.option("--force", is_flag=True, help="Replace an existing checkpoint at the output directory.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars and a one-line summary.")
-@_handle_errors
-def download(name, revision, out, dtype, run_verify, force, quiet):
-    """Download NAME from the Hugging Face Hub, check every file's hash, and convert it.
-
-    NAME: gpt2, gpt2-medium, gpt2-large, gpt2-xl, an alias (124M, 355M, 774M, 1.5B, ...), or any Hub repo id of a
-    GPT-2 model (e.g. distilbert/distilgpt2). Files go through the Hugging Face cache (HF_HOME, HF_HUB_CACHE),
-    so a second download transfers nothing; HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE=1 work as usual.
-    """
-    from gpt2port.hub import download as run_download, format_summary
-
-    log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
-    result = run_download(name, revision=revision, out=out, dtype=dtype, force=force, verify=run_verify,
-                          quiet=quiet, log=log)
-    if quiet:
-        state = "up to date" if result.up_to_date else "written"
-        click.echo(f"{result.out} {state} ({result.repo}@{result.commit[:12]})")
-    else:
-        click.echo(format_summary(result))
-
-
 # --- verify: owned by the verify issue -------------------------------------------------------------------------------
 # --- generate: owned by the generation issue ------------------------------------------------------------------------
 
