@@ -129,6 +129,35 @@ def _dtype_label(dtype) -> str:
 
 
 # --- download: owned by the download issue -------------------------------------------------------------------------
+@main.command()
+@click.argument("name")
+@click.option("--revision", default=None, help="Branch, tag or commit hash on the Hub (default: main).")
+@click.option("--out", type=click.Path(path_type=str), default=None,
+              help="Output checkpoint directory (default: ./checkpoints/NAME, or $GPT2PORT_CHECKPOINTS/NAME).")
+@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Output dtype (default: the weights' own).")
+@click.option("--verify", "run_verify", is_flag=True, help="Run `gpt2port verify` on the result before finishing.")
+@click.option("--force", is_flag=True, help="Replace an existing checkpoint at the output directory.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars and a one-line summary.")
+@_handle_errors
+def download(name, revision, out, dtype, run_verify, force, quiet):
+    """Download NAME from the Hugging Face Hub, check every file's hash, and convert it.
+
+    NAME: gpt2, gpt2-medium, gpt2-large, gpt2-xl, an alias (124M, 355M, 774M, 1.5B, ...), or any Hub repo id of a
+    GPT-2 model (e.g. distilbert/distilgpt2). Files go through the Hugging Face cache (HF_HOME, HF_HUB_CACHE),
+    so a second download transfers nothing; HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE=1 work as usual.
+    """
+    from gpt2port.hub import download as run_download, format_summary
+
+    log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
+    result = run_download(name, revision=revision, out=out, dtype=dtype, force=force, verify=run_verify,
+                          quiet=quiet, log=log)
+    if quiet:
+        state = "up to date" if result.up_to_date else "written"
+        click.echo(f"{result.out} {state} ({result.repo}@{result.commit[:12]})")
+    else:
+        click.echo(format_summary(result))
+
+
 # --- verify: owned by the verify issue -------------------------------------------------------------------------------
 # --- generate: owned by the generation issue ------------------------------------------------------------------------
 
