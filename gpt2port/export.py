@@ -34,8 +34,10 @@ class ExportResult:
 def export(ckpt, out, to: str = "gpt2port", dtype=None, force: bool = False, progress=None) -> ExportResult:
     ckpt_dir = resolve(ckpt)
     out = Path(out)
-    if out.resolve() == ckpt_dir.resolve() or ckpt_dir.resolve() in out.resolve().parents:
-        raise GPT2PortError(f"{out}: output must not be the checkpoint itself or inside it ({ckpt_dir})")
+    out_abs, ckpt_abs = out.resolve(), ckpt_dir.resolve()
+    # Around it counts too: `--out checkpoints --force` would replace the directory holding the checkpoint.
+    if out_abs == ckpt_abs or ckpt_abs in out_abs.parents or out_abs in ckpt_abs.parents:
+        raise GPT2PortError(f"{out}: output must not be the checkpoint itself, inside it or around it ({ckpt_dir})")
     config = read_config(ckpt_dir)
     header = check_weights(ckpt_dir / WEIGHTS, config)
     out_dtype = parse_dtype(dtype) or header.entries["tok_emb.weight"].dtype
