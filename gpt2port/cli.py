@@ -160,6 +160,62 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
 
 # --- verify: owned by the verify issue -------------------------------------------------------------------------------
 # --- generate: owned by the generation issue ------------------------------------------------------------------------
+@main.command()
+@click.argument("ckpt")
+@click.argument("prompt")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=0), default=100, show_default=True,
+              help="Stop after this many new tokens (or at <|endoftext|>).")
+@click.option("--temperature", "-t", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Sampling temperature; 0 is greedy (argmax).")
+@click.option("--top-k", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Sample only among the k most likely tokens; 0 turns it off.")
+@click.option("--top-p", type=click.FloatRange(0, 1), default=None,
+              help="Sample only among the most likely tokens whose probability reaches p (nucleus sampling).")
+@click.option("--seed", type=int, default=None, help="Make sampling reproducible (sample i uses seed + i).")
+@click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Independent continuations of the prompt, one after the other.")
+@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Compute dtype (default: the checkpoint's).")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
+@_handle_errors
+def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device):
+    """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin.
+
+    The prompt is echoed, then each sample's continuation; a tokens/s summary goes to stderr. The model sees at most
+    its context (1024 tokens): a longer prompt keeps its end, and a longer generation slides its window.
+    """
+    import time
+
+    import torch
+
+    from gpt2port import GPT, load_tokenizer
+    from gpt2port.generate import stream
+    from gpt2port.tokenizer import StreamDecoder
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
+    tokenizer = load_tokenizer(ckpt)
+    model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
+    ids = tokenizer.encode(prompt, allowed_special="all")  # a typed <|endoftext|> is the document separator
+    if len(ids) > model.config.n_positions:
+        click.echo(f"note: the prompt has {len(ids)} tokens; the model sees the last {model.config.n_positions}",
+                   err=True)
+    produced, start = 0, time.perf_counter()
+    for i in range(num_samples):
+        if i:
+            click.echo("-" * 40)
+        click.echo(prompt, nl=False)
+        text = StreamDecoder(tokenizer)
+        for token in stream(model, ids, max_new_tokens, temperature, top_k, top_p,
+                            None if seed is None else seed + i):
+            produced += 1
+            click.echo(text.push([token]), nl=False)
+        click.echo(text.flush())
+    seconds = time.perf_counter() - start
+    click.echo(f"{produced} tokens in {seconds:.2f} s: {produced / max(seconds, 1e-9):.1f} tokens/s "
+               f"({_dtype_label(model.tok_emb.weight.dtype)}, {device})", err=True)
 
 
 if __name__ == "__main__":

@@ -31,14 +31,26 @@ _ACTIVATIONS = {
 
 
 class KVCache:
-    """Keys and values of every layer for positions [0, length), preallocated up to max_len positions."""
+    """Keys and values of every layer for positions [0, length), preallocated up to max_len positions.
 
-    def __init__(self, config: GPTConfig, batch_size: int, max_len: int | None = None, dtype=None, device=None):
+    pad (B,) int64, optional: how many positions at the start of each row are left padding, for a batch of prompts
+    of different lengths. Padded positions are hidden from every real query, and a row's position embeddings count
+    from its first real token, so each row computes what it would alone (GPT-2's positions are absolute, learned).
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int | None = None, dtype=None, device=None,
+                 pad: torch.Tensor | None = None):
         self.max_len = max_len or config.n_positions
         shape = (config.n_layer, batch_size, config.n_head, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.reset(pad)
+
+    def reset(self, pad: torch.Tensor | None = None) -> None:
+        """Empty the cache (keeping its memory) for a new batch of rows, padded as `pad` says."""
         self.length = 0
+        self.pad = None if pad is None or not bool(pad.any()) else pad.to(device=self.k.device, dtype=torch.long)
+        self._mask, self._mask_for = None, None  # the mask for (length, T): every layer of one step shares it
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v (B, H, T, D) for `layer`; return all keys and values so far."""
@@ -46,6 +58,23 @@ class KVCache:
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def attn_mask(self, T: int, device) -> tuple[torch.Tensor | None, bool]:
+        """(mask, is_causal) for SDPA when T new queries follow `length` cached positions; mask True = may attend."""
+        past = self.length
+        if self.pad is None:
+            if past == 0 or T == 1:  # plain causal prefill, or one query that may see everything: no mask at all
+                return None, T > 1
+        if self._mask_for != (past, T):
+            q = torch.arange(past, past + T, device=device).view(T, 1)
+            k = torch.arange(past + T, device=device).view(1, past + T)
+            mask = k <= q
+            if self.pad is not None:
+                # Hide padding from real queries. A padding query still sees itself, so no row of scores is all
+                # masked: that would make NaNs which, multiplied by a zero weight later, would still be NaN.
+                mask = mask & ((k >= self.pad.view(-1, 1, 1, 1)) | (k == q))
+            self._mask, self._mask_for = mask, (past, T)
+        return self._mask, False
 
 
 class CausalSelfAttention(nn.Module):
@@ -63,15 +92,10 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k, v = cache.append(layer, k, v)
         mask, is_causal = None, T > 1
-        if past and T > 1:
-            # New queries see every cached position plus the causal part of their own chunk.
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            is_causal = False
+        if cache is not None:
+            mask, is_causal = cache.attn_mask(T, x.device)
+            k, v = cache.append(layer, k, v)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
@@ -136,13 +160,15 @@ class GPT(nn.Module):
         """Parameters counted once each: the tied head adds nothing to the token embedding."""
         return sum(p.numel() for p in self.parameters())
 
-    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start_pos: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor:
         T = idx.size(1)
         if start_pos + T > self.config.n_positions:
             raise ValueError(
                 f"sequence of {start_pos + T} tokens exceeds the model's context of {self.config.n_positions}"
             )
         pos = torch.arange(start_pos, start_pos + T, device=idx.device)
+        if pad is not None:  # left-padded rows count positions from their first real token (padding gets 0)
+            pos = (pos.view(1, T) - pad.view(-1, 1)).clamp(min=0)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -152,15 +178,14 @@ class GPT(nn.Module):
         With a cache, idx holds only the new tokens; their positions continue from cache.length.
         last_only computes logits for the final position only (all generation needs).
         """
-        x = self.embed(idx, cache.length if cache is not None else 0)
+        x = self.embed(idx, cache.length, cache.pad) if cache is not None else self.embed(idx)
         for i, block in enumerate(self.blocks):
             x = block(x, cache, i)
         if cache is not None:
             cache.length += idx.size(1)
-        x = self.final_norm(x)
         if last_only:
             x = x[:, -1:, :]
-        logits = self.lm_head(x)
+        logits = self.lm_head(self.final_norm(x))
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)

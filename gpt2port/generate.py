@@ -1,0 +1,161 @@
+"""Sampling from a GPT over its KV cache: the prompt is run once (prefill), then each step feeds only the newest token.
+
+    from gpt2port import GPT, load_tokenizer
+    from gpt2port.generate import generate, stream
+    model, tok = GPT.from_pretrained("checkpoints/gpt2"), load_tokenizer("checkpoints/gpt2")
+    for t in stream(model, tok.encode("The dog"), max_new_tokens=50, temperature=0.8, top_k=200, seed=0): ...
+    rows = generate(model, [tok.encode("The dog"), tok.encode("Once upon a time")], max_new_tokens=20, temperature=0)
+
+Choices, each a question a user would ask:
+- temperature 0 is greedy decoding (argmax), never a division by zero. top_k is clamped to the vocabulary;
+  top_p keeps the smallest set of most likely tokens whose probability reaches p (always at least one token).
+- A seed makes sampling reproducible on a given device: it seeds a private torch.Generator, so it neither reads
+  nor disturbs torch's global random state.
+- Generation stops at <|endoftext|> (not returned) or after max_new_tokens; a batch runs until every row stopped.
+- Batches of prompts of different lengths are left-padded. GPT-2's position embeddings are absolute, so each row's
+  positions count from its own first token and its padding is hidden from attention: every row gets the tokens it
+  would get alone (what HF does with an attention_mask).
+- Context beyond n_positions (1024) slides: the model sees at most the newest n_positions tokens (a longer prompt
+  is cut to them), and when a row fills the context its newest `keep` tokens (default n_positions // 2) are
+  prefilled again and decoding continues from there: one long prefill every n_positions - keep tokens instead of
+  one per token. keep=n_positions re-runs the full window every step (nanoGPT's crop). In a batch each row slides
+  when it alone would, so its tokens do not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from gpt2port.errors import GPT2PortError
+from gpt2port.model import GPT, KVCache
+from gpt2port.tokenizer import ENDOFTEXT_ID
+
+
+def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int = 100,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None,
+             ) -> list[list[int]]:
+    """New tokens for each prompt (a list of token-id lists, or a (B, T) tensor), without the prompt or stop token."""
+    out: list[list[int]] = [[] for _ in range(len(prompts))]
+    stopped = [False] * len(out)
+    for step in steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+        for row, token in enumerate(step.tolist()):
+            stopped[row] = stopped[row] or token == stop_token
+            if not stopped[row]:
+                out[row].append(token)
+    return out
+
+
+def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+           stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None) -> Iterator[int]:
+    """Yield the new tokens of one prompt as they are produced (the stop token ends the stream, unyielded)."""
+    for step in steps(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+        token = int(step[0])
+        if token == stop_token:
+            return
+        yield token
+
+
+@torch.inference_mode()
+def steps(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+          top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
+          keep: int | None = None) -> Iterator[torch.Tensor]:
+    """The decoding loop: yields a (B,) tensor of next tokens per step; rows that have stopped repeat stop_token."""
+    check_sampling(temperature, top_k, top_p)
+    param = model.tok_emb.weight
+    n_ctx = model.config.n_positions
+    keep = n_ctx // 2 if keep is None else keep
+    if not 1 <= keep <= n_ctx:
+        raise GPT2PortError(f"keep={keep} must be between 1 and the context length {n_ctx}")
+    rows = _prompt_rows(prompts, model.config.vocab_size, stop_token)
+    if max_new_tokens <= 0:
+        return
+    generator = torch.Generator(param.device).manual_seed(seed) if seed is not None else None
+    tokens, pad = _left_pad([row[-n_ctx:] for row in rows], param.device)
+    B = tokens.size(0)
+    # Room for exactly what this call can use: a short generation never allocates the whole context.
+    cache = KVCache(model.config, B, min(n_ctx, tokens.size(1) + max_new_tokens), param.dtype, param.device, pad)
+    logits = model(tokens, cache=cache, last_only=True)
+    done = torch.zeros(B, dtype=torch.bool, device=param.device)
+    for step in range(max_new_tokens):
+        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)
+        if stop_token is not None:
+            nxt = nxt.masked_fill(done, stop_token)
+            done |= nxt == stop_token
+        yield nxt
+        if step == max_new_tokens - 1 or bool(done.all()):
+            return
+        tokens = torch.cat([tokens, nxt.view(B, 1)], dim=1)
+        if cache.length < cache.max_len:
+            logits = model(tokens[:, -1:], cache=cache, last_only=True)
+        else:  # the context is full: slide the window and prefill it again
+            tokens, pad = _slide(tokens, pad, n_ctx, keep)
+            cache.reset(pad)
+            logits = model(tokens, cache=cache, last_only=True)
+
+
+def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) logits -> (B,) next tokens. temperature 0 (or None) is greedy; top_k 0/None and top_p None/1 are off."""
+    if not temperature:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature  # fp16/bf16 logits: softmax and cumsum want fp32
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already reach p; the first never is (its mass before is 0).
+        drop = probs.cumsum(dim=-1) - probs > top_p
+        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).view(-1)
+
+
+def check_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> None:
+    if temperature is not None and temperature < 0:
+        raise GPT2PortError(f"temperature={temperature} must be >= 0 (0 means greedy)")
+    if top_k is not None and top_k < 0:
+        raise GPT2PortError(f"top_k={top_k} must be >= 0 (0 means off)")
+    if top_p is not None and not 0.0 <= top_p <= 1.0:
+        raise GPT2PortError(f"top_p={top_p} must be between 0 and 1")
+
+
+def _prompt_rows(prompts, vocab_size: int, stop_token: int | None) -> list[list[int]]:
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise GPT2PortError(f"prompts tensor must be (batch, tokens), got shape {tuple(prompts.shape)}")
+        prompts = prompts.tolist()
+    if len(prompts) == 0:
+        raise GPT2PortError("no prompts given")
+    rows = []
+    for row in prompts:
+        row = [int(t) for t in row]
+        if not row:  # GPT-2 was trained with <|endoftext|> before each document: an unconditional start
+            if stop_token is None:
+                raise GPT2PortError("empty prompt and no stop token to start from")
+            row = [stop_token]
+        bad = [t for t in row if not 0 <= t < vocab_size]
+        if bad:
+            raise GPT2PortError(f"prompt token id {bad[0]} is outside the model's vocabulary (0..{vocab_size - 1})")
+        rows.append(row)
+    return rows
+
+
+def _left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids -> a (B, L) tensor, left-padded, and the (B,) count of padding positions of each row."""
+    L = max(len(r) for r in rows)
+    # The padding id is never seen by a real query; 0 is simply a valid row of the embedding.
+    tokens = torch.tensor([[0] * (L - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    pad = torch.tensor([L - len(r) for r in rows], dtype=torch.long, device=device)
+    return tokens, pad
+
+
+def _slide(tokens: torch.Tensor, pad: torch.Tensor, n_ctx: int, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's next window, each row as it would be alone: a row that outgrew the context (n_ctx + 1 tokens)
+    keeps its newest `keep`; a shorter row (it was left-padded) keeps every token it has."""
+    rows = [row[p:].tolist() for row, p in zip(tokens, pad.tolist())]
+    return _left_pad([row[-keep:] if len(row) > n_ctx else row for row in rows], tokens.device)

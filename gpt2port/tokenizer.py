@@ -1,0 +1,162 @@
+"""GPT-2's byte-level BPE as a tiktoken.Encoding, built from a checkpoint's own files: no network, ever.
+
+`tiktoken.get_encoding("gpt2")` downloads OpenAI's files at run time. We build the same Encoding from the files that
+travel with the checkpoint, in whichever of the three layouts it has:
+
+    vocab.json + merges.txt     Hugging Face's names (every GPT-2 repo on the Hub, and our converted checkpoints)
+    encoder.json + vocab.bpe    OpenAI's original release (the same bytes under other names)
+    tokenizer.json              what transformers >= 5 save_pretrained writes (vocab and merges inside one file)
+
+We parse the files ourselves rather than call tiktoken.load.data_gym_to_mergeable_bpe_ranks: that function reads
+through tiktoken's download cache, which copies every local file into $TMPDIR/data-gym-cache under a key made from
+the *path* alone and, with no expected hash, serves that copy back even after the file at the path has changed.
+
+tiktoken merges the adjacent pair whose merged token has the lowest id; HF's BPE merges the pair listed earliest in
+merges.txt. The two agree exactly when token ids follow merge order (256 byte tokens first, then one token per merge
+line), which GPT-2's files do. We check that and refuse a vocabulary where it does not hold, instead of encoding it
+differently from the reference.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import tiktoken
+from tiktoken_ext.openai_public import r50k_pat_str
+
+from gpt2port.errors import GPT2PortError
+
+ENDOFTEXT = "<|endoftext|>"
+ENDOFTEXT_ID = 50256  # GPT-2's id for it
+VOCAB_MERGES = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))  # HF names, OpenAI names
+TOKENIZER_JSON = "tokenizer.json"
+
+
+def load_tokenizer(ckpt: str | Path) -> tiktoken.Encoding:
+    """The tokenizer of a converted checkpoint (directory or NAME), or of any directory holding GPT-2 BPE files."""
+    return _cached(*_tokenizer_key(_tokenizer_dir(ckpt)))
+
+
+def _tokenizer_dir(ckpt: str | Path) -> Path:
+    path = Path(ckpt)
+    if path.is_dir():  # a converted checkpoint or a plain HF repo directory: both just need the BPE files
+        return path
+    from gpt2port.checkpoint import resolve
+
+    return resolve(ckpt)  # NAME -> ./checkpoints/NAME, or the one-line error for a missing/odd path
+
+
+def _tokenizer_key(directory: Path) -> tuple:
+    """Which files define the tokenizer, plus their size and mtime: an edited file is parsed again, not served stale."""
+    for pair in VOCAB_MERGES:
+        files = [directory / name for name in pair]
+        if all(f.is_file() for f in files):
+            break
+    else:
+        files = [directory / TOKENIZER_JSON]
+        if not files[0].is_file():
+            raise GPT2PortError(f"{directory}: no GPT-2 tokenizer files (needs vocab.json + merges.txt, "
+                                f"encoder.json + vocab.bpe, or tokenizer.json)")
+    files = [f.resolve() for f in files]
+    return tuple(files), tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+@lru_cache(maxsize=8)
+def _cached(files: tuple[Path, ...], _stamp: tuple) -> tiktoken.Encoding:
+    # Parsing 50k merges takes a few hundred ms; a process that loads the same checkpoint twice pays it once.
+    if len(files) == 2:
+        vocab_path, merges_path = files
+        vocab = _read_json(vocab_path)
+        merges = _read_merges(merges_path)
+        specials = {ENDOFTEXT: vocab.pop(ENDOFTEXT, None)}
+        where = f"{vocab_path} + {merges_path.name}"
+    else:
+        vocab, merges, specials = _read_tokenizer_json(files[0])
+        where = str(files[0])
+    ranks = _mergeable_ranks(vocab, merges, where)
+    if specials.get(ENDOFTEXT) is None:
+        specials[ENDOFTEXT] = len(ranks)  # the id right after the last merge: 50256 in GPT-2
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise GPT2PortError(f"{path}: not valid JSON ({e})") from None
+
+
+def _read_merges(path: Path) -> list[tuple[str, str]]:
+    """merges.txt / vocab.bpe: a '#version' header, then one 'left right' pair per line, highest priority first."""
+    merges = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+        if not line or line.startswith("#version"):
+            continue
+        pair = line.split(" ")
+        if len(pair) != 2:
+            raise GPT2PortError(f"{path}: line {n} is not a 'left right' merge pair: {line[:60]!r}")
+        merges.append((pair[0], pair[1]))
+    return merges
+
+
+def _read_tokenizer_json(path: Path) -> tuple[dict, list, dict]:
+    data = _read_json(path)
+    model = data.get("model") or {}
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
+        raise GPT2PortError(f"{path}: not a byte-level BPE tokenizer (GPT-2's kind)")
+    # Merges are "left right" strings in older files, [left, right] lists since tokenizers 0.20.
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    vocab = dict(model.get("vocab", {}))
+    specials = {}
+    for added in data.get("added_tokens", []):
+        vocab.pop(added["content"], None)
+        specials[added["content"]] = added["id"]
+    return vocab, merges, specials
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable stand-ins for raw bytes (its bytes_to_unicode), inverted: character -> byte."""
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + n): b for n, b in enumerate(others)})
+    return table
+
+
+def _mergeable_ranks(vocab: dict[str, int], merges: list[tuple[str, str]], where: str) -> dict[bytes, int]:
+    byte_of = _byte_decoder()
+
+    def to_bytes(token: str) -> bytes:
+        try:
+            return bytes(byte_of[c] for c in token)
+        except KeyError:
+            raise GPT2PortError(f"{where}: token {token!r} is not in GPT-2's byte-level alphabet") from None
+
+    ranks = {to_bytes(token): i for token, i in vocab.items()}
+    # The ids tiktoken needs: byte tokens in GPT-2's order, then one per merge line. They must be the file's ids.
+    expected = {to_bytes(c): i for i, c in enumerate(byte_of)}
+    for a, b in merges:
+        expected.setdefault(to_bytes(a) + to_bytes(b), len(expected))
+    if ranks != expected:
+        raise GPT2PortError(f"{where}: vocabulary ids do not follow merge order as in GPT-2's BPE "
+                            f"({len(ranks)} tokens, {len(merges)} merges); tiktoken cannot reproduce it exactly")
+    return ranks
+
+
+class StreamDecoder:
+    """Turns tokens into text as they arrive. A character may span tokens (most emoji and CJK take two or three), so
+    bytes are decoded incrementally: an incomplete UTF-8 sequence waits for its next token instead of printing as
+    U+FFFD. Invalid bytes (a model can emit any) become U+FFFD, as in HF's decode(errors="replace")."""
+
+    def __init__(self, encoding: tiktoken.Encoding):
+        self.encoding = encoding
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, tokens) -> str:
+        return self._utf8.decode(b"".join(self.encoding.decode_single_token_bytes(int(t)) for t in tokens))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
