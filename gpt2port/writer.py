@@ -79,10 +79,10 @@ class StreamingSafetensorsWriter:
             self._file.flush()
             self._flusher.finish()
             os.fsync(self._file.fileno())
+            self._file.close()  # on network filesystems a delayed write error can surface only here
         except OSError as e:
+            _close_quietly(self._file)
             raise GPT2PortError(f"{self.path}: write failed: {_os_reason(e)}") from None
-        finally:
-            self._file.close()
         check_written(self.path, self.entries, self.metadata)
 
     def abort(self) -> None:
@@ -90,7 +90,7 @@ class StreamingSafetensorsWriter:
             self._flusher.finish()
         except OSError:
             pass  # already failing; the file is about to be deleted
-        self._file.close()
+        _close_quietly(self._file)
 
     def __enter__(self):
         return self
@@ -100,6 +100,15 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+def _close_quietly(f) -> None:
+    """Close a file whose failure is already being reported: on a full disk close() retries the buffered bytes and
+    raises ENOSPC again, which would replace the one-line error naming the file with a bare OSError."""
+    try:
+        f.close()
+    except OSError:
+        pass
 
 
 class _BackgroundFlusher:
@@ -218,38 +227,62 @@ def staged_directory(dest: Path, force: bool = False):
     try:
         yield stage
         _fsync_dir(stage)
-        _swap_in(stage, dest)
+        _swap_in(stage, dest, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
 
 
-def _swap_in(stage: Path, dest: Path) -> None:
+def _swap_in(stage: Path, dest: Path, force: bool) -> None:
+    """Move the finished `stage` to `dest`. `dest` was checked at the start, but another run may have finished
+    there since: without force its checkpoint stays. Renaming a directory onto a non-empty one fails, so even a
+    checkpoint that lands between this check and the rename is never overwritten."""
     old = None
     with _signals_deferred():
         if dest.exists():
+            if not force and dest.is_dir() and any(dest.iterdir()):
+                raise GPT2PortError(f"{dest}: appeared while this run was writing (another run finished first?); "
+                                    f"left as it is (use --force to replace it)")
             old = dest.parent / f".{dest.name}{OLD_MARK}{os.getpid()}"
-            os.rename(dest, old)
+            _rename(dest, old)
         try:
             os.rename(stage, dest)
-        except OSError:
+        except OSError as e:
             if old is not None:
-                os.rename(old, dest)
-            raise
+                try:
+                    os.rename(old, dest)
+                except OSError:  # another run's checkpoint took the name meanwhile; ours was to be replaced anyway
+                    shutil.rmtree(old, ignore_errors=True)
+            raise GPT2PortError(f"{dest}: could not move the new checkpoint into place ({_os_reason(e)}; another run "
+                                f"may have written it meanwhile); nothing of this run was left") from None
         _fsync_dir(dest.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        raise GPT2PortError(f"{src}: cannot rename it to {dst}: {_os_reason(e)}") from None
 
 
 def sweep_leftovers(dest: Path) -> list[Path]:
     """Remove build directories that a killed run left beside `dest` (their process is gone); restore a
     checkpoint that was moved aside if its replacement never arrived."""
     removed = []
-    for p in dest.parent.glob(f".{dest.name}.*"):
+    try:
+        siblings = list(dest.parent.iterdir())
+    except OSError:
+        return removed
+    for p in siblings:
         for mark in (PARTIAL_MARK, OLD_MARK):
-            if mark in p.name and not _pid_alive(p.name.rsplit(mark, 1)[1]):
+            # Exact names only: a glob would let a destination called 'run*' take '.run1.replaced-N' for its own.
+            prefix = f".{dest.name}{mark}"
+            pid = p.name[len(prefix):]
+            if p.name.startswith(prefix) and pid.isdigit() and not _pid_alive(pid):
                 if mark == OLD_MARK and not dest.exists():
-                    os.rename(p, dest)
+                    _rename(p, dest)
                 else:
                     shutil.rmtree(p, ignore_errors=True)
                 removed.append(p)
