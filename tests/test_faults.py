@@ -1,0 +1,387 @@
+"""Faults in the middle of a conversion never cost a user their data (issue 6, second half).
+
+Disk full, Ctrl-C, SIGKILL (also between the two renames of a --force replacement), a failed post-write check and
+two conversions racing for one destination. After each: the final name holds either nothing, the previous
+checkpoint byte for byte, or one complete checked checkpoint; never a mix. Temporary directories are gone, or (after
+SIGKILL, when nothing can clean up) swept by the next run. The source is never touched.
+
+Faults are injected into a real `gpt2port` process by FAULTS below, a wrapper around the CLI that patches
+gpt2port.writer per $GPT2PORT_TEST_FAULT; disk full is also produced for real on a small tmpfs when we may mount one.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import gpt2port.writer as writer_mod
+from gpt2port.writer import PARTIAL_MARK, staged_directory, sweep_leftovers
+from test_safety import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint, leftovers,
+                         run_cli, snapshot)
+
+# The CLI with faults patched in, chosen by the JSON in $GPT2PORT_TEST_FAULT:
+#   slow: seconds to sleep before each tensor (and touch `started` at the first), so a signal lands mid-write
+#   go: at the first tensor, after touching `started`, wait until this file exists (lines two runs up for a race)
+#   kill_at_swap: SIGKILL ourselves right after the old checkpoint was moved aside, before the new one moves in
+FAULTS = r"""
+import json, os, signal, sys, time
+from pathlib import Path
+import gpt2port.writer as W
+
+spec = json.loads(os.environ.get("GPT2PORT_TEST_FAULT", "{}"))
+if "started" in spec:
+    _write = W.StreamingSafetensorsWriter.write
+    def write(self, name, tensor):
+        if self._next == 0:
+            Path(spec["started"]).write_text(str(os.getpid()))
+            while "go" in spec and not os.path.exists(spec["go"]):
+                time.sleep(0.005)
+        time.sleep(spec.get("slow", 0))
+        return _write(self, name, tensor)
+    W.StreamingSafetensorsWriter.write = write
+if spec.get("kill_at_swap"):
+    _rename = os.rename
+    def rename(src, dst, *a, **k):
+        _rename(src, dst, *a, **k)
+        if W.OLD_MARK in os.path.basename(str(dst)):
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.rename = rename
+
+from gpt2port.cli import main
+main(args=sys.argv[1:], prog_name="gpt2port")
+"""
+
+
+def start_cli(*args, fault: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, "GPT2PORT_TEST_FAULT": json.dumps(fault or {})}
+    return subprocess.Popen([sys.executable, "-c", FAULTS, *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended before {path} appeared: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="session")
+def tiny_src(make_hf_repo) -> Path:
+    return make_hf_repo("hub")
+
+
+@pytest.fixture
+def dest_for(tmp_path, tiny_ckpt):
+    """dest_for(prev) -> destination path, empty ('absent') or holding a converted checkpoint ('existing')."""
+
+    def make(prev: str) -> Path:
+        dest = tmp_path / "out" / "ckpt"
+        dest.parent.mkdir(exist_ok=True)
+        if prev == "existing":
+            shutil.copytree(tiny_ckpt, dest)
+        return dest
+
+    return make
+
+
+def force_if(dest: Path) -> list[str]:
+    return ["--force"] if dest.exists() else []
+
+
+# --- disk full -----------------------------------------------------------------------------------------------------------
+
+class _FullDisk(io.FileIO):
+    """A file on a disk with `budget[0]` bytes left: a write that crosses it is cut short, the next one fails ENOSPC,
+    as write(2) does on a full filesystem. Wrapped in a BufferedWriter like any open(..., 'wb')."""
+
+    budget = [0]
+
+    def write(self, b):
+        n = memoryview(b).nbytes
+        left = _FullDisk.budget[0]
+        if n <= left:
+            _FullDisk.budget[0] -= n
+            return super().write(b)
+        _FullDisk.budget[0] = 0
+        if left:
+            return super().write(memoryview(b).cast("B")[:left])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _open_on_full_disk(file, mode="r", *args, **kwargs):
+    if "b" in mode and any(c in mode for c in "wxa+"):
+        return io.BufferedWriter(_FullDisk(file, mode.replace("b", "")))
+    return open(file, mode, *args, **kwargs)
+
+
+@pytest.mark.parametrize("prev", ["absent", "existing"])
+@pytest.mark.parametrize("where", ["header", "mid-data", "config.json"])
+def test_disk_full_injected(where, prev, tiny_src, tiny_ckpt, dest_for, monkeypatch):
+    weights_size = (tiny_ckpt / WEIGHTS).stat().st_size
+    _FullDisk.budget[0] = {"header": 0, "mid-data": weights_size // 2, "config.json": weights_size + 10}[where]
+    monkeypatch.setattr(writer_mod, "open", _open_on_full_disk, raising=False)
+    dest = dest_for(prev)
+    before_src, before_dest = snapshot(tiny_src), snapshot(dest)
+    result = run_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest))
+    line = assert_clean_failure(result, names=["no space left on device"])
+    assert (WEIGHTS if where != "config.json" else "config.json") in line
+    assert snapshot(tiny_src) == before_src
+    assert snapshot(dest) == before_dest
+    assert leftovers(dest.parent) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """mount(size) -> a fresh tmpfs of that size (root only; skipped where mounting is not allowed)."""
+    mounts = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"tmpfs-{len(mounts)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}); "
+                        f"test_disk_full_injected covers ENOSPC")
+        mounts.append(where)
+        return where
+
+    yield mount
+    for where in mounts:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.mark.parametrize("size", ["64k", "3m", "7m"])  # full at: the header, mid-weights, the tokenizer files
+def test_disk_full_for_real(size, tiny_src, tiny_ckpt, small_tmpfs):
+    """A real full filesystem: the writes, the fsyncs and the close all meet ENOSPC from the kernel."""
+    disk = small_tmpfs(size)
+    dest = disk / "ckpt"
+    before_src = snapshot(tiny_src)
+    r = subprocess.run([sys.executable, "-m", "gpt2port", "convert", str(tiny_src), "--out", str(dest), "-q"],
+                       capture_output=True, text=True)
+    assert_one_line_error(r.returncode, r.stderr, r.stdout, names=[disk, "no space left on device"])
+    assert snapshot(tiny_src) == before_src
+    assert list(disk.iterdir()) == [], "something was left on the full disk"
+
+
+# --- signals -----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prev", ["absent", "existing"])
+def test_ctrl_c_mid_conversion(prev, tiny_src, dest_for, tmp_path):
+    dest = dest_for(prev)
+    before_src, before_dest = snapshot(tiny_src), snapshot(dest)
+    started = tmp_path / "started"
+    proc = start_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest),
+                     fault={"slow": 0.05, "started": str(started)})
+    wait_for(started, proc)
+    time.sleep(0.2)  # a few tensors in
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert_one_line_error(proc.returncode, err, out, names=["interrupted"])
+    assert snapshot(tiny_src) == before_src
+    assert snapshot(dest) == before_dest
+    assert leftovers(dest.parent) == []
+
+
+@pytest.mark.parametrize("prev", ["absent", "existing"])
+def test_sigkill_mid_conversion_then_next_run_sweeps(prev, tiny_src, dest_for, tmp_path):
+    dest = dest_for(prev)
+    before_src, before_dest = snapshot(tiny_src), snapshot(dest)
+    started = tmp_path / "started"
+    proc = start_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest),
+                     fault={"slow": 0.05, "started": str(started)})
+    wait_for(started, proc)
+    time.sleep(0.2)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    # Nothing could clean up: the half-built directory is there, under its temporary name only.
+    assert leftovers(dest.parent) == [f".{dest.name}{PARTIAL_MARK}{proc.pid}"]
+    assert snapshot(dest) == before_dest
+    assert snapshot(tiny_src) == before_src
+    # The next run sweeps it (its process is gone) and completes.
+    result = run_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest))
+    assert result.exit_code == 0, result.stderr
+    assert leftovers(dest.parent) == []
+    assert_valid_checkpoint(dest)
+
+
+def test_sigkill_between_the_renames_of_a_replacement(tiny_src, dest_for):
+    """The one moment the final name is empty: the old checkpoint moved aside, the new one not yet in. SIGINT and
+    SIGTERM are held over those two renames; SIGKILL cannot be. The next run puts the old checkpoint back."""
+    dest = dest_for("existing")
+    before_dest = snapshot(dest)
+    proc = start_cli("convert", tiny_src, "--out", dest, "-q", "--force", fault={"kill_at_swap": True})
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert not dest.exists()
+    assert sorted(leftovers(dest.parent)) == sorted([f".{dest.name}.replaced-{proc.pid}",
+                                                     f".{dest.name}{PARTIAL_MARK}{proc.pid}"])
+    # Any next conversion to that name restores the old checkpoint first; this one (no --force) then refuses.
+    result = run_cli("convert", tiny_src, "--out", dest, "-q")
+    assert_clean_failure(result, names=[dest, "--force"])
+    assert snapshot(dest) == before_dest
+    assert leftovers(dest.parent) == []
+
+
+# --- the post-write check --------------------------------------------------------------------------------------------------
+
+def _failing_check(path, entries, metadata):
+    raise writer_mod.GPT2PortError(f"{path}: post-write check failed: simulated")
+
+
+def _corrupting_check(path, entries, metadata, _real=writer_mod.check_written):
+    """What a bad disk or a concurrent writer would do: the bytes on disk differ from what was written."""
+    raw = bytearray(Path(path).read_bytes())
+    at = raw.index(b"tok_emb.weight")
+    raw[at:at + 7] = b"tok_emX"
+    Path(path).write_bytes(bytes(raw))
+    _real(path, entries, metadata)
+
+
+@pytest.mark.parametrize("prev", ["absent", "existing"])
+@pytest.mark.parametrize("check", [_failing_check, _corrupting_check], ids=["check raises", "file corrupted"])
+def test_post_write_check_failure(check, prev, tiny_src, dest_for, monkeypatch):
+    monkeypatch.setattr(writer_mod, "check_written", check)
+    dest = dest_for(prev)
+    before_src, before_dest = snapshot(tiny_src), snapshot(dest)
+    result = run_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest))
+    assert_clean_failure(result, names=[WEIGHTS, "post-write check failed"])
+    assert snapshot(tiny_src) == before_src
+    assert snapshot(dest) == before_dest
+    assert leftovers(dest.parent) == []
+
+
+# --- two conversions, one destination ---------------------------------------------------------------------------------------
+
+def race(dest: Path, src: Path, tmp_path: Path, *extra) -> list[tuple[str, str, int]]:
+    """Two conversions to `dest`, both held at their first tensor until both are there (so both have passed the
+    'exists?' check), then released together. Returns [(stdout, stderr, returncode)] of each."""
+    go = tmp_path / "go"
+    procs = []
+    for i in range(2):
+        started = tmp_path / f"started-{i}"
+        procs.append(start_cli("convert", src, "--out", dest, "-q", *extra,
+                               fault={"started": str(started), "go": str(go), "slow": 0.01}))
+        wait_for(started, procs[-1])
+    go.touch()
+    return [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+
+
+def test_two_conversions_race_for_one_destination(tiny_src, tiny_ckpt, dest_for, tmp_path):
+    """Neither was told --force, so the first to finish gets the name and the other must not replace it:
+    one clean error, one complete checkpoint, never a mix."""
+    dest = dest_for("absent")
+    results = race(dest, tiny_src, tmp_path)
+    assert sorted(rc for _, _, rc in results) == [0, 1], results
+    out, err, rc = next(r for r in results if r[2] != 0)
+    assert_one_line_error(rc, err, out, names=[dest])
+    assert_valid_checkpoint(dest)
+    assert (dest / WEIGHTS).read_bytes() == (tiny_ckpt / WEIGHTS).read_bytes()
+    assert leftovers(dest.parent) == []
+
+
+def test_destination_taken_at_the_last_moment(tmp_path, monkeypatch):
+    """The narrowest race: another run's checkpoint lands between our last check and our rename. The rename of a
+    directory onto a non-empty one fails; that must be one clean error, theirs intact, ours gone."""
+    dest = tmp_path / "ckpt"
+    real_rename = os.rename
+
+    def rename_after_the_other_run(src, dst, *a, **k):
+        if Path(dst) == dest and not dest.exists():
+            dest.mkdir()
+            (dest / "theirs").write_text("complete")
+        return real_rename(src, dst, *a, **k)
+
+    with pytest.raises(writer_mod.GPT2PortError, match=str(dest)):
+        with staged_directory(dest) as stage:
+            (stage / "ours").write_text("complete")
+            monkeypatch.setattr(os, "rename", rename_after_the_other_run)
+    assert [p.name for p in dest.iterdir()] == ["theirs"]
+    assert leftovers(tmp_path) == []
+
+
+def test_two_forced_conversions_leave_one_complete_checkpoint(tiny_src, tiny_ckpt, dest_for, tmp_path):
+    """Both told --force: either may win, or both in turn; the name ends up holding one complete checkpoint."""
+    dest = dest_for("existing")
+    results = race(dest, tiny_src, tmp_path, "--force")
+    assert [rc for _, _, rc in results].count(0) >= 1, results
+    for out, err, rc in results:
+        if rc != 0:
+            assert_one_line_error(rc, err, out, names=[dest])
+    assert_valid_checkpoint(dest)
+    assert (dest / WEIGHTS).read_bytes() == (tiny_ckpt / WEIGHTS).read_bytes()
+    assert leftovers(dest.parent) == []
+
+
+# --- leftovers belong to their own destination ------------------------------------------------------------------------------
+
+def _dead_pid() -> int:
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # above pid_max: no process can have it
+
+
+def test_sweep_touches_only_its_own_destinations_leftovers(tmp_path):
+    """A destination named like a glob ('run*', 'ckpt[1]') must not sweep up, or restore into itself, another
+    checkpoint's moved-aside directory."""
+    theirs = tmp_path / f".run1.replaced-{_dead_pid()}"
+    theirs.mkdir()
+    (theirs / WEIGHTS).write_text("someone else's checkpoint")
+    for name in ("run*", "run?", "ru[n]1"):
+        assert sweep_leftovers(tmp_path / name) == []
+        assert not (tmp_path / name).exists()
+    assert (theirs / WEIGHTS).read_text() == "someone else's checkpoint"
+    # while its own name does get it back
+    assert sweep_leftovers(tmp_path / "run1") == [theirs]
+    assert (tmp_path / "run1" / WEIGHTS).read_text() == "someone else's checkpoint"
+
+
+def test_sweep_spares_a_live_runs_directory(tmp_path):
+    live = tmp_path / f".ckpt{PARTIAL_MARK}{os.getpid()}"
+    live.mkdir()
+    assert sweep_leftovers(tmp_path / "ckpt") == []
+    assert live.is_dir()
+
+
+# --- full size: the same promises when the write takes real time --------------------------------------------------------------
+
+@pytest.mark.fullsize
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_signal_during_a_124m_conversion(sig, gpt2_hf_repo, gpt2_ckpt, tmp_path):
+    """No slowed writer: a real 124M conversion, signalled once its weights file has begun to fill."""
+    dest = tmp_path / "gpt2"
+    shutil.copytree(gpt2_ckpt, dest)
+    before_dest = snapshot(dest)
+    src_facts = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in gpt2_hf_repo.iterdir()}
+    proc = start_cli("convert", gpt2_hf_repo, "--out", dest, "-q", "--force")
+    partial = tmp_path / f".gpt2{PARTIAL_MARK}{proc.pid}" / WEIGHTS
+    deadline = time.monotonic() + 120
+    while not (partial.exists() and partial.stat().st_size > 10_000_000):
+        assert proc.poll() is None, f"finished before it could be interrupted: {proc.communicate()}"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    if sig == signal.SIGINT:
+        assert_one_line_error(proc.returncode, err, out, names=["interrupted"])
+        assert leftovers(tmp_path) == []
+    else:
+        assert proc.returncode == -signal.SIGKILL
+        assert leftovers(tmp_path) == [partial.parent.name]
+        assert sweep_leftovers(dest) == [partial.parent]
+    assert snapshot(dest) == before_dest  # 500 MB hashed, byte for byte
+    assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in gpt2_hf_repo.iterdir()} == src_facts
