@@ -15,6 +15,7 @@ rest of the HF ecosystem, and files already cached are never transferred again. 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -350,7 +351,7 @@ class _Fetcher:
             return f"{self.where}: {name} is missing on the Hub"
         if isinstance(e, errors.LocalEntryNotFoundError):
             return f"{self.where}: {name} is not in the Hugging Face cache and {self._why_offline()}"
-        if isinstance(e, OSError) and e.errno is not None and e.errno == 28:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return f"{self.where}: downloading {name} failed: no space left on device ({self.cache})"
         if isinstance(e, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError)):
             return self._hub_error(e)

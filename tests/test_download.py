@@ -458,6 +458,17 @@ def test_not_enough_disk_space_is_refused_before_downloading(tmp_path, monkeypat
     f.check_space(["model.safetensors"])
 
 
+def test_disk_full_while_downloading_is_one_line(tmp_path):
+    import errno
+
+    from gpt2port import hub as hub_mod
+
+    f = hub_mod._Fetcher("org/model", None, True, lambda s: None)
+    f.commit = "a" * 40
+    msg = f._file_error("model.safetensors", OSError(errno.ENOSPC, "No space left on device"))
+    assert msg.startswith("org/model@aaaaaaaaaaaa: downloading model.safetensors failed: no space left on device")
+
+
 def test_fake_hub_runs_as_a_script(hub_root, tmp_path):
     """The README's demo: the stand-in as its own process, with its control endpoints."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "fake_hub.py"), "--root", str(hub_root),
