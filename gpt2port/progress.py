@@ -23,7 +23,7 @@ def byte_progress(label: str, quiet: bool = False):
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+            bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1000, leave=False)
         bar.update(done - bar.n)
 
     try:
