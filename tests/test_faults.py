@@ -385,3 +385,92 @@ def test_signal_during_a_124m_conversion(sig, gpt2_hf_repo, gpt2_ckpt, tmp_path)
         assert sweep_leftovers(dest) == [partial.parent]
     assert snapshot(dest) == before_dest  # 500 MB hashed, byte for byte
     assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in gpt2_hf_repo.iterdir()} == src_facts
+
+
+# --- the soak check (scripts/soak.py) -----------------------------------------------------------------------------------------
+
+def test_soak_leak_detector_sees_each_kind_of_leak(tmp_path):
+    """The soak's 'no leaks' verdict means something only if each kind of leak would be caught."""
+    import mmap
+    import threading
+
+    import soak
+
+    dest = tmp_path / "checkpoints" / "gpt2"
+    dest.parent.mkdir(parents=True)
+    base = soak.Baseline()
+    assert base.leaks(tmp_path, dest) == []
+    held = open(tmp_path / "held.bin", "wb+")
+    held.write(b"\0" * 4096)
+    held.flush()
+    mapped = mmap.mmap(held.fileno(), 4096)
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="leaky-worker")
+    worker.start()
+    (dest.parent / f".gpt2{PARTIAL_MARK}1").mkdir()
+    try:
+        found = " | ".join(base.leaks(tmp_path, dest))
+        assert "file descriptor" in found and "held.bin" in found
+        assert "memory-mapped" in found
+        assert "leaky-worker" in found
+        assert ".gpt2.partial-1" in found
+    finally:
+        stop.set()
+        worker.join()
+        mapped.close()
+        held.close()
+
+
+@pytest.mark.heavy
+def test_soak_gpt2(tmp_path):
+    """scripts/soak.py at 124M: two back-to-back conversions and a verification, no leaks. ~1-3 min."""
+    report = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "soak.py"),
+                        "--sizes", "gpt2", "--rounds", "2", "--json", str(report), "--workdir", str(tmp_path / "w")],
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(report.read_text())["rows"]
+    converts = [row for row in rows if row["step"].startswith("convert")]
+    assert len(converts) == 2 and all(row["leaks"] == [] for row in converts)
+    # Streaming: the convert step's own peak stays far below the 0.5 GB model plus a copy of it.
+    assert all(row["peak_rss_gb"] - row["rss_before_gb"] < 0.5 for row in converts), converts
+    assert [row["passed"] for row in rows if row["step"] == "verify"] == [True]
+    assert list((tmp_path / "w").glob("**/.*partial*")) == []
+
+
+# --- download: a failed replacement keeps the old checkpoint and the Hugging Face cache -------------------------------------
+# (the download faults themselves, cut connections and corrupted bodies, are tested in test_download.py)
+
+@pytest.fixture
+def small_hub(tmp_path, tiny_hf_model):
+    import fake_hub
+    import fill_fake_hub
+
+    root = tmp_path / "hub-root"
+    fill_fake_hub.write_hub_repo(root, "someone/tiny-gpt2", tiny_hf_model)
+    fill_fake_hub.write_hub_repo(root, "someone/tiny-gpt2", tiny_hf_model, revision="v1", dtype="fp16")
+    with fake_hub.FakeHub(root) as hub:
+        yield hub
+
+
+def download_cli(hub, home: Path, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home / "hf"), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")
+    return subprocess.run([sys.executable, "-m", "gpt2port", "download", *map(str, args)], capture_output=True,
+                          text=True, env=env, cwd=home, timeout=300)
+
+
+def test_failed_download_replacement_keeps_checkpoint_and_cache(small_hub, tmp_path):
+    dest = tmp_path / "ckpt"
+    first = download_cli(small_hub, tmp_path, "someone/tiny-gpt2", "--out", dest, "-q")
+    assert first.returncode == 0, first.stderr
+    cache = tmp_path / "hf" / "hub" / "models--someone--tiny-gpt2"
+    before_dest, before_cache = snapshot(dest), snapshot(cache)
+    small_hub.set_faults({"corrupt": {"model.safetensors": -1}})  # every copy of the weights arrives damaged
+    r = download_cli(small_hub, tmp_path, "someone/tiny-gpt2", "--revision", "v1", "--out", dest, "--force", "-q")
+    assert_one_line_error(r.returncode, r.stderr, r.stdout, names=["someone/tiny-gpt2", "model.safetensors"])
+    assert snapshot(dest) == before_dest
+    assert leftovers(tmp_path) == []
+    # What the first download put in the cache (the source of the checkpoint) is untouched, byte for byte.
+    after_cache = snapshot(cache)
+    assert {k: v for k, v in after_cache.items() if k in before_cache} == before_cache
