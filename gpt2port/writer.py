@@ -210,27 +210,50 @@ def staged_directory(dest: Path, force: bool = False):
     """
     dest = Path(dest)
     parent = dest.parent
+    created = _missing_parents(parent)  # removed again on failure: a failed run leaves no trace, not even those
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise GPT2PortError(f"{parent}: cannot create output directory: {_os_reason(e)}") from None
-    sweep_leftovers(dest)
-    if dest.exists() and not dest.is_dir():
-        raise GPT2PortError(f"{dest}: exists and is not a directory")
-    if dest.is_dir() and any(dest.iterdir()) and not force:
-        raise GPT2PortError(f"{dest}: already exists (use --force to replace it)")
     stage = parent / f".{dest.name}{PARTIAL_MARK}{os.getpid()}"
     try:
-        stage.mkdir()
-    except OSError as e:
-        raise GPT2PortError(f"{parent}: cannot write here: {_os_reason(e)}") from None
+        sweep_leftovers(dest)
+        if dest.exists() and not dest.is_dir():
+            raise GPT2PortError(f"{dest}: exists and is not a directory")
+        if dest.is_dir() and any(dest.iterdir()) and not force:
+            raise GPT2PortError(f"{dest}: already exists (use --force to replace it)")
+        try:
+            stage.mkdir()  # exclusive: a stage of this name (another thread of ours) is never taken over
+        except OSError as e:
+            raise GPT2PortError(f"{parent}: cannot write here: {_os_reason(e)}") from None
+    except BaseException:
+        _remove_if_empty(created)
+        raise
     try:
         yield stage
         _fsync_dir(stage)
         _swap_in(stage, dest, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        _remove_if_empty(created)
         raise
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The directories that mkdir(parents=True) would create for `path`, innermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_if_empty(dirs: list[Path]) -> None:
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (someone else wrote there meanwhile) or already gone: leave it and its parents
+            return
 
 
 def _swap_in(stage: Path, dest: Path, force: bool) -> None:
@@ -256,8 +279,8 @@ def _swap_in(stage: Path, dest: Path, force: bool) -> None:
             raise GPT2PortError(f"{dest}: could not move the new checkpoint into place ({_os_reason(e)}; another run "
                                 f"may have written it meanwhile); nothing of this run was left") from None
         _fsync_dir(dest.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        if old is not None:  # still deferred: a Ctrl-C during the renames must not leave the old copy behind
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _rename(src: Path, dst: Path) -> None:
