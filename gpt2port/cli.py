@@ -40,7 +40,9 @@ def _handle_errors(fn):
         except KeyboardInterrupt:
             if debug:
                 raise
-            click.echo("error: interrupted; nothing was left under the output name", err=True)
+            # A Ctrl-C during the final renames is held until they are done, so the output may be complete
+            # (or absent); either way nothing partial was left.
+            click.echo("error: interrupted; no partial output was left", err=True)
             sys.exit(EXIT_INTERRUPTED)
         except Exception as e:  # noqa: BLE001 - the last line of defence of the one-line promise
             if debug:
