@@ -32,7 +32,8 @@ from test_safety import (WEIGHTS, assert_clean_failure, assert_one_line_error, a
 # The CLI with faults patched in, chosen by the JSON in $GPT2PORT_TEST_FAULT:
 #   slow: seconds to sleep before each tensor (and touch `started` at the first), so a signal lands mid-write
 #   go: at the first tensor, after touching `started`, wait until this file exists (lines two runs up for a race)
-#   kill_at_swap: SIGKILL ourselves right after the old checkpoint was moved aside, before the new one moves in
+#   signal_at_swap: send ourselves this signal right after the old checkpoint was moved aside, before the new one
+#   moves in (SIGKILL: nothing can clean up; SIGINT: held until both renames are done)
 FAULTS = r"""
 import json, os, signal, sys, time
 from pathlib import Path
@@ -49,12 +50,12 @@ if "started" in spec:
         time.sleep(spec.get("slow", 0))
         return _write(self, name, tensor)
     W.StreamingSafetensorsWriter.write = write
-if spec.get("kill_at_swap"):
+if "signal_at_swap" in spec:
     _rename = os.rename
     def rename(src, dst, *a, **k):
         _rename(src, dst, *a, **k)
         if W.OLD_MARK in os.path.basename(str(dst)):
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, spec["signal_at_swap"]))
     os.rename = rename
 
 from gpt2port.cli import main
@@ -128,13 +129,15 @@ def _open_on_full_disk(file, mode="r", *args, **kwargs):
     return open(file, mode, *args, **kwargs)
 
 
-@pytest.mark.parametrize("prev", ["absent", "existing"])
+@pytest.mark.parametrize("prev", ["absent", "existing", "absent, parents too"])
 @pytest.mark.parametrize("where", ["header", "mid-data", "config.json"])
 def test_disk_full_injected(where, prev, tiny_src, tiny_ckpt, dest_for, monkeypatch):
     weights_size = (tiny_ckpt / WEIGHTS).stat().st_size
     _FullDisk.budget[0] = {"header": 0, "mid-data": weights_size // 2, "config.json": weights_size + 10}[where]
     monkeypatch.setattr(writer_mod, "open", _open_on_full_disk, raising=False)
     dest = dest_for(prev)
+    if prev == "absent, parents too":  # the directories created for --out go again too
+        dest = dest.parent / "new" / "deeper" / "ckpt"
     before_src, before_dest = snapshot(tiny_src), snapshot(dest)
     result = run_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest))
     line = assert_clean_failure(result, names=["no space left on device"])
@@ -142,6 +145,23 @@ def test_disk_full_injected(where, prev, tiny_src, tiny_ckpt, dest_for, monkeypa
     assert snapshot(tiny_src) == before_src
     assert snapshot(dest) == before_dest
     assert leftovers(dest.parent) == []
+    if prev == "absent, parents too":
+        assert not (dest.parent.parent).exists()
+
+
+def test_export_disk_full_keeps_the_previous_export(tiny_ckpt, tmp_path, monkeypatch):
+    """export writes through the same staging: a failed `export --force` leaves the old export and the
+    checkpoint it reads from as they were."""
+    dest = tmp_path / "exported"
+    assert run_cli("export", tiny_ckpt, "--out", dest, "--to", "hf").exit_code == 0
+    before_ckpt, before_dest = snapshot(tiny_ckpt), snapshot(dest)
+    _FullDisk.budget[0] = 100_000
+    monkeypatch.setattr(writer_mod, "open", _open_on_full_disk, raising=False)
+    result = run_cli("export", tiny_ckpt, "--out", dest, "--to", "hf", "--dtype", "fp16", "--force")
+    assert_clean_failure(result, names=["no space left on device"])
+    assert snapshot(dest) == before_dest
+    assert snapshot(tiny_ckpt) == before_ckpt
+    assert leftovers(tmp_path) == []
 
 
 @pytest.fixture
@@ -226,7 +246,7 @@ def test_sigkill_between_the_renames_of_a_replacement(tiny_src, dest_for):
     SIGTERM are held over those two renames; SIGKILL cannot be. The next run puts the old checkpoint back."""
     dest = dest_for("existing")
     before_dest = snapshot(dest)
-    proc = start_cli("convert", tiny_src, "--out", dest, "-q", "--force", fault={"kill_at_swap": True})
+    proc = start_cli("convert", tiny_src, "--out", dest, "-q", "--force", fault={"signal_at_swap": "SIGKILL"})
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert not dest.exists()
@@ -236,6 +256,20 @@ def test_sigkill_between_the_renames_of_a_replacement(tiny_src, dest_for):
     result = run_cli("convert", tiny_src, "--out", dest, "-q")
     assert_clean_failure(result, names=[dest, "--force"])
     assert snapshot(dest) == before_dest
+    assert leftovers(dest.parent) == []
+
+
+def test_ctrl_c_between_the_renames_is_held_until_they_are_done(tiny_src, dest_for):
+    """Ctrl-C at the worst moment: it waits for the second rename, so the name holds the new checkpoint (fp16 here,
+    the old one is fp32), and the moved-aside old copy is still removed."""
+    dest = dest_for("existing")
+    proc = start_cli("convert", tiny_src, "--out", dest, "-q", "--force", "--dtype", "fp16",
+                     fault={"signal_at_swap": "SIGINT"})
+    out, err = proc.communicate(timeout=120)
+    assert_one_line_error(proc.returncode, err, out, names=["interrupted"])
+    assert proc.returncode == 130
+    assert_valid_checkpoint(dest)
+    assert json.loads((dest / "manifest.json").read_text())["dtype"] == "fp16"
     assert leftovers(dest.parent) == []
 
 

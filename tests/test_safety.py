@@ -531,40 +531,75 @@ def test_unicode_and_space_paths(tmp_path, base_repo):
 
 
 @pytest.fixture
-def read_only_copy(tmp_path, base_repo):
-    """The tiny repo where writing is impossible, even for root: a read-only bind mount when we may mount,
-    else a chmod a-w tree (which binds only non-root users)."""
-    writable = tmp_path / "writable"
-    shutil.copytree(base_repo, writable)
-    ro = tmp_path / "read-only"
-    ro.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "--bind", "-o", "ro", str(writable), str(ro)], capture_output=True).returncode == 0
-    if mounted:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True)
-    else:
-        ro.rmdir()
-        shutil.copytree(base_repo, ro)
-        for p in [*ro.iterdir(), ro]:
-            p.chmod(0o555 if p.is_dir() else 0o444)
-    yield ro, mounted
-    if mounted:
+def read_only_copy(tmp_path):
+    """read_only_copy(dir) -> (a copy where writing is impossible, even for root, mounted?): a read-only bind mount
+    when we may mount, else a chmod a-w tree (which binds only non-root users)."""
+    mounts, trees = [], []
+
+    def make(original: Path):
+        writable = tmp_path / f"writable-{original.name}"
+        shutil.copytree(original, writable)
+        ro = tmp_path / f"read-only-{original.name}"
+        ro.mkdir()
+        mounted = os.geteuid() == 0 and subprocess.run(
+            ["mount", "--bind", "-o", "ro", str(writable), str(ro)], capture_output=True).returncode == 0
+        if mounted:
+            mounts.append(ro)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], capture_output=True)
+            with pytest.raises(OSError):  # the mount really refuses writes: a write-mode open would fail
+                open(ro / "probe", "w")
+        else:
+            ro.rmdir()
+            shutil.copytree(original, ro)
+            for p in [*ro.iterdir(), ro]:
+                p.chmod(0o555 if p.is_dir() else 0o444)
+            trees.append(ro)
+        return ro, mounted
+
+    yield make
+    for ro in mounts:
         subprocess.run(["umount", str(ro)], check=True)
-    else:
+    for ro in trees:
         ro.chmod(0o755)
 
 
-def test_read_only_source_converts(tmp_path, read_only_copy):
-    ro, mounted = read_only_copy
-    if mounted:  # the mount really refuses writes, so a write-mode open anywhere in gpt2port would fail
-        with pytest.raises(OSError):
-            open(ro / "probe", "w")
+def test_read_only_source_converts(tmp_path, base_repo, read_only_copy):
+    ro, _ = read_only_copy(base_repo)
     before = snapshot(ro)
     dest = tmp_path / "out"
     result = run_cli("convert", ro, "--out", dest, "-q")
     assert result.exit_code == 0, result.stderr
     assert_valid_checkpoint(dest)
     assert snapshot(ro) == before
+
+
+def test_read_only_checkpoint_loads_exports_and_reports(tmp_path, tiny_ckpt, read_only_copy):
+    from gpt2port import GPT
+
+    ro, _ = read_only_copy(tiny_ckpt)
+    before = snapshot(ro)
+    assert run_cli("info", ro).exit_code == 0
+    assert run_cli("export", ro, "--out", tmp_path / "hf", "--to", "hf").exit_code == 0
+    model = GPT.from_pretrained(ro)
+    with torch.no_grad():
+        model(torch.tensor([[464, 3290]]))
+    assert snapshot(ro) == before
+
+
+def test_changing_loaded_weights_never_writes_to_the_checkpoint(tmp_path, tiny_ckpt):
+    """from_pretrained maps the file copy-on-write: fine-tuning the model in place (what an optimizer does) changes
+    private pages, never the file on disk."""
+    from gpt2port import GPT
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ckpt)
+    before = snapshot(ckpt)
+    model = GPT.from_pretrained(ckpt)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    del model
+    assert snapshot(ckpt) == before
 
 
 # --- a failure nobody planned for still ends in one line ------------------------------------------------------------------
