@@ -209,6 +209,10 @@ def staged_directory(dest: Path, force: bool = False):
     directory is complete: it is moved aside, the new one renamed in, and only then removed.
     """
     dest = Path(dest)
+    if dest.is_symlink():
+        # checkpoints/gpt2 -> /big/disk/gpt2: the checkpoint lives at the target, so build and replace it there
+        # (renaming the link itself aside would leave the link behind as a leftover and the target orphaned).
+        dest = Path(os.path.realpath(dest))
     parent = dest.parent
     created = _missing_parents(parent)  # removed again on failure: a failed run leaves no trace, not even those
     try:

@@ -508,3 +508,19 @@ def test_failed_download_replacement_keeps_checkpoint_and_cache(small_hub, tmp_p
     # What the first download put in the cache (the source of the checkpoint) is untouched, byte for byte.
     after_cache = snapshot(cache)
     assert {k: v for k, v in after_cache.items() if k in before_cache} == before_cache
+
+
+def test_force_through_a_symlinked_destination_replaces_the_target(tiny_src, tiny_ckpt, tmp_path):
+    """checkpoints/ckpt -> ../big-disk/ckpt: --force replaces the checkpoint where it lives; the link keeps working
+    and nothing is left in either directory."""
+    target = tmp_path / "big-disk" / "ckpt"
+    shutil.copytree(tiny_ckpt, target)
+    link = tmp_path / "checkpoints" / "ckpt"
+    link.parent.mkdir()
+    link.symlink_to(Path("..") / "big-disk" / "ckpt", target_is_directory=True)
+    result = run_cli("convert", tiny_src, "--out", link, "-q", "--force", "--dtype", "fp16")
+    assert result.exit_code == 0, result.stderr
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert json.loads((target / "manifest.json").read_text())["dtype"] == "fp16"
+    assert_valid_checkpoint(link)
+    assert leftovers(link.parent) == [] and leftovers(target.parent) == []
