@@ -88,29 +88,33 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, p
             return read
 
         items = [(m.target, out_dtype, shapes[m.target], produce(m)) for m in ordered]
-        with staged_directory(out, force) as stage:
-            stream_safetensors(stage / WEIGHTS, items, dict(FORMAT_TAG), progress)
-            write_json(stage / CONFIG, config_json(config))
-            for f in source.tokenizer_files():
-                copy_file(f, stage / f.name)
-            n_params = sum(_numel(s) for s in shapes.values())
-            write_json(stage / MANIFEST, {
-                "tool": "gpt2port",
-                "version": __version__,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "dtype": DTYPE_LABELS[out_dtype],
-                "n_params": n_params,
-                "source": {
-                    "path": str(src.resolve()),
-                    "dtype": str(source.dtype()).removeprefix("torch."),
-                    "files": hasher.results(),
-                    "dropped_keys": len(dropped),
-                    "head": "checked equal to wte" if head else "absent (tied)",
-                    **(provenance or {}),
-                },
-                "files": {WEIGHTS: (stage / WEIGHTS).stat().st_size},
-                "warnings": warnings,
-            })
+        try:
+            with staged_directory(out, force) as stage:
+                stream_safetensors(stage / WEIGHTS, items, dict(FORMAT_TAG), progress)
+                write_json(stage / CONFIG, config_json(config))
+                for f in source.tokenizer_files():
+                    copy_file(f, stage / f.name)
+                n_params = sum(_numel(s) for s in shapes.values())
+                write_json(stage / MANIFEST, {
+                    "tool": "gpt2port",
+                    "version": __version__,
+                    "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "dtype": DTYPE_LABELS[out_dtype],
+                    "n_params": n_params,
+                    "source": {
+                        "path": str(src.resolve()),
+                        "dtype": str(source.dtype()).removeprefix("torch."),
+                        "files": hasher.results(),
+                        "dropped_keys": len(dropped),
+                        "head": "checked equal to wte" if head else "absent (tied)",
+                        **(provenance or {}),
+                    },
+                    "files": {WEIGHTS: (stage / WEIGHTS).stat().st_size},
+                    "warnings": warnings,
+                })
+        except BaseException:
+            hasher.cancel()  # a failed conversion needs no digests: stop reading the source now
+            raise
     return ConvertResult(out, n_params, out_dtype, (out / WEIGHTS).stat().st_size, time.perf_counter() - t0, warnings)
 
 
@@ -164,6 +168,7 @@ class _SourceHasher:
         self._known = known
         self._digests: dict[Path, str] = {}
         self._error: BaseException | None = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -174,11 +179,16 @@ class _SourceHasher:
                     continue
                 h = hashlib.sha256()
                 with open(f, "rb") as fh:
-                    while chunk := fh.read(HASH_CHUNK):
+                    while not self._stop.is_set() and (chunk := fh.read(HASH_CHUNK)):
                         h.update(chunk)
                 self._digests[f] = h.hexdigest()
         except BaseException as e:  # noqa: BLE001 - reported on the main thread by results()
             self._error = e
+
+    def cancel(self) -> None:
+        """Stop reading the source (the conversion failed; no manifest will need the digests)."""
+        self._stop.set()
+        self._thread.join()
 
     def results(self) -> list[dict]:
         self._thread.join()
