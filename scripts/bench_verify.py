@@ -1,0 +1,145 @@
+"""Wall time, peak RSS and measured errors of `gpt2port verify` at the four GPT-2 sizes, on random weights.
+
+For each size: a full-size random-weight hub-layout HF directory (hf_fixtures.write_random_hub_file, fp32, with the
+genuine tokenizer files), converted by `gpt2port convert --dtype D` for each requested dtype, then
+`gpt2port verify CKPT --json` run as a child process. Its peak RSS comes from os.wait4 on exactly that child (not
+the converter, not this script); its wall time is measured around it. The errors it measured (ours and HF against
+the float64 reference) are the numbers behind gpt2port.verify.TOLERANCES.
+
+Usage:
+    python scripts/bench_verify.py --sizes gpt2                       # one size, fp32, full 1024-token inputs
+    python scripts/bench_verify.py --sizes gpt2,gpt2-medium --dtypes fp32,bf16 --tokens 128
+    python scripts/bench_verify.py                                    # all four sizes (gpt2-xl needs ~13 GB disk)
+Prints a markdown table; --json-out FILE also saves every verify report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import hf_fixtures  # noqa: E402
+
+SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+GPT2PORT = [sys.executable, "-m", "gpt2port"]
+
+
+def make_source(work: Path, size: str) -> Path:
+    """The random-weight HF directory for `size`, made once and reused by later runs with the same --workdir."""
+    src = work / size / "hf"
+    if (src / "model.safetensors").is_file() and (src / "config.json").is_file():
+        return src
+    src.mkdir(parents=True, exist_ok=True)
+    hf_fixtures.write_random_hub_file(src / "model.safetensors", size, "fp32", seed=0)
+    for name, path in hf_fixtures.tokenizer_files().items():
+        shutil.copyfile(path, src / name)
+    return src
+
+
+def convert(src: Path, out: Path, dtype: str) -> None:
+    if (out / "model.safetensors").is_file():
+        return
+    subprocess.run(GPT2PORT + ["convert", str(src), "--out", str(out), "--dtype", dtype, "--force", "-q"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+
+def run_measured(cmd: list[str]) -> tuple[int, float, float, str]:
+    """(exit code, wall seconds, peak RSS in GB of this child alone, stdout)."""
+    with tempfile.TemporaryFile() as out:
+        t0 = time.perf_counter()
+        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - t0
+        child.returncode = os.waitstatus_to_exitcode(status)
+        err = child.stderr.read().decode(errors="replace")
+        child.stderr.close()
+        out.seek(0)
+        text = out.read().decode()
+    if child.returncode not in (0, 1):
+        raise SystemExit(f"{' '.join(cmd)} exited {child.returncode}:\n{err[-2000:]}")
+    return child.returncode, wall, usage.ru_maxrss / 1024**2, text  # ru_maxrss is in KiB on Linux
+
+
+def bench_one(work: Path, size: str, dtype: str, tokens: int | None, no_hf: bool) -> dict:
+    src = make_source(work, size)
+    ckpt = work / size / f"ckpt-{dtype}"
+    convert(src, ckpt, dtype)
+    cmd = GPT2PORT + ["verify", str(ckpt), "--json"] + (["--tokens", str(tokens)] if tokens else [])
+    cmd += ["--no-hf"] if no_hf else []
+    code, wall, rss, text = run_measured(cmd)
+    report = json.loads(text)
+    overall = report["metrics"]["overall"]
+    worst = max(report["localization"]["stages"], key=lambda s: s["rel"])
+    return {"size": size, "dtype": dtype, "params": report["model"]["n_params"], "exit": code,
+            "verdict": report["verdict"], "wall_s": wall, "peak_rss_gb": rss, "timings": report["timings"],
+            "random": next(i["shape"] for i in report["inputs"] if i["kind"] == "random"),
+            "ours": overall["ours_vs_f64"], "hf": overall["hf_vs_f64"], "worst_stage": worst,
+            "greedy": overall.get("greedy"), "loss": overall.get("loss"), "report": report}
+
+
+def _e(x) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| size | params | dtype | random ids | verdict | wall s | peak RSS GB | ours / f64 / HF s "
+            "| ours max rel | HF max rel | ours KL | HF KL | worst stage rel | cached rel | loss diff |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        t = r["timings"]
+        hf = r["hf"] or {}
+        g, loss = r["greedy"] or {}, r["loss"] or {}
+        lines.append(
+            f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {'x'.join(map(str, r['random']))} "
+            f"| {r['verdict']} | {r['wall_s']:.0f} | {r['peak_rss_gb']:.2f} "
+            f"| {t['ours']:.0f} / {t['reference']:.0f} / {t.get('hf', 0):.0f} "
+            f"| {_e(r['ours']['max_rel'])} | {_e(hf.get('max_rel'))} | {_e(r['ours']['kl_mean'])} "
+            f"| {_e(hf.get('kl_mean'))} | {_e(r['worst_stage']['rel'])} ({r['worst_stage']['stage']}) "
+            f"| {_e(g.get('cached_max_rel'))} | {_e(loss.get('max_diff'))} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {', '.join(SIZES)}")
+    ap.add_argument("--dtypes", default="fp32", help="comma-separated checkpoint dtypes: fp32, fp16, bf16")
+    ap.add_argument("--tokens", type=int, default=None, help="random-id input length (default: full context)")
+    ap.add_argument("--no-hf", action="store_true", help="float64 reference only")
+    ap.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) the random checkpoints here")
+    ap.add_argument("--json-out", type=Path, default=None, help="save every full verify report here")
+    args = ap.parse_args()
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        ap.error(f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="bench-verify-"))
+    rows = []
+    try:
+        for size in sizes:
+            for dtype in args.dtypes.split(","):
+                print(f"[{size} {dtype}] ...", file=sys.stderr, flush=True)
+                rows.append(bench_one(work, size, dtype.strip(), args.tokens, args.no_hf))
+                r = rows[-1]
+                print(f"[{size} {dtype}] {r['verdict']} in {r['wall_s']:.0f}s, peak RSS {r['peak_rss_gb']:.2f} GB",
+                      file=sys.stderr, flush=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"gpt2port verify on random-weight checkpoints; {os.cpu_count()} CPUs, torch threads default\n")
+    print(table(rows))
+    if args.json_out:
+        args.json_out.write_text(json.dumps([r["report"] for r in rows], indent=2))
+
+
+if __name__ == "__main__":
+    main()
