@@ -191,6 +191,25 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return logits, loss
 
+    @torch.no_grad()
+    def decode_layout(self) -> "GPT":
+        """Faster CPU generation (~1.2x tokens/s): store the wide matrices (qkv, fc, and the tied embedding/head)
+        transposed in memory. Shapes, values and Parameters stay the same; only strides change.
+
+        Decoding one token per step makes every layer a matrix-vector product. CPU BLAS streams a weight of shape
+        (out, in) > (in) as many short dot products, ~1.3x slower (1.6x for the 50257-row head) than over the same
+        numbers stored (in, out), which is what F.linear then reads. Prefill and training are unaffected either way.
+        Costs one copy of those weights (no longer memory-mapped); state_dict() still returns contiguous tensors.
+        """
+        wide = {id(m.weight): m.weight for m in self.modules()
+                if isinstance(m, nn.Linear) and m.out_features > m.in_features}
+        for p in wide.values():
+            if p.is_contiguous():
+                p.data = p.data.t().contiguous().t()
+        if not getattr(self, "_contiguous_state_hook", None):
+            self._contiguous_state_hook = self.register_state_dict_post_hook(_contiguous_state)
+        return self
+
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | None = None) -> "GPT":
@@ -198,3 +217,14 @@ class GPT(nn.Module):
         from gpt2port.checkpoint import load_model
 
         return load_model(path, dtype=dtype, device=device)
+
+
+def _contiguous_state(module, state_dict, prefix, local_metadata) -> None:
+    """After decode_layout(): hand out contiguous tensors (safetensors refuses others), shared ones still shared."""
+    copies = {}
+    for k, t in state_dict.items():
+        if not t.is_contiguous():
+            key = (t.data_ptr(), t.shape, t.stride(), t.dtype)  # state_dict detaches: each entry is a new object
+            if key not in copies:
+                copies[key] = t.contiguous()
+            state_dict[k] = copies[key]

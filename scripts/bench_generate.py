@@ -1,15 +1,16 @@
-"""Generation speed of gpt2port vs Hugging Face transformers, side by side in one process, same threads.
+"""Generation speed of gpt2port vs Hugging Face transformers on CPU, side by side in one process, same threads.
 
 For each size: a random-weight hub-layout checkpoint is written (hf_fixtures.write_random_hub_file), converted with
 gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the same files. Then:
 
-  decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill;
-           gpt2port fp32 and bf16, HF fp32; the runs alternate (ours, HF, ours, HF, ...) and the best is kept,
-           so both see the same machine load.
+  decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill.
+           Contenders: gpt2port fp32 as `gpt2port generate` runs it (GPT.decode_layout()), gpt2port fp32 as loaded
+           (plain layout), HF generate fp32; they alternate run by run, so all see the same machine load, and the
+           best run of each counts. Then gpt2port bf16.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
-           fp32 matrix-vector product (the operation a decode step is made of).
-  prefill  one forward over 1024 tokens, all logits, gpt2port vs HF (fp32), best of --repeats.
+           fp32 matrix-vector product (F.linear of one row against a 256 MB weight).
+  prefill  one forward over 1024 tokens with all logits, each fp32 contender, best of --repeats.
 
 Usage: python scripts/bench_generate.py [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
 """
@@ -20,6 +21,7 @@ import argparse
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -37,6 +39,7 @@ from gpt2port.convert import convert  # noqa: E402
 from gpt2port.generate import steps  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
+OURS, PLAIN, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, plain layout", "HF fp32", "gpt2port bf16"
 
 
 def matvec_bandwidth(repeats: int = 20) -> float:
@@ -91,6 +94,8 @@ def prepare(size: str, root: Path) -> tuple[Path, Path]:
         hf_dir.mkdir(parents=True, exist_ok=True)
         print(f"[{size}] writing random hub-layout weights to {hf_dir}", file=sys.stderr)
         hf_fixtures.write_random_hub_file(hf_dir / "model.safetensors", size, "fp32", seed=0)
+        for name, path in hf_fixtures.tokenizer_files().items():  # so `gpt2port generate` runs on the result
+            shutil.copyfile(path, hf_dir / name)
     if not (ckpt / "model.safetensors").is_file():
         print(f"[{size}] converting to {ckpt}", file=sys.stderr)
         convert(hf_dir, ckpt, force=True)
@@ -98,69 +103,68 @@ def prepare(size: str, root: Path) -> tuple[Path, Path]:
 
 
 def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
+    """Decode and prefill rates of each contender; the fp32 ones run interleaved, repeat by repeat."""
     from transformers import GPT2LMHeadModel
 
     hf_dir, ckpt = prepare(size, root)
-    ours = GPT.from_pretrained(ckpt)
+    ours = GPT.from_pretrained(ckpt).decode_layout()  # what `gpt2port generate` does on CPU
+    plain = GPT.from_pretrained(ckpt)  # memory-mapped as loaded: the layout without decode_layout()
     hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 50257, (1, PROMPT_LEN), generator=g)
     long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g)
+    fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
+            PLAIN: (lambda p: ours_decode(plain, p), plain),
+            HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits)}
 
     print(f"[{size}] warm-up", file=sys.stderr)
-    ours_decode(ours, prompt[:, :4])
-    hf_decode(hf, prompt[:, :4])
-    rates = {"gpt2port fp32": [], "HF fp32": []}
+    for decode, _ in fp32.values():
+        decode(prompt[:, :4])
+    rates, tokens = {name: [] for name in fp32}, {}
     for r in range(repeats):
-        rate, ours_tokens = ours_decode(ours, prompt)
-        rates["gpt2port fp32"].append(rate)
-        rate, hf_tokens = hf_decode(hf, prompt)
-        rates["HF fp32"].append(rate)
-        print(f"[{size}] decode run {r + 1}: ours {rates['gpt2port fp32'][-1]:.2f}, HF {rate:.2f} tokens/s",
+        for name, (decode, _) in fp32.items():
+            rate, tokens[name] = decode(prompt)
+            rates[name].append(rate)
+        print(f"[{size}] decode run {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()),
               file=sys.stderr)
-    same = sum(a == b for a, b in zip(ours_tokens, hf_tokens))
-
-    print(f"[{size}] prefill {PREFILL_LEN}", file=sys.stderr)
-    prefill = {"gpt2port fp32": prefill_seconds(ours, long, repeats),
-               "HF fp32": prefill_seconds(lambda i: hf(i).logits, long, repeats)}
-    fp32_bytes = weight_bytes_per_token(ours)
-    del hf
+    print(f"[{size}] prefill {PREFILL_LEN} tokens", file=sys.stderr)
+    prefill = {name: prefill_seconds(forward, long, repeats) for name, (_, forward) in fp32.items()}
+    bytes_per_token = {name: weight_bytes_per_token(plain) for name in fp32}
+    del hf, ours, plain
     gc.collect()
 
-    bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16)
+    bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16).decode_layout()
     ours_decode(bf16, prompt[:, :4])
-    rates["gpt2port bf16"] = [ours_decode(bf16, prompt)[0] for _ in range(repeats)]
-    bf16_bytes = weight_bytes_per_token(bf16)
-    del bf16, ours
+    rates[OURS_BF16] = [ours_decode(bf16, prompt)[0] for _ in range(repeats)]
+    bytes_per_token[OURS_BF16] = weight_bytes_per_token(bf16)
+    del bf16
     gc.collect()
 
     best = {k: max(v) for k, v in rates.items()}
-    bytes_per_token = {"gpt2port fp32": fp32_bytes, "HF fp32": fp32_bytes, "gpt2port bf16": bf16_bytes}
     return {
         "size": size,
         "tokens_per_s": best,
         "all_runs": rates,
-        "speedup_vs_hf_fp32": best["gpt2port fp32"] / best["HF fp32"],
-        "speedup_bf16_vs_hf_fp32": best["gpt2port bf16"] / best["HF fp32"],
+        "vs_hf": {k: best[k] / best[HF] for k in best},
         "floor_tokens_per_s": {k: bandwidth / b for k, b in bytes_per_token.items()},
         "fraction_of_floor": {k: best[k] / (bandwidth / bytes_per_token[k]) for k in best},
-        "greedy_tokens_equal_to_hf": f"{same}/{NEW_TOKENS}",
+        "greedy_tokens_equal_to_hf": f"{sum(a == b for a, b in zip(tokens[OURS], tokens[HF]))}/{NEW_TOKENS}",
         "prefill_seconds": prefill,
-        "prefill_speedup_vs_hf": prefill["HF fp32"] / prefill["gpt2port fp32"],
+        "prefill_vs_hf": {k: prefill[HF] / v for k, v in prefill.items()},
     }
 
 
 def report(result: dict) -> str:
-    lines = [f"== {result['size']} ==  greedy, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens"]
+    lines = [f"== {result['size']} ==  decode: greedy, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens "
+             f"(best of the runs)"]
     for k, rate in result["tokens_per_s"].items():
-        lines.append(f"  {k:14s} {rate:7.2f} tokens/s   {result['fraction_of_floor'][k]:5.1%} of the bandwidth "
-                     f"floor ({result['floor_tokens_per_s'][k]:.1f} tokens/s)")
-    lines.append(f"  gpt2port fp32 / HF fp32: {result['speedup_vs_hf_fp32']:.2f}x   "
-                 f"gpt2port bf16 / HF fp32: {result['speedup_bf16_vs_hf_fp32']:.2f}x   "
-                 f"(greedy tokens equal to HF: {result['greedy_tokens_equal_to_hf']})")
-    p = result["prefill_seconds"]
-    lines.append(f"  prefill {PREFILL_LEN} tokens: gpt2port {p['gpt2port fp32']:.3f} s, HF {p['HF fp32']:.3f} s "
-                 f"-> {result['prefill_speedup_vs_hf']:.2f}x")
+        lines.append(f"  {k:28s} {rate:7.2f} tokens/s  {result['vs_hf'][k]:5.2f}x HF   "
+                     f"{result['fraction_of_floor'][k]:6.1%} of its bandwidth floor "
+                     f"({result['floor_tokens_per_s'][k]:.1f} tokens/s)")
+    lines.append(f"  greedy tokens equal to HF's: {result['greedy_tokens_equal_to_hf']}")
+    lines.append(f"  prefill, one {PREFILL_LEN}-token forward with all logits (best of the runs):")
+    for k, seconds in result["prefill_seconds"].items():
+        lines.append(f"  {k:28s} {seconds:7.3f} s        {result['prefill_vs_hf'][k]:5.2f}x HF")
     return "\n".join(lines)
 
 

@@ -106,7 +106,7 @@ def test_greedy_equals_hf_generate_124m(gpt2_hf_repo, gpt2_ckpt):
 
     hf = GPT2LMHeadModel.from_pretrained(gpt2_hf_repo).eval()
     hf.generation_config.eos_token_id = None
-    ours = GPT.from_pretrained(gpt2_ckpt)
+    ours = GPT.from_pretrained(gpt2_ckpt).decode_layout()  # as `gpt2port generate` runs on CPU
     prompts = [[464, 3290], [15496, 995, 11, 314, 1101, 257, 3290, 13, 50256, 40], list(range(3000, 3017))]
     assert generate(ours, prompts[:1], N_NEW, temperature=0, stop_token=None) == hf_greedy(hf, prompts[:1], N_NEW)
     got = generate(ours, prompts, N_NEW, temperature=0, stop_token=None)
@@ -124,6 +124,31 @@ def test_greedy_equals_hf_generate_124m(gpt2_hf_repo, gpt2_ckpt):
         for step, hf_logits in enumerate(ref.logits):
             torch.testing.assert_close(logits, hf_logits, rtol=1e-4, atol=1e-4 * float(hf_logits.abs().max()))
             logits = ours(ref.sequences[:, L + step : L + step + 1], cache=cache, last_only=True)[:, -1]
+
+
+def test_decode_layout_changes_strides_not_results(lively, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf, plain, ckpt = lively
+    fast = GPT.from_pretrained(ckpt).decode_layout()
+    moved = {n for n, p in fast.named_parameters() if not p.is_contiguous()}
+    assert moved == {"tok_emb.weight"} | {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "mlp.fc")}
+    assert fast.lm_head.weight is fast.tok_emb.weight
+    assert generate(fast, TINY_PROMPTS, N_NEW, temperature=0, stop_token=None) == hf_greedy(hf, TINY_PROMPTS, N_NEW)
+    idx = torch.tensor([TINY_PROMPTS[3]])
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(idx), plain(idx), rtol=1e-5, atol=1e-5)
+    # Saving still works and gives the same numbers; the tied head stays one tensor.
+    state = fast.state_dict()
+    assert all(t.is_contiguous() for t in state.values()) and state["lm_head.weight"] is state["tok_emb.weight"]
+    save_file({k: t for k, t in state.items() if k != "lm_head.weight"}, tmp_path / "m.safetensors")
+    saved = load_file(tmp_path / "m.safetensors")
+    for k, t in plain.state_dict().items():
+        assert k == "lm_head.weight" or torch.equal(saved[k], t), k
+    # And it still trains.
+    _, loss = fast(idx[:, :-1], targets=idx[:, 1:])
+    loss.backward()
+    assert fast.tok_emb.weight.grad.shape == fast.tok_emb.weight.shape
 
 
 # --- the KV cache ------------------------------------------------------------------------------------------------------
