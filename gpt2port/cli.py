@@ -161,6 +161,39 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
 
 
 # --- verify: owned by the verify issue -------------------------------------------------------------------------------
+@main.command()
+@click.argument("ckpt")
+@click.option("--reference", type=click.Path(path_type=str), default=None,
+              help="HF checkpoint to compare with (default: the source recorded in the checkpoint's manifest).")
+@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Compute dtype for ours and HF (default: the checkpoint's).")
+@click.option("--tokens", type=click.IntRange(min=2), default=None,
+              help="Length of the random-id inputs (default: the full context, e.g. 1024); shorter is faster.")
+@click.option("--no-hf", "no_hf", is_flag=True, help="Skip transformers; judge against the float64 reference alone.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout (schema gpt2port.verify/1).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the verdict line.")
+@_handle_errors
+def verify(ckpt, reference, dtype, tokens, no_hf, as_json, quiet):
+    """Prove in numbers that CKPT computes what the reference computes; exit 1 on FAIL.
+
+    Runs the converted model, an independent float64 GPT-2 over the original HF files, and (when installed)
+    transformers' GPT2LMHeadModel on natural-text prompts and random ids at full context; compares logits, next-token
+    distributions, greedy continuations and loss; judges each block alone to name the first one that differs.
+    """
+    from gpt2port.verify import run_verify
+
+    report = run_verify(ckpt, reference=reference, dtype=dtype, tokens=tokens, progress=not quiet and not as_json,
+                        hf=not no_hf)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    elif quiet:
+        click.echo(report.to_text().splitlines()[-1])
+    else:
+        click.echo(report.to_text())
+    sys.exit(0 if report.passed else EXIT_FAILURE)
+
+
 # --- generate: owned by the generation issue ------------------------------------------------------------------------
 @main.command()
 @click.argument("ckpt")
