@@ -224,6 +224,9 @@ class Float64GPT2:
         return self
 
     def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
         self.files.close()
 
     def _block(self, i: int) -> dict[str, torch.Tensor]:

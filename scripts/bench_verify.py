@@ -102,7 +102,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['dtype']} | {'x'.join(map(str, r['random']))} "
             f"| {r['verdict']} | {r['wall_s']:.0f} | {r['peak_rss_gb']:.2f} "
-            f"| {t['ours']:.0f} / {t['reference']:.0f} / {t.get('hf', 0):.0f} "
+            f"| {t['ours']:.0f} / {t['reference']:.0f} / {t['hf'] or 0:.0f} "
             f"| {_e(r['ours']['max_rel'])} | {_e(hf.get('max_rel'))} | {_e(r['ours']['kl_mean'])} "
             f"| {_e(hf.get('kl_mean'))} | {_e(r['worst_stage']['rel'])} ({r['worst_stage']['stage']}) "
             f"| {_e(g.get('cached_max_rel'))} | {_e(loss.get('max_diff'))} |")

@@ -41,6 +41,19 @@ def tiny_ckpts(tmp_path_factory, make_hf_repo, tiny_ckpt):
     return made
 
 
+@pytest.fixture(scope="module")
+def pass_report(tiny_ckpts):
+    """run_verify on each correct tiny conversion, computed once per module and shared by the tests that read it."""
+    made = {}
+
+    def get(dtype):
+        if dtype not in made:
+            made[dtype] = run_verify(tiny_ckpts[dtype])
+        return made[dtype]
+
+    return get
+
+
 def corrupted(ckpt, tmp_path, edit):
     """A copy of `ckpt` whose model.safetensors was loaded, edited in place by edit(tensors), and saved back with the
     same metadata, as a buggy converter would have written it."""
@@ -59,8 +72,8 @@ def corrupted(ckpt, tmp_path, edit):
 # --- PASS on correct conversions ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_passes_correct_tiny_conversion(tiny_ckpts, dtype):
-    report = run_verify(tiny_ckpts[dtype])
+def test_passes_correct_tiny_conversion(pass_report, dtype):
+    report = pass_report(dtype)
     assert report.passed, report.to_text()
     assert report.dtype == dtype and report.reference["hf"] is True
     overall = report.metrics["overall"]
@@ -173,7 +186,7 @@ def test_fails_on_exact_erf_gelu(gelu_sensitive_repo, tmp_path):
     assert report.localization["stages"][1]["passed"]  # block 0 attention is untouched
 
 
-def test_known_answer_checked_for_the_official_gpt2(tiny_ckpt, tmp_path):
+def test_known_answer_checked_for_the_official_gpt2(tiny_ckpt, tmp_path, pass_report):
     """A manifest naming openai-community/gpt2 brings in BRIEF §3's known answer; random weights cannot produce it."""
     out = tmp_path / "official"
     shutil.copytree(tiny_ckpt, out)
@@ -186,7 +199,7 @@ def test_known_answer_checked_for_the_official_gpt2(tiny_ckpt, tmp_path):
     assert all(c.passed for c in report.checks if c is not check)  # the numbers themselves are right
     known = next(i for i in report.inputs if i["kind"] == "known")
     assert known["shape"] == [1, len(KNOWN_ANSWER["expected"]) - 1]
-    assert not any(c.name.startswith("known answer") for c in run_verify(tiny_ckpt, hf=False).checks)
+    assert not any(c.name.startswith("known answer") for c in pass_report("fp32").checks)  # not for others
 
 
 def test_works_without_transformers(tiny_ckpt, monkeypatch):
@@ -291,3 +304,23 @@ def test_cli_reference_override_and_errors(tiny_ckpt, make_hf_repo, tmp_path):
     assert missing.exit_code == 1 and "no such checkpoint directory" in missing.output
     other = runner.invoke(main, ["verify", str(moved), "--reference", str(tmp_path)])
     assert other.exit_code == 1 and "no GPT-2 weights for the reference" in other.output
+
+
+def test_config_mismatch_fails_without_computing(tiny_ckpt, make_hf_repo):
+    deeper = hf_fixtures.make_hf_model(hf_fixtures.hf_config(dict(hf_fixtures.TINY, n_layer=3)), seed=3)
+    result = CliRunner().invoke(main, ["verify", str(tiny_ckpt), "--reference", str(make_hf_repo("hub", model=deeper)),
+                                       "--json"])
+    assert result.exit_code == 1
+    d = json.loads(result.stdout)
+    _check_schema(d)
+    assert d["failures"] == ["config matches the reference: n_layer 2 vs reference 3"]
+
+
+def test_fails_on_wrong_layernorm_eps(tiny_ckpt, make_hf_repo):
+    config = read_config(tiny_ckpt)
+    config.layer_norm_epsilon = 1e-6  # GPT-2's is 1e-5
+    model = GPT(config).eval()
+    model.load_state_dict(load_model(tiny_ckpt).state_dict())
+    report = verify_model(model, make_hf_repo("hub"), hf=False)
+    assert not report.passed
+    assert report.localization["first_divergence"].startswith("block 0: attention output differs")
