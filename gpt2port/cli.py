@@ -186,7 +186,7 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, quiet):
     if as_json:
         import json
 
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(json.dumps(report.to_dict(), indent=2, allow_nan=False))
     elif quiet:
         click.echo(report.to_text().splitlines()[-1])
     else:

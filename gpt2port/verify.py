@@ -24,6 +24,7 @@ Error measures (all computed in float64):
 from __future__ import annotations
 
 import gc
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -396,11 +397,17 @@ _PART_WORDS = {"embeddings": "embeddings differ", "attention": "attention output
 
 def _divergence_message(s: dict) -> str:
     where = f"block {s['block']}: " if s["block"] is not None else ""
-    return f"{where}{_PART_WORDS[s['part']]} (rel {s['rel']:.2e} > {s['tolerance']:.0e})"
+    return f"{where}{_PART_WORDS[s['part']]} (rel {s['rel']:.2e} > {s['tolerance']:.2g})"
+
+
+def _num(x) -> float:
+    """A tensor scalar as float, NaN as +inf: max() would silently skip a NaN, and a NaN must fail every check."""
+    x = float(x)
+    return math.inf if math.isnan(x) else x
 
 
 def _absmax(t: torch.Tensor) -> float:
-    return max(float(t.max()), -float(t.min()))  # max|t| without a full-size temporary
+    return max(_num(t.max()), -float(t.min()))  # max|t| without a full-size temporary
 
 
 def _max_errors(pairs) -> tuple[float, float]:
@@ -408,7 +415,7 @@ def _max_errors(pairs) -> tuple[float, float]:
     max_abs, rel = 0.0, 0.0
     for ours, ref in pairs:
         o, r = ours.reshape(-1, ours.shape[-1]), ref.reshape(-1, ref.shape[-1])
-        d = max(float((o[s:s + CHUNK].to(torch.float64) - r[s:s + CHUNK]).abs().max())
+        d = max(_num((o[s:s + CHUNK].to(torch.float64) - r[s:s + CHUNK]).abs().max())
                 for s in range(0, r.shape[0], CHUNK))
         max_abs, rel = max(max_abs, d), max(rel, _ratio(d, _absmax(r)))
     return max_abs, rel
@@ -430,9 +437,9 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor, tol_rel: float) -> dic
     agree = unexplained = top5 = 0
     for s in range(0, n, CHUNK):
         o, r = o_all[s:s + CHUNK].to(torch.float64), r_all[s:s + CHUNK].to(torch.float64)
-        max_abs = max(max_abs, float((o - r).abs().max()))
+        max_abs = max(max_abs, _num((o - r).abs().max()))
         logp, logq = F.log_softmax(r, dim=-1), F.log_softmax(o, dim=-1)
-        kl += float((logp.exp() * (logp - logq)).sum().clamp_min(0))  # >= 0 in exact arithmetic
+        kl += _num((logp.exp() * (logp - logq)).sum().clamp_min(0))  # >= 0 in exact arithmetic
         r_top, o_top = r.argmax(-1), o.argmax(-1)
         agree += int((r_top == o_top).sum())
         margin = r.gather(1, r_top[:, None]) - r.gather(1, o_top[:, None])
@@ -467,7 +474,7 @@ def _prompt_metrics(inputs, ours_logits, ref_logits, hf, per_input, tol) -> None
         scale = _absmax(r)
         allow = 2 * tol.logits_rel * scale
         g = _greedy_vs_ref(inp, r, allow)
-        cached_abs = float((inp.step_logits.to(torch.float64) - r[:, inp.greedy_cols()]).abs().max())
+        cached_abs = _num((inp.step_logits.to(torch.float64) - r[:, inp.greedy_cols()]).abs().max())
         g["cached_max_rel"] = cached_abs / scale
         if hf is not None:
             g.update(_greedy_vs_hf(inp, hf["greedy"][inp.name], r, allow))

@@ -16,11 +16,15 @@ JSON schema "gpt2port.verify/1" (keys are only ever added, never renamed or remo
     localization  {"first_divergence": str|null, "stages": [{"stage", "block", "part", "max_abs", "rel",
                   "tolerance", "passed"}], "stream": [{"block", "max_abs", "rel"}]}
     checks        [{"name", "passed", "value", "tolerance", "detail"}]
-    notes         [str]; timings {"ours", "reference", "hf", "total"} in seconds
+    notes         [str]; timings {"ours", "reference", "hf", "total"} in seconds (null: phase not run)
+
+Non-finite numbers (a NaN anywhere fails as an infinite error) appear as the strings "inf", "-inf", "nan", so the
+document is strict JSON.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 SCHEMA = "gpt2port.verify/1"
@@ -61,7 +65,7 @@ class VerifyReport:
         return ([first] if first else []) + lines
 
     def to_dict(self) -> dict:
-        return {
+        return _finite({
             "schema": SCHEMA,
             "passed": self.passed,
             "verdict": "PASS" if self.passed else "FAIL",
@@ -78,10 +82,21 @@ class VerifyReport:
             "checks": [asdict(c) for c in self.checks],
             "notes": self.notes,
             "timings": self.timings,
-        }
+        })
 
     def to_text(self) -> str:
         return render_text(self)
+
+
+def _finite(x):
+    """Strict JSON has no Infinity/NaN: such numbers become the strings "inf", "-inf", "nan"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _num(x) -> str:

@@ -324,3 +324,15 @@ def test_fails_on_wrong_layernorm_eps(tiny_ckpt, make_hf_repo):
     report = verify_model(model, make_hf_repo("hub"), hf=False)
     assert not report.passed
     assert report.localization["first_divergence"].startswith("block 0: attention output differs")
+
+
+def test_nan_fails_and_json_stays_strict(tiny_ckpt, make_hf_repo):
+    model = load_model(tiny_ckpt)
+    with torch.no_grad():
+        model.blocks[1].mlp.fc.bias = torch.nn.Parameter(model.blocks[1].mlp.fc.bias.clone())
+        model.blocks[1].mlp.fc.bias[0] = float("nan")
+    report = verify_model(model, make_hf_repo("hub"), hf=False, tokens=8)
+    assert not report.passed
+    assert report.localization["first_divergence"].startswith("block 1: MLP output differs (rel inf")
+    text = json.dumps(report.to_dict(), allow_nan=False)  # raises on a bare NaN/Infinity
+    assert json.loads(text)["metrics"]["overall"]["ours_vs_f64"]["max_abs"] == "inf"
