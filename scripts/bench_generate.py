@@ -10,7 +10,7 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
            fp32 matrix-vector product (F.linear of one row against a 256 MB weight).
-  prefill  one forward over 1024 tokens with all logits, each fp32 contender, best of --repeats.
+  prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
 Usage: python scripts/bench_generate.py [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
 """
@@ -82,10 +82,9 @@ def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
     return NEW_TOKENS / seconds, out[0, prompt.size(1):].tolist()
 
 
-def prefill_seconds(fn, idx: torch.Tensor, repeats: int) -> float:
+def prefill_seconds(forward, idx: torch.Tensor) -> float:
     with torch.inference_mode():
-        fn(idx)  # warm-up
-        return min(_timed(lambda: fn(idx)) for _ in range(repeats))
+        return _timed(lambda: forward(idx))
 
 
 def prepare(size: str, root: Path) -> tuple[Path, Path]:
@@ -118,17 +117,21 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
             HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits)}
 
     print(f"[{size}] warm-up", file=sys.stderr)
-    for decode, _ in fp32.values():
-        decode(prompt[:, :4])
-    rates, tokens = {name: [] for name in fp32}, {}
+    with torch.inference_mode():
+        for decode, forward in fp32.values():
+            decode(prompt[:, :4])
+            forward(long[:, :64])
+    # Round-robin, decode then prefill, so a burst of load elsewhere on the machine hits every contender alike;
+    # the best run of each is its speed on a quiet machine.
+    rates, prefill, tokens = {name: [] for name in fp32}, {name: [] for name in fp32}, {}
     for r in range(repeats):
-        for name, (decode, _) in fp32.items():
+        for name, (decode, forward) in fp32.items():
             rate, tokens[name] = decode(prompt)
             rates[name].append(rate)
-        print(f"[{size}] decode run {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()),
-              file=sys.stderr)
-    print(f"[{size}] prefill {PREFILL_LEN} tokens", file=sys.stderr)
-    prefill = {name: prefill_seconds(forward, long, repeats) for name, (_, forward) in fp32.items()}
+            prefill[name].append(prefill_seconds(forward, long))
+        print(f"[{size}] run {r + 1}/{repeats}: " + ", ".join(
+            f"{k} {v[-1]:.2f} tokens/s, prefill {prefill[k][-1]:.2f} s" for k, v in rates.items()), file=sys.stderr)
+    prefill = {name: min(v) for name, v in prefill.items()}
     bytes_per_token = {name: weight_bytes_per_token(plain) for name in fp32}
     del hf, ours, plain
     gc.collect()
@@ -172,7 +175,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="gpt2", help="comma-separated: gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds of runs; the best of each contender counts")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the random checkpoints here for reuse")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args()
