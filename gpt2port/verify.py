@@ -579,7 +579,7 @@ def _hf_phase(ref_path, dt, inputs, ref_logits, ours_logits, tol, report, say) -
         say(f"HF transformers: forward {k + 1}/{len(inputs)}")
         logits = hf(inp.ids).logits
         compare[inp.name] = {"hf_vs_f64": compare_logits(logits, ref_logits[k], tol.logits_rel),
-                               "ours_vs_hf": compare_logits(ours_logits[k], logits, tol.logits_rel * tol.vs_hf_factor)}
+                             "ours_vs_hf": compare_logits(ours_logits[k], logits, tol.logits_rel * tol.vs_hf_factor)}
         if inp.text_len >= 2:
             out["loss"][inp.name] = _loss(logits, inp.ids, inp.text_len)
         if inp.greedy is not None:
@@ -637,7 +637,7 @@ def _judge(report: VerifyReport, inputs, per_input, tol: Tolerance, known_answer
         if g:
             splits = [i.name for i in inputs if "greedy" in per_input[i.name]
                       and not per_input[i.name]["greedy"]["hf_split_explained"]]
-            checks.append(Check("greedy tokens = HF generate", not splits, f"{g['match_hf']}/{g['steps']}", None,
+            checks.append(Check("greedy tokens = HF's (own KV cache)", not splits, f"{g['match_hf']}/{g['steps']}", None,
                                 f"split beyond a near-tie in {', '.join(splits)}" if splits else ""))
     if known_answer:
         checks.append(_known_answer_check(inputs, per_input))
