@@ -81,6 +81,7 @@ GREEDY_TOKENS = 20
 CHUNK = 256  # positions per step when comparing logits: bounds the float64 temporaries at 256 x vocab
 RANDOM_BATCH = 2  # > 1, so batching itself is exercised
 SEED = 1234
+OFFICIAL_HUB = "https://huggingface.co"
 # BRIEF §3, from transformers' own test suite: greedy from "The dog" with the real openai-community/gpt2 weights.
 KNOWN_ANSWER = {"repo": "gpt2", "prompt": [464, 3290], "new_tokens": 18,
                 "expected": [464, 3290, 373, 1043, 287, 257, 2214, 1474, 262, 16246, 286, 2688, 290, 2688, 27262,
@@ -118,8 +119,12 @@ def run_verify(ckpt, reference=None, dtype=None, tokens: int | None = None, prog
     ckpt_dir = resolve(ckpt)
     manifest = read_manifest(ckpt_dir)
     ref_path = Path(reference) if reference is not None else _manifest_reference(ckpt_dir, manifest)
-    repo = str(manifest.get("source", {}).get("repo", ""))
-    known = is_known_name(repo) and canonical_name(repo) == KNOWN_ANSWER["repo"]
+    source = manifest.get("source", {})
+    repo = str(source.get("repo", ""))
+    # The known answer holds for the real weights only: the official repo, fetched from the real Hub (a stand-in
+    # Hub serves random weights under the same name).
+    known = (is_known_name(repo) and canonical_name(repo) == KNOWN_ANSWER["repo"]
+             and str(source.get("endpoint", OFFICIAL_HUB)).rstrip("/") == OFFICIAL_HUB)
     stored = read_header(ckpt_dir / WEIGHTS).entries
     weights_dtype = stored["tok_emb.weight"].dtype if "tok_emb.weight" in stored else None
     return _verify(lambda: load_model(ckpt_dir, dtype=parse_dtype(dtype)), str(ckpt_dir), ref_path,

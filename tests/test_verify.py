@@ -200,6 +200,10 @@ def test_known_answer_checked_for_the_official_gpt2(tiny_ckpt, tmp_path, pass_re
     known = next(i for i in report.inputs if i["kind"] == "known")
     assert known["shape"] == [1, len(KNOWN_ANSWER["expected"]) - 1]
     assert not any(c.name.startswith("known answer") for c in pass_report("fp32").checks)  # not for others
+    # The same name served by a stand-in Hub (random weights) is not the official model.
+    manifest["source"]["endpoint"] = "http://127.0.0.1:8765"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert not any(c.name.startswith("known answer") for c in run_verify(out, hf=False).checks)
 
 
 def test_works_without_transformers(tiny_ckpt, monkeypatch):
