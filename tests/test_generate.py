@@ -14,7 +14,7 @@ from gpt2port import GPT, KVCache, load_tokenizer
 from gpt2port.cli import main
 from gpt2port.convert import convert
 from gpt2port.errors import GPT2PortError
-from gpt2port.generate import _left_pad, generate, sample, steps, stream
+from gpt2port.generate import _left_pad, generate, sample, stream
 
 N_NEW = 50
 TINY_PROMPTS = [[464, 3290], [15496, 995, 11, 314, 1101, 257, 3290, 13], [50256], list(range(1000, 1013))]
@@ -151,7 +151,7 @@ def test_decode_layout_changes_strides_not_results(lively, tmp_path):
     assert fast.tok_emb.weight.grad.shape == fast.tok_emb.weight.shape
 
 
-# --- the KV cache ------------------------------------------------------------------------------------------------------
+# --- the KV cache -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 0.03), (torch.float16, 0.005)])
 def test_cached_logits_equal_full_recompute_every_step(lively, dtype, tol):
@@ -193,7 +193,7 @@ def test_stream_prefills_once_then_one_token_per_step(lively):
         hook.remove()
 
 
-# --- context longer than n_positions -----------------------------------------------------------------------------------
+# --- context longer than n_positions ----------------------------------------------------------------------------------
 
 def test_keep_full_window_equals_recomputing_the_last_n_positions(lively):
     _, model, _ = lively
@@ -220,7 +220,7 @@ def test_default_window_slides_to_half_the_context(lively):
     assert batch == [ref, generate(model, [[5, 6, 7]], 60, temperature=0, stop_token=None)[0]]
 
 
-# --- sampling ------------------------------------------------------------------------------------------------------------
+# --- sampling ---------------------------------------------------------------------------------------------------------
 
 def test_same_seed_same_tokens_and_global_rng_untouched(lively):
     _, model, _ = lively
@@ -290,7 +290,7 @@ def test_cuda_matches_cpu(lively, dtype):
     assert a == generate(model, TINY_PROMPTS, 20, seed=3, stop_token=None)
 
 
-# --- the command line --------------------------------------------------------------------------------------------------
+# --- the command line -------------------------------------------------------------------------------------------------
 
 def run_cli(capsys, *args):
     with pytest.raises(SystemExit) as exit_info:
