@@ -77,7 +77,7 @@ def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
     with torch.inference_mode():
         t = time.perf_counter()
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+                             do_sample=False, pad_token_id=0)
         seconds = time.perf_counter() - t
     return NEW_TOKENS / seconds, out[0, prompt.size(1):].tolist()
 
@@ -109,6 +109,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
     ours = GPT.from_pretrained(ckpt).decode_layout()  # what `gpt2port generate` does on CPU
     plain = GPT.from_pretrained(ckpt)  # memory-mapped as loaded: the layout without decode_layout()
     hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # all 128 tokens, and no stop check: as ours with stop_token=None
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 50257, (1, PROMPT_LEN), generator=g)
     long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g)
