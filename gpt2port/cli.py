@@ -233,8 +233,6 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
     tokenizer = load_tokenizer(ckpt)
     model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
-    if model.tok_emb.weight.device.type == "cpu":
-        model.decode_layout()  # 1.1-1.2x faster one-token steps on CPU (see GPT.decode_layout)
     ids = tokenizer.encode(prompt, allowed_special="all")  # a typed <|endoftext|> is the document separator
     if len(ids) > model.config.n_positions:
         click.echo(f"note: the prompt has {len(ids)} tokens; the model sees the last {model.config.n_positions}",

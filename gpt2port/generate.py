@@ -3,7 +3,6 @@
     from gpt2port import GPT, load_tokenizer
     from gpt2port.generate import generate, stream
     model, tok = GPT.from_pretrained("checkpoints/gpt2"), load_tokenizer("checkpoints/gpt2")
-    model.decode_layout()  # optional, CPU fp32: 1.1-1.2x faster steps (see GPT.decode_layout)
     for t in stream(model, tok.encode("The dog"), max_new_tokens=50, temperature=0.8, top_k=200, seed=0): ...
     rows = generate(model, [tok.encode("The dog"), tok.encode("Once upon a time")], max_new_tokens=20, temperature=0)
 

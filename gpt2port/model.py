@@ -9,6 +9,7 @@ The optional KVCache lets generation feed one new token per step instead of re-r
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -77,21 +78,43 @@ class KVCache:
         return self._mask, False
 
 
-class Linear(nn.Linear):
-    """nn.Linear, except that a few rows of input on CPU are multiplied as weight @ input.T.
+# Route inference-time fp32 products on CPU through oneDNN (see Linear); a switch for comparisons and debugging.
+USE_ONEDNN = True
 
-    Same parameters, same result up to float rounding. On the machines measured (MKL on AMD EPYC), that form runs
-    1.5-3x faster than F.linear's input @ weight.T for 2 to 256 rows, which is what a short prompt's prefill or a
-    step of batched decoding multiplies; for one row, and for long prompts, the two forms are alike.
+
+class Linear(nn.Linear):
+    """nn.Linear whose fp32 inference on CPU runs on oneDNN's linear kernel: same parameters, same fp32 math.
+
+    F.linear calls MKL, which on the CPUs measured (AMD EPYC, 2 threads) runs a one-token matrix-vector product on
+    a single core at ~12 GB/s and a few-row product 2-3x slower than that; oneDNN (PyTorch's other CPU library, the
+    one torch.compile puts under linear layers) uses every thread and streams the same weight at 18-25 GB/s. One
+    decoding step is nothing but such products, so generation gets ~1.3x faster. Autograd, other devices and
+    dtypes, and PyTorch builds without the kernel go through F.linear as usual.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if not 1 < rows <= 256 or x.device.type != "cpu" or not self.weight.is_contiguous():
+        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 \
+                or self.weight.dtype != torch.float32 or not _onednn_linear():
             return F.linear(x, self.weight, self.bias)
-        xt = x.reshape(rows, self.in_features).t()
-        y = self.weight @ xt if self.bias is None else torch.addmm(self.bias.unsqueeze(1), self.weight, xt)
-        return y.t().contiguous().view(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@functools.cache
+def _onednn_linear_works() -> bool:
+    """Whether this PyTorch has oneDNN's linear kernel (a private op) and it agrees with F.linear."""
+    try:
+        x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _onednn_linear() -> bool:
+    return USE_ONEDNN and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and \
+        _onednn_linear_works()
 
 
 class CausalSelfAttention(nn.Module):
@@ -107,8 +130,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # (B, T, 3C) -> q, k, v, each (B, H, T, D): views, no copies, few ops (a decode step is op-bound too)
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
         mask, is_causal = None, T > 1
         if cache is not None:
             mask, is_causal = cache.attn_mask(T, x.device)
@@ -117,7 +140,7 @@ class CausalSelfAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
 
 
@@ -208,26 +231,6 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return logits, loss
 
-    @torch.no_grad()
-    def decode_layout(self) -> "GPT":
-        """Faster CPU generation (1.1-1.2x tokens/s at 124M): store the wide matrices (qkv, fc, and the tied
-        embedding/head) transposed in memory. Shapes, values and Parameters stay the same; only strides change.
-
-        Decoding one token per step makes every layer a matrix-vector product. CPU BLAS runs one over a weight of
-        shape (out, in) with out > in as many short dot products, ~1.3x slower (1.6x for the 50257-row head) than
-        over the same numbers stored (in, out), which F.linear then reads. Prefill and training run as fast either way.
-        Costs one copy of those weights (no longer memory-mapped); state_dict() still returns contiguous tensors.
-        Only fp32 weights on CPU move: CPU fp16/bf16 kernels run ~4x slower in that layout, and GPUs need no help.
-        """
-        wide = {id(m.weight): m.weight for m in self.modules()
-                if isinstance(m, nn.Linear) and m.out_features > m.in_features}
-        for p in wide.values():
-            if p.is_contiguous() and p.dtype == torch.float32 and p.device.type == "cpu":
-                p.data = p.data.t().contiguous().t()
-        if not getattr(self, "_contiguous_state_hook", None):
-            self._contiguous_state_hook = self.register_state_dict_post_hook(_contiguous_state)
-        return self
-
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | None = None) -> "GPT":
@@ -235,14 +238,3 @@ class GPT(nn.Module):
         from gpt2port.checkpoint import load_model
 
         return load_model(path, dtype=dtype, device=device)
-
-
-def _contiguous_state(module, state_dict, prefix, local_metadata) -> None:
-    """After decode_layout(): hand out contiguous tensors (safetensors refuses others), shared ones still shared."""
-    copies = {}
-    for k, t in state_dict.items():
-        if not t.is_contiguous():
-            key = (t.data_ptr(), t.shape, t.stride(), t.dtype)  # state_dict detaches: each entry is a new object
-            if key not in copies:
-                copies[key] = t.contiguous()
-            state_dict[k] = copies[key]

@@ -4,9 +4,9 @@ For each size: a random-weight hub-layout checkpoint is written (hf_fixtures.wri
 gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the same files. Then:
 
   decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill.
-           Contenders: gpt2port fp32 as `gpt2port generate` runs it (GPT.decode_layout()), gpt2port fp32 as loaded
-           (plain layout), HF generate fp32; they alternate run by run, so all see the same machine load, and the
-           best run of each counts. Then gpt2port bf16.
+           Contenders: gpt2port fp32 (its Linear layers on oneDNN, the default), gpt2port fp32 with
+           gpt2port.model.USE_ONEDNN = False (F.linear, i.e. MKL, as HF uses), HF generate fp32; they alternate run
+           by run, so all see the same machine load, and the best run of each counts. Then gpt2port bf16.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
            fp32 matrix-vector product (F.linear of one row against a 256 MB weight).
@@ -34,12 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hf_fixtures  # noqa: E402
 
+import gpt2port.model  # noqa: E402
 from gpt2port import GPT  # noqa: E402
 from gpt2port.convert import convert  # noqa: E402
 from gpt2port.generate import steps  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
-OURS, PLAIN, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, plain layout", "HF fp32", "gpt2port bf16"
+OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
 
 
 def matvec_bandwidth(repeats: int = 20) -> float:
@@ -82,6 +83,17 @@ def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
     return NEW_TOKENS / seconds, out[0, prompt.size(1):].tolist()
 
 
+def without_onednn(fn):
+    """fn with gpt2port's Linear layers on F.linear (MKL), as everyone else's."""
+    def run(*args):
+        gpt2port.model.USE_ONEDNN = False
+        try:
+            return fn(*args)
+        finally:
+            gpt2port.model.USE_ONEDNN = True
+    return run
+
+
 def prefill_seconds(forward, idx: torch.Tensor) -> float:
     with torch.inference_mode():
         return _timed(lambda: forward(idx))
@@ -106,15 +118,14 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
     from transformers import GPT2LMHeadModel
 
     hf_dir, ckpt = prepare(size, root)
-    ours = GPT.from_pretrained(ckpt).decode_layout()  # what `gpt2port generate` does on CPU
-    plain = GPT.from_pretrained(ckpt)  # memory-mapped as loaded: the layout without decode_layout()
+    ours = GPT.from_pretrained(ckpt)
     hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # all 128 tokens, and no stop check: as ours with stop_token=None
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 50257, (1, PROMPT_LEN), generator=g)
     long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g)
     fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
-            PLAIN: (lambda p: ours_decode(plain, p), plain),
+            MKL: (without_onednn(lambda p: ours_decode(ours, p)), without_onednn(ours)),
             HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits)}
 
     print(f"[{size}] warm-up", file=sys.stderr)
@@ -133,11 +144,11 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
         print(f"[{size}] run {r + 1}/{repeats}: " + ", ".join(
             f"{k} {v[-1]:.2f} tokens/s, prefill {prefill[k][-1]:.2f} s" for k, v in rates.items()), file=sys.stderr)
     prefill = {name: min(v) for name, v in prefill.items()}
-    bytes_per_token = {name: weight_bytes_per_token(plain) for name in fp32}
-    del hf, ours, plain
+    bytes_per_token = {name: weight_bytes_per_token(ours) for name in fp32}
+    del hf, ours
     gc.collect()
 
-    bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16).decode_layout()
+    bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16)
     ours_decode(bf16, prompt[:, :4])
     rates[OURS_BF16] = [ours_decode(bf16, prompt)[0] for _ in range(repeats)]
     bytes_per_token[OURS_BF16] = weight_bytes_per_token(bf16)
