@@ -116,20 +116,23 @@ class HFFiles:
         return [index.parent / name for name in dict.fromkeys(weight_map.values())]
 
     def _handle(self, f: Path):
-        if f not in self._open:
-            if not f.is_file():
-                raise GPT2PortError(f"{f}: reference weights file missing")
-            try:
-                if f.suffix == ".safetensors":
-                    from safetensors import safe_open
+        """A reader for f. A safetensors file is opened afresh for each read and closed after it: the library
+        memory-maps the whole file, and the pages a read touches stay resident (and counted in RSS) for as long as
+        the mapping lives; at gpt2-xl that would be another 6 GB beside the model under test."""
+        if f in self._open:
+            return self._open[f]
+        if not f.is_file():
+            raise GPT2PortError(f"{f}: reference weights file missing")
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
 
-                    self._open[f] = safe_open(str(f), framework="pt")
-                else:
-                    self._open[f] = _BinFile(f)
-            except GPT2PortError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any library failure becomes one line naming the file
-                raise GPT2PortError(f"{f}: cannot read reference weights ({e})") from None
+                return safe_open(str(f), framework="pt")
+            self._open[f] = _BinFile(f)
+        except GPT2PortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any library failure becomes one line naming the file
+            raise GPT2PortError(f"{f}: cannot read reference weights ({e})") from None
         return self._open[f]
 
     def has(self, key: str) -> bool:

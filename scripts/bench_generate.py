@@ -1,4 +1,4 @@
-"""Generation speed of gpt2port vs Hugging Face transformers on CPU, side by side in one process, same threads.
+"""Generation speed of gpt2port vs Hugging Face transformers, side by side in one process, same threads, same device.
 
 For each size: a random-weight hub-layout checkpoint is written (hf_fixtures.write_random_hub_file), converted with
 gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the same files. Then:
@@ -9,10 +9,14 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            by run, so all see the same machine load, and the best run of each counts. Then gpt2port bf16.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
-           fp32 matrix-vector product (F.linear of one row against a 256 MB weight).
+           fp32 matrix-vector product (one row against a 256 MB weight; the faster of F.linear and oneDNN).
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
+--device cuda runs the same on a GPU (no MKL contender there; timings synchronize the device). The targets in the
+README are for the CPU run.
+
 Usage: python scripts/bench_generate.py [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
+                                        [--device cuda]
 """
 
 from __future__ import annotations
@@ -43,19 +47,34 @@ PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
 
 
-def matvec_bandwidth(repeats: int = 20) -> float:
-    """Bytes/s streamed by F.linear of one row against a 256 MB fp32 weight (far larger than any cache)."""
-    w = torch.randn(8192, 8192)
-    x = torch.randn(1, 8192)
+def matvec_bandwidth(device: str, repeats: int = 20) -> float:
+    """Bytes/s streamed by a one-row product against a 256 MB fp32 weight (far larger than any cache): the best
+    of F.linear and, on CPU, gpt2port's Linear (oneDNN), so the floor is one that no contender's kernel beats."""
+    w = torch.randn(8192, 8192, device=device)
+    x = torch.randn(1, 8192, device=device)
+    products = [lambda: torch.nn.functional.linear(x, w)]
+    if device == "cpu":
+        layer = gpt2port.model.Linear(8192, 8192, bias=False, device="meta")
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+        products.append(lambda: layer(x))
+    best = float("inf")
     with torch.inference_mode():
-        torch.nn.functional.linear(x, w)
-        best = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(repeats))
+        for product in products:
+            product()
+            best = min(best, *(_timed(product) for _ in range(repeats)))
     return w.numel() * w.element_size() / best
 
 
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
+    _sync()
     t = time.perf_counter()
     fn()
+    _sync()
     return time.perf_counter() - t
 
 
@@ -68,6 +87,7 @@ def weight_bytes_per_token(model: GPT) -> int:
 
 def ours_decode(model: GPT, prompt: torch.Tensor) -> tuple[float, list[int]]:
     tokens = []
+    _sync()
     t = time.perf_counter()
     for step in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None):
         tokens.append(int(step[0]))
@@ -76,9 +96,11 @@ def ours_decode(model: GPT, prompt: torch.Tensor) -> tuple[float, list[int]]:
 
 def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
     with torch.inference_mode():
+        _sync()
         t = time.perf_counter()
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
                              do_sample=False, pad_token_id=0)
+        _sync()
         seconds = time.perf_counter() - t
     return NEW_TOKENS / seconds, out[0, prompt.size(1):].tolist()
 
@@ -113,20 +135,22 @@ def prepare(size: str, root: Path) -> tuple[Path, Path]:
     return hf_dir, ckpt
 
 
-def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
+def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: str) -> dict:
     """Decode and prefill rates of each contender; the fp32 ones run interleaved, repeat by repeat."""
     from transformers import GPT2LMHeadModel
 
     hf_dir, ckpt = prepare(size, root)
-    ours = GPT.from_pretrained(ckpt)
-    hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ours = GPT.from_pretrained(ckpt, device=device)
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     hf.generation_config.eos_token_id = None  # all 128 tokens, and no stop check: as ours with stop_token=None
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 50257, (1, PROMPT_LEN), generator=g)
-    long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g)
+    prompt = torch.randint(0, 50257, (1, PROMPT_LEN), generator=g).to(device)
+    long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g).to(device)
     fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
             MKL: (without_onednn(lambda p: ours_decode(ours, p)), without_onednn(ours)),
             HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits)}
+    if device != "cpu":  # oneDNN vs MKL is a CPU question
+        del fp32[MKL]
 
     print(f"[{size}] warm-up", file=sys.stderr)
     with torch.inference_mode():
@@ -148,7 +172,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
     del hf, ours
     gc.collect()
 
-    bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16)
+    bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16, device=device)
     ours_decode(bf16, prompt[:, :4])
     rates[OURS_BF16] = [ours_decode(bf16, prompt)[0] for _ in range(repeats)]
     bytes_per_token[OURS_BF16] = weight_bytes_per_token(bf16)
@@ -158,6 +182,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
     best = {k: max(v) for k, v in rates.items()}
     return {
         "size": size,
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "tokens_per_s": best,
         "all_runs": rates,
         "vs_hf": {k: best[k] / best[HF] for k in best},
@@ -170,7 +195,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float) -> dict:
 
 
 def report(result: dict) -> str:
-    lines = [f"== {result['size']} ==  decode: greedy, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens "
+    lines = [f"== {result['size']} on {result['device']} ==  decode: greedy, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens "
              f"(best of the runs)"]
     for k, rate in result["tokens_per_s"].items():
         lines.append(f"  {k:28s} {rate:7.2f} tokens/s  {result['vs_hf'][k]:5.2f}x HF   "
@@ -190,18 +215,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="rounds of runs; the best of each contender counts")
     ap.add_argument("--workdir", type=Path, default=None, help="keep the random checkpoints here for reuse")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--device", default="cpu", help="cpu (the targets' setting) or cuda")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(args.threads)
 
-    bandwidth = matvec_bandwidth()
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32 matvec bandwidth {bandwidth / 1e9:.1f} GB/s")
+    bandwidth = matvec_bandwidth(args.device)
+    print(f"torch {torch.__version__}, {args.device}, {args.threads} CPU threads, "
+          f"fp32 matvec bandwidth {bandwidth / 1e9:.1f} GB/s")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
         root = args.workdir or Path(tmp)
         for size in args.sizes.split(","):
-            results.append(bench_size(size.strip(), root, args.repeats, bandwidth))
+            results.append(bench_size(size.strip(), root, args.repeats, bandwidth, args.device))
             print(report(results[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "bandwidth_bytes_per_s": bandwidth,

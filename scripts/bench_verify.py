@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -53,13 +54,40 @@ def convert(src: Path, out: Path, dtype: str) -> None:
                    check=True, stdout=subprocess.DEVNULL)
 
 
-def run_measured(cmd: list[str]) -> tuple[int, float, float, str]:
-    """(exit code, wall seconds, peak RSS in GB of this child alone, stdout)."""
+class RssSampler(threading.Thread):
+    """Samples a child's resident memory from /proc every `period` seconds: (seconds since start, anon GB, file GB).
+
+    RssFile is the memory-mapped checkpoint pages the process has touched (clean page cache, but counted in RSS and
+    in ru_maxrss); RssAnon is what it allocated. Where the peak falls tells which phase of verify to slim down.
+    """
+
+    def __init__(self, pid: int, t0: float, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.pid, self.t0, self.period = pid, t0, period
+        self.samples: list[tuple[float, float, float]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period):
+            try:
+                fields = dict(line.split(":", 1) for line in Path(f"/proc/{self.pid}/status").read_text().splitlines())
+            except (OSError, ValueError):
+                return
+            kb = lambda k: int(fields.get(k, "0 kB").split()[0]) / 1024**2  # noqa: E731
+            self.samples.append((time.perf_counter() - self.t0, kb("RssAnon"), kb("RssFile") + kb("RssShmem")))
+
+
+def run_measured(cmd: list[str]) -> tuple[int, float, float, str, list]:
+    """(exit code, wall seconds, peak RSS in GB of this child alone, stdout, RSS samples)."""
     with tempfile.TemporaryFile() as out:
         t0 = time.perf_counter()
         child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE)
+        sampler = RssSampler(child.pid, t0)
+        sampler.start()
         _, status, usage = os.wait4(child.pid, 0)
         wall = time.perf_counter() - t0
+        sampler.done.set()
+        sampler.join()
         child.returncode = os.waitstatus_to_exitcode(status)
         err = child.stderr.read().decode(errors="replace")
         child.stderr.close()
@@ -67,7 +95,26 @@ def run_measured(cmd: list[str]) -> tuple[int, float, float, str]:
         text = out.read().decode()
     if child.returncode not in (0, 1):
         raise SystemExit(f"{' '.join(cmd)} exited {child.returncode}:\n{err[-2000:]}")
-    return child.returncode, wall, usage.ru_maxrss / 1024**2, text  # ru_maxrss is in KiB on Linux
+    return child.returncode, wall, usage.ru_maxrss / 1024**2, text, sampler.samples  # ru_maxrss: KiB on Linux
+
+
+def phase_peaks(samples: list, wall: float, timings: dict) -> dict:
+    """Peak sampled RSS (anon + file, GB) of each verify phase, placed by the report's own phase timings counted
+    back from the child's exit: hf ends last, reference before it, ours before that; "load" is everything earlier
+    (imports, the checkpoint's load). Approximate by the seconds spent between phases (comparisons, JSON)."""
+    ends, t = {}, wall
+    for phase in ("hf", "reference", "ours"):
+        ends[phase] = t
+        t -= timings.get(phase) or 0.0
+    ends["load"] = t
+    order = ["load", "ours", "reference", "hf"]
+    peaks = {}
+    for at, anon, file in samples:
+        phase = next((p for p in order if at <= ends[p]), "hf")
+        best = peaks.get(phase)
+        if best is None or anon + file > best["rss"]:
+            peaks[phase] = {"rss": anon + file, "anon": anon, "file": file}
+    return {p: peaks[p] for p in order if p in peaks}
 
 
 def bench_one(work: Path, size: str, dtype: str, tokens: int | None, no_hf: bool) -> dict:
@@ -76,12 +123,15 @@ def bench_one(work: Path, size: str, dtype: str, tokens: int | None, no_hf: bool
     convert(src, ckpt, dtype)
     cmd = GPT2PORT + ["verify", str(ckpt), "--json"] + (["--tokens", str(tokens)] if tokens else [])
     cmd += ["--no-hf"] if no_hf else []
-    code, wall, rss, text = run_measured(cmd)
+    code, wall, rss, text, samples = run_measured(cmd)
     report = json.loads(text)
+    peaks = phase_peaks(samples, wall, report["timings"])
+    print(f"[{size} {dtype}] peak RSS by phase (GB, anon + mapped file): " + ", ".join(
+        f"{p} {v['rss']:.2f} ({v['anon']:.2f} + {v['file']:.2f})" for p, v in peaks.items()), file=sys.stderr)
     overall = report["metrics"]["overall"]
     worst = max(report["localization"]["stages"], key=lambda s: s["rel"])
     return {"size": size, "dtype": dtype, "params": report["model"]["n_params"], "exit": code,
-            "verdict": report["verdict"], "wall_s": wall, "peak_rss_gb": rss, "timings": report["timings"],
+            "verdict": report["verdict"], "wall_s": wall, "peak_rss_gb": rss, "phase_peaks": peaks, "timings": report["timings"],
             "random": next(i["shape"] for i in report["inputs"] if i["kind"] == "random"),
             "ours": overall["ours_vs_f64"], "hf": overall["hf_vs_f64"], "worst_stage": worst,
             "greedy": overall.get("greedy"), "loss": overall.get("loss"), "report": report}

@@ -315,7 +315,8 @@ def test_cli_streams_greedy_text_and_reports_tokens_per_second(lively, capsys, m
             pieces.append(capsys.readouterr().out)
 
     monkeypatch.setattr(gen, "stream", spy)
-    code, out = run_cli(capsys, ckpt, prompt, "--max-new-tokens", 12, "--temperature", 0)
+    # --device cpu: the default is CUDA where there is one, and the expected tokens were computed on the CPU
+    code, out = run_cli(capsys, ckpt, prompt, "--max-new-tokens", 12, "--temperature", 0, "--device", "cpu")
     assert code == 0
     text = "".join(pieces) + out.out
     assert text == prompt + tok.decode(expected) + "\n"
