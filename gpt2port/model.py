@@ -85,11 +85,12 @@ USE_ONEDNN = True
 class Linear(nn.Linear):
     """nn.Linear whose fp32 inference on CPU runs on oneDNN's linear kernel: same parameters, same fp32 math.
 
-    F.linear calls MKL, which on the CPUs measured (AMD EPYC, 2 threads) runs a one-token matrix-vector product on
-    a single core at ~12 GB/s and a few-row product 2-3x slower than that; oneDNN (PyTorch's other CPU library, the
-    one torch.compile puts under linear layers) uses every thread and streams the same weight at 18-25 GB/s. One
-    decoding step is nothing but such products, so generation gets ~1.3x faster. Autograd, other devices and
-    dtypes, and PyTorch builds without the kernel go through F.linear as usual.
+    F.linear calls MKL, whose fp32 matrix-vector and few-row products on the CPUs measured (AMD EPYC, 2 threads)
+    stream the weight well below what memory gives: 26 GB/s against oneDNN's 37 GB/s for one row (PyTorch's other
+    CPU library, the one torch.compile puts under linear layers), and 2-3x slower again for a few rows. One decoding
+    step is nothing but such products, so generation gets 1.5-1.8x faster and a long prefill ~1.8x
+    (scripts/bench_generate.py compares both paths). Autograd, other devices and dtypes, and PyTorch builds without
+    the kernel go through F.linear as usual.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -75,3 +75,19 @@ def gpt2_ckpt(tmp_path_factory, gpt2_hf_repo):
     out = tmp_path_factory.mktemp("ckpt-full") / "gpt2"
     convert(gpt2_hf_repo, out)
     return out
+
+
+@pytest.fixture
+def dest_for(tmp_path, tiny_ckpt):
+    """dest_for(kind) -> a conversion's destination path: 'absent' (nothing there yet) or 'existing' (a converted
+    checkpoint already there, which a failed or refused run must leave byte-identical)."""
+    import shutil
+
+    def make(kind: str) -> Path:
+        dest = tmp_path / "out" / "ckpt"
+        dest.parent.mkdir(exist_ok=True)
+        if kind == "existing":
+            shutil.copytree(tiny_ckpt, dest)
+        return dest
+
+    return make

@@ -85,20 +85,6 @@ def tiny_src(make_hf_repo) -> Path:
     return make_hf_repo("hub")
 
 
-@pytest.fixture
-def dest_for(tmp_path, tiny_ckpt):
-    """dest_for(prev) -> destination path, empty ('absent') or holding a converted checkpoint ('existing')."""
-
-    def make(prev: str) -> Path:
-        dest = tmp_path / "out" / "ckpt"
-        dest.parent.mkdir(exist_ok=True)
-        if prev == "existing":
-            shutil.copytree(tiny_ckpt, dest)
-        return dest
-
-    return make
-
-
 def force_if(dest: Path) -> list[str]:
     return ["--force"] if dest.exists() else []
 
@@ -200,15 +186,20 @@ def test_disk_full_for_real(size, tiny_src, tiny_ckpt, small_tmpfs):
 
 # --- signals -----------------------------------------------------------------------------------------------------------------
 
+def start_slow_conversion(src: Path, dest: Path, tmp_path: Path):
+    """A CLI conversion slowed to a crawl, returned a few tensors in, with snapshots of source and destination."""
+    before_src, before_dest = snapshot(src), snapshot(dest)
+    started = tmp_path / "started"
+    proc = start_cli("convert", src, "--out", dest, "-q", *force_if(dest), fault={"slow": 0.05, "started": str(started)})
+    wait_for(started, proc)
+    time.sleep(0.2)
+    return proc, before_src, before_dest
+
+
 @pytest.mark.parametrize("prev", ["absent", "existing"])
 def test_ctrl_c_mid_conversion(prev, tiny_src, dest_for, tmp_path):
     dest = dest_for(prev)
-    before_src, before_dest = snapshot(tiny_src), snapshot(dest)
-    started = tmp_path / "started"
-    proc = start_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest),
-                     fault={"slow": 0.05, "started": str(started)})
-    wait_for(started, proc)
-    time.sleep(0.2)  # a few tensors in
+    proc, before_src, before_dest = start_slow_conversion(tiny_src, dest, tmp_path)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
@@ -221,12 +212,7 @@ def test_ctrl_c_mid_conversion(prev, tiny_src, dest_for, tmp_path):
 @pytest.mark.parametrize("prev", ["absent", "existing"])
 def test_sigkill_mid_conversion_then_next_run_sweeps(prev, tiny_src, dest_for, tmp_path):
     dest = dest_for(prev)
-    before_src, before_dest = snapshot(tiny_src), snapshot(dest)
-    started = tmp_path / "started"
-    proc = start_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest),
-                     fault={"slow": 0.05, "started": str(started)})
-    wait_for(started, proc)
-    time.sleep(0.2)
+    proc, before_src, before_dest = start_slow_conversion(tiny_src, dest, tmp_path)
     proc.kill()
     proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGKILL

@@ -133,20 +133,6 @@ def src(tmp_path, base_repo) -> Path:
     return out
 
 
-@pytest.fixture
-def previous(tmp_path, tiny_ckpt):
-    """previous(kind) -> the destination path; kind 'absent' or 'existing' (a converted checkpoint already there)."""
-
-    def make(kind: str) -> Path:
-        dest = tmp_path / "out" / "ckpt"
-        dest.parent.mkdir(exist_ok=True)
-        if kind == "existing":
-            shutil.copytree(tiny_ckpt, dest)
-        return dest
-
-    return make
-
-
 def fails_safely(src: Path, dest: Path, *extra, names=(), env=None) -> str:
     """Run `convert src --out dest` expecting a clean refusal; check the whole promise. Returns the error line."""
     before_src, before_dest = snapshot(src), snapshot(dest)
@@ -307,23 +293,23 @@ BAD_SOURCES = {
 
 @pytest.mark.parametrize("prev", ["absent", "existing"])
 @pytest.mark.parametrize("case", list(BAD_SOURCES))
-def test_bad_source_is_refused_cleanly(case, prev, src, previous):
+def test_bad_source_is_refused_cleanly(case, prev, src, dest_for):
     damage, culprit, words = BAD_SOURCES[case]
     damage(src)
-    fails_safely(src, previous(prev), names=[src / culprit if culprit else src, *words])
+    fails_safely(src, dest_for(prev), names=[src / culprit if culprit else src, *words])
 
 
-def test_missing_source(tmp_path, previous):
+def test_missing_source(tmp_path, dest_for):
     missing = tmp_path / "nowhere"
-    line = fails_safely(missing, previous("absent"), names=[missing])
+    line = fails_safely(missing, dest_for("absent"), names=[missing])
     assert "no such file" in line
 
 
-def test_file_where_a_directory_is_expected(tmp_path, src, previous):
+def test_file_where_a_directory_is_expected(tmp_path, src, dest_for):
     # a stray file as SRC
     stray = tmp_path / "notes.txt"
     stray.write_text("not weights")
-    fails_safely(stray, previous("absent"), names=[stray])
+    fails_safely(stray, dest_for("absent"), names=[stray])
     # a file in the way of --out, and a file in the way of --out's parent
     for blocker, dest in [(tmp_path / "blocker", tmp_path / "blocker"),
                           (tmp_path / "blocker2", tmp_path / "blocker2" / "ckpt")]:
@@ -358,13 +344,13 @@ def _write_index(d: Path, index: dict) -> None:
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-def test_sharded_missing_shard(sharded_src, previous):
+def test_sharded_missing_shard(sharded_src, dest_for):
     shard = sorted(sharded_src.glob("model-*.safetensors"))[-1]
     shard.unlink()
-    fails_safely(sharded_src, previous("existing"), names=[shard, "missing"])
+    fails_safely(sharded_src, dest_for("existing"), names=[shard, "missing"])
 
 
-def test_sharded_index_pointing_outside_the_repo_is_refused(sharded_src, tmp_path, previous):
+def test_sharded_index_pointing_outside_the_repo_is_refused(sharded_src, tmp_path, dest_for):
     """A hostile index must not make gpt2port read (and hash into a manifest) files elsewhere on the disk."""
     outside = tmp_path / "elsewhere.safetensors"
     shutil.copyfile(sorted(sharded_src.glob("model-*.safetensors"))[0], outside)
@@ -372,23 +358,23 @@ def test_sharded_index_pointing_outside_the_repo_is_refused(sharded_src, tmp_pat
     first = sorted(index["weight_map"].values())[0]
     index["weight_map"] = {k: ("../elsewhere.safetensors" if v == first else v) for k, v in index["weight_map"].items()}
     _write_index(sharded_src, index)
-    fails_safely(sharded_src, previous("absent"),
+    fails_safely(sharded_src, dest_for("absent"),
                  names=["model.safetensors.index.json", "'../elsewhere.safetensors'", "not a file name"])
 
 
-def test_sharded_index_with_non_string_shard(sharded_src, previous):
+def test_sharded_index_with_non_string_shard(sharded_src, dest_for):
     index = _index(sharded_src)
     key = next(iter(index["weight_map"]))
     index["weight_map"][key] = 3
     _write_index(sharded_src, index)
-    fails_safely(sharded_src, previous("absent"), names=["model.safetensors.index.json", key])
+    fails_safely(sharded_src, dest_for("absent"), names=["model.safetensors.index.json", key])
 
 
-def test_truncated_pytorch_bin(tmp_path, make_hf_repo, previous):
+def test_truncated_pytorch_bin(tmp_path, make_hf_repo, dest_for):
     d = tmp_path / "bin"
     shutil.copytree(make_hf_repo("bin"), d)
     truncate(d / "pytorch_model.bin", (d / "pytorch_model.bin").stat().st_size // 2)
-    fails_safely(d, previous("existing"), names=[d / "pytorch_model.bin"])
+    fails_safely(d, dest_for("existing"), names=[d / "pytorch_model.bin"])
 
 
 class _WritesAFile:
@@ -506,8 +492,8 @@ def test_export_refuses_an_output_around_the_checkpoint(tmp_path, tiny_ckpt):
     assert leftovers(tmp_path) == []
 
 
-def test_existing_output_needs_force(src, previous):
-    dest = previous("existing")
+def test_existing_output_needs_force(src, dest_for):
+    dest = dest_for("existing")
     before = snapshot(dest)
     result = run_cli("convert", src, "--out", dest, "-q")
     assert_clean_failure(result, names=[dest, "--force"])

@@ -112,6 +112,24 @@ def test_passes_correct_124m_conversion(gpt2_ckpt):
     assert len(report.localization["stages"]) == 1 + 2 * 12 + 2  # embeddings, attention+MLP per block, norm, head
 
 
+@pytest.mark.fullsize
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_passes_correct_124m_conversion_in_half_precision(gpt2_hf_repo, tmp_path, dtype):
+    """A 124M conversion to fp16/bf16, computed in that dtype by ours and HF alike, PASSes at its tolerances, with
+    errors against float64 in that precision's own band (short inputs: CPU half-precision products are slow)."""
+    from gpt2port.convert import convert
+
+    ckpt = tmp_path / dtype
+    convert(gpt2_hf_repo, ckpt, dtype=dtype)
+    report = run_verify(ckpt, tokens=32)
+    assert report.passed, report.to_text()
+    assert (report.dtype, report.weights_dtype, report.reference["hf"]) == (dtype, dtype, True)
+    overall = report.metrics["overall"]
+    band = {"fp16": (1e-5, 5e-3), "bf16": (5e-4, 5e-2)}[dtype]
+    assert band[0] < overall["ours_vs_f64"]["max_rel"] < band[1]
+    assert overall["ours_vs_f64"]["max_rel"] < 3 * overall["hf_vs_f64"]["max_rel"]
+
+
 # --- FAIL on seeded bugs, naming the stage -----------------------------------------------------------------------
 
 def _transpose_proj(t):
