@@ -88,7 +88,7 @@ class Linear(nn.Linear):
     F.linear calls MKL, whose fp32 matrix-vector and few-row products on the CPUs measured (AMD EPYC, 2 threads)
     stream the weight well below what memory gives: 26 GB/s against oneDNN's 37 GB/s for one row (PyTorch's other
     CPU library, the one torch.compile puts under linear layers), and 2-3x slower again for a few rows. One decoding
-    step is nothing but such products, so generation gets 1.5-1.8x faster and a long prefill ~1.8x
+    step is nothing but such products, so generation gets 1.7-2.1x faster and a 1024-token prefill 1.8-2.0x
     (scripts/bench_generate.py compares both paths). Autograd, other devices and dtypes, and PyTorch builds without
     the kernel go through F.linear as usual.
     """
@@ -174,8 +174,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.n_positions, config.n_embd)
+        # _weight: no reset_parameters() here (_init_weights covers every parameter). On the meta device that init
+        # is a normal_() which PyTorch decomposes through torch._dynamo: a 1 s import, and a stray /tmp directory.
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size,
+                                                                                          config.n_embd))
+        self.pos_emb = nn.Embedding(config.n_positions, config.n_embd, _weight=torch.empty(config.n_positions,
+                                                                                           config.n_embd))
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)

@@ -138,15 +138,20 @@ class HFFiles:
     def has(self, key: str) -> bool:
         return key in self._where
 
-    def get(self, key: str) -> torch.Tensor:
-        """The tensor under its bare key (e.g. 'h.3.attn.c_attn.weight'), in the file's dtype and HF's layout."""
+    def _read(self, key: str) -> torch.Tensor:
+        """The tensor as the library hands it out: for safetensors, a view into that read's own file mapping."""
         if key not in self._where:
             raise GPT2PortError(f"{', '.join(str(f) for f in self.files)}: reference tensor {key!r} not found")
         f, key_in_file = self._where[key]
         return self._handle(f).get_tensor(key_in_file)
 
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor under its bare key (e.g. 'h.3.attn.c_attn.weight'), in the file's dtype and HF's layout; a
+        copy of its own, so that no file mapping outlives the read."""
+        return self._read(key).clone()
+
     def get64(self, key: str) -> torch.Tensor:
-        return self.get(key).to(torch.float64)
+        return self._read(key).to(torch.float64, copy=True)
 
     def close(self) -> None:
         self._open.clear()
@@ -154,7 +159,9 @@ class HFFiles:
 
 class _BinFile:
     """pytorch_model.bin behind the same keys()/get_tensor() face as safe_open. weights_only: a pickle cannot run
-    code; mmap: tensors stay on disk until used (not possible for the pre-zip legacy format)."""
+    code; mmap: tensors stay on disk until used (not possible for the pre-zip legacy format). Unlike a safetensors
+    file it stays open for the whole run (reloading it per read would re-parse the pickle each time), so the pages
+    read stay mapped: a .bin reference costs up to one more copy of the weights in RSS."""
 
     def __init__(self, f: Path):
         try:

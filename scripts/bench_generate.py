@@ -195,8 +195,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
 
 
 def report(result: dict) -> str:
-    lines = [f"== {result['size']} on {result['device']} ==  decode: greedy, {PROMPT_LEN}-token prompt, {NEW_TOKENS} new tokens "
-             f"(best of the runs)"]
+    lines = [f"== {result['size']} on {result['device']} ==  decode: greedy, {PROMPT_LEN}-token prompt, "
+             f"{NEW_TOKENS} new tokens (best of the runs)"]
     for k, rate in result["tokens_per_s"].items():
         lines.append(f"  {k:28s} {rate:7.2f} tokens/s  {result['vs_hf'][k]:5.2f}x HF   "
                      f"{result['fraction_of_floor'][k]:6.1%} of its bandwidth floor "

@@ -57,8 +57,9 @@ def convert(src: Path, out: Path, dtype: str) -> None:
 class RssSampler(threading.Thread):
     """Samples a child's resident memory from /proc every `period` seconds: (seconds since start, anon GB, file GB).
 
-    RssFile is the memory-mapped checkpoint pages the process has touched (clean page cache, but counted in RSS and
-    in ru_maxrss); RssAnon is what it allocated. Where the peak falls tells which phase of verify to slim down.
+    RssFile is file pages mapped into the process: the memory-mapped checkpoint pages it has touched (clean page
+    cache, but counted in RSS and in ru_maxrss) plus ~0.5 GB of shared libraries; RssAnon is what it allocated.
+    Where the peak falls tells which phase of verify to slim down.
     """
 
     def __init__(self, pid: int, t0: float, period: float = 0.2):
@@ -131,7 +132,8 @@ def bench_one(work: Path, size: str, dtype: str, tokens: int | None, no_hf: bool
     overall = report["metrics"]["overall"]
     worst = max(report["localization"]["stages"], key=lambda s: s["rel"])
     return {"size": size, "dtype": dtype, "params": report["model"]["n_params"], "exit": code,
-            "verdict": report["verdict"], "wall_s": wall, "peak_rss_gb": rss, "phase_peaks": peaks, "timings": report["timings"],
+            "verdict": report["verdict"], "wall_s": wall, "peak_rss_gb": rss, "phase_peaks": peaks,
+            "timings": report["timings"],
             "random": next(i["shape"] for i in report["inputs"] if i["kind"] == "random"),
             "ours": overall["ours_vs_f64"], "hf": overall["hf_vs_f64"], "worst_stage": worst,
             "greedy": overall.get("greedy"), "loss": overall.get("loss"), "report": report}

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -167,6 +170,20 @@ def test_load_is_tied_mapped_and_named(tiny_ckpt, tmp_path, monkeypatch):
     assert GPT.from_pretrained("124M").config == model.config
     half = GPT.from_pretrained(tiny_ckpt, dtype="bf16")
     assert half.tok_emb.weight.dtype == torch.bfloat16 and half.lm_head.weight is half.tok_emb.weight
+
+
+def test_load_and_forward_stay_light(tiny_ckpt, tmp_path):
+    """Loading and running a checkpoint imports neither transformers nor torch's compiler stack (which PyTorch pulls
+    in for a normal_() on the meta device: ~1 s, and a torchinductor directory left in the temp dir)."""
+    code = (f"import sys, torch; from gpt2port import GPT; m = GPT.from_pretrained({str(tiny_ckpt)!r}); "
+            f"m(torch.tensor([[1, 2, 3]])); "
+            f"assert not {{'transformers', 'torch._dynamo', 'torch._inductor'}} & set(sys.modules), sys.modules.keys()")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+    fresh = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, n_positions=16, vocab_size=40))  # training from scratch
+    assert fresh.tok_emb.weight.std() > 0.01 and fresh.pos_emb.weight.std() > 0.01
 
 
 def test_targets_give_the_same_loss_as_hf(make_hf_repo, tiny_ckpt):

@@ -190,7 +190,8 @@ def start_slow_conversion(src: Path, dest: Path, tmp_path: Path):
     """A CLI conversion slowed to a crawl, returned a few tensors in, with snapshots of source and destination."""
     before_src, before_dest = snapshot(src), snapshot(dest)
     started = tmp_path / "started"
-    proc = start_cli("convert", src, "--out", dest, "-q", *force_if(dest), fault={"slow": 0.05, "started": str(started)})
+    proc = start_cli("convert", src, "--out", dest, "-q", *force_if(dest),
+                     fault={"slow": 0.05, "started": str(started)})
     wait_for(started, proc)
     time.sleep(0.2)
     return proc, before_src, before_dest

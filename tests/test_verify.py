@@ -11,6 +11,7 @@ import json
 import shutil
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,6 +254,23 @@ def test_reference_agrees_with_transformers_tiny(make_hf_repo, layout):
     err = _reference_vs_hf(make_hf_repo(layout), ids)
     assert err[torch.float64] < 1e-13  # float64 rounding
     assert err[torch.float32] < 1e-5  # float32 rounding
+
+
+def test_reference_keeps_no_mapping_of_the_weights(make_hf_repo):
+    """The float64 reference streams block by block; a file mapping kept open across the run would leave every page
+    it read resident (and counted in RSS) beside the model under test: 6 GB more at gpt2-xl."""
+    repo = make_hf_repo("hub")
+    weights = str((repo / "model.safetensors").resolve())
+    mapped = []
+
+    def mapped_now(stage):
+        mapped.append(weights in Path("/proc/self/maps").read_text())
+
+    ids = torch.randint(0, 50257, (1, 8), generator=torch.Generator().manual_seed(0))
+    with Float64GPT2(repo) as ref:
+        ref.forward([ids], observe=mapped_now)
+        mapped_now(None)
+    assert len(mapped) == 1 + hf_fixtures.TINY["n_layer"] + 2 and not any(mapped)
 
 
 @pytest.mark.fullsize
