@@ -176,10 +176,9 @@ class GPT(nn.Module):
         self.config = config
         # _weight: no reset_parameters() here (_init_weights covers every parameter). On the meta device that init
         # is a normal_() which PyTorch decomposes through torch._dynamo: a 1 s import, and a stray /tmp directory.
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd, _weight=torch.empty(config.vocab_size,
-                                                                                          config.n_embd))
-        self.pos_emb = nn.Embedding(config.n_positions, config.n_embd, _weight=torch.empty(config.n_positions,
-                                                                                           config.n_embd))
+        V, P, C = config.vocab_size, config.n_positions, config.n_embd
+        self.tok_emb = nn.Embedding(V, C, _weight=torch.empty(V, C))
+        self.pos_emb = nn.Embedding(P, C, _weight=torch.empty(P, C))
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
