@@ -71,7 +71,6 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, p
         ordered = sorted(mappings, key=lambda m: (file_rank[source.tensors[m.source].file],
                                                   source.tensors[m.source].entry.offset
                                                   if source.tensors[m.source].entry else 0))
-        hasher = _SourceHasher(source.weight_files + source.side_files(), known_sha256 or {})
         warnings: list[str] = []
 
         read_buffer = torch.empty(max(source.tensors[m.source].entry.nbytes if source.tensors[m.source].entry else 0
@@ -88,6 +87,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, p
             return read
 
         items = [(m.target, out_dtype, shapes[m.target], produce(m)) for m in ordered]
+        hasher = _SourceHasher(source.weight_files + source.side_files(), known_sha256 or {})
         try:
             with staged_directory(out, force) as stage:
                 stream_safetensors(stage / WEIGHTS, items, dict(FORMAT_TAG), progress)
@@ -175,6 +175,8 @@ class _SourceHasher:
     def _run(self) -> None:
         try:
             for f in self._files:
+                if self._stop.is_set():
+                    return
                 if f.name in self._known:
                     continue
                 h = hashlib.sha256()

@@ -25,16 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpt2port.checkpoint import DEFAULT_ROOT, DTYPE_LABELS, MANIFEST, WEIGHTS, default_dir, parse_dtype, read_manifest
+from gpt2port.checkpoint import DEFAULT_ROOT, DTYPE_LABELS, WEIGHTS, default_dir, parse_dtype, read_manifest
 from gpt2port.config import GPTConfig, HUB_REPOS, canonical_name, is_known_name, read_json
 from gpt2port.errors import GPT2PortError
 from gpt2port.progress import byte_progress
-from gpt2port.sources import TOKENIZER_FILES
+# WEIGHT_FILES: the formats in the converter's order of preference (safetensors first: it cannot run code and
+# converts by streaming; .bin for older repos), so a download fetches exactly the one `convert` will read.
+from gpt2port.sources import TOKENIZER_FILES, WEIGHT_FILES
 
-# Weights formats in order of preference: safetensors cannot run code and converts by streaming; .bin is the
-# fallback for older repos. Index files bring their shards along.
-WEIGHT_CHOICES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                  "pytorch_model.bin.index.json")
 SIDE_FILES = ("config.json", *TOKENIZER_FILES)
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 GIT_SHA1_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -98,8 +96,8 @@ def resolve_name(name: str) -> tuple[str, Path]:
 
 
 def select_files(available: set[str]) -> tuple[list[str], str]:
-    """(side files to fetch, the weights entry) from the repo's root file names: see WEIGHT_CHOICES."""
-    weights = next((w for w in WEIGHT_CHOICES if w in available), None)
+    """(side files to fetch, the weights entry) from the repo's root file names: see WEIGHT_FILES."""
+    weights = next((w for w in WEIGHT_FILES if w in available), None)
     if weights is None:
         return [n for n in SIDE_FILES if n in available], ""
     return [n for n in SIDE_FILES if n in available], weights
@@ -173,11 +171,11 @@ class _Fetcher:
     def _cached_listing(self) -> dict[str, RemoteFile]:
         """Offline: the files of this commit present in the cache; the announced hash is the blob's name."""
         found = {}
-        for name in (*SIDE_FILES, *WEIGHT_CHOICES):
+        for name in (*SIDE_FILES, *WEIGHT_FILES):
             path = self.hf.try_to_load_from_cache(self.repo, name, revision=self.commit)
             if isinstance(path, str):
                 found[name] = _cached_file(name, Path(path))
-        if not any(w in found for w in WEIGHT_CHOICES):
+        if not any(w in found for w in WEIGHT_FILES):
             raise GPT2PortError(f"{self.where}: the weights are not in the Hugging Face cache ({self.cache}) and "
                                 f"{self._why_offline()}; run again with network access to finish the download")
         return found
@@ -186,7 +184,7 @@ class _Fetcher:
         side, weights = select_files(set(self.remote))
         if not weights:
             others = sorted(self.remote) or ["no files"]
-            raise GPT2PortError(f"{self.where}: no PyTorch weights to convert (looked for {', '.join(WEIGHT_CHOICES)};"
+            raise GPT2PortError(f"{self.where}: no PyTorch weights to convert (looked for {', '.join(WEIGHT_FILES)};"
                                 f" the repo has {', '.join(others[:12])}{' ...' if len(others) > 12 else ''})")
         return side + [weights]
 
@@ -393,14 +391,6 @@ def _hash_file(path: Path, progress: Callable[[int], object]) -> tuple[str, str]
     return sha256.hexdigest(), git.hexdigest()
 
 
-def fetch(repo: str, revision: str | None = None, quiet: bool = False,
-          log: Callable[[str], None] = lambda s: None) -> Snapshot:
-    """Download (or find in the cache) the files gpt2port needs from `repo` at `revision`, verified."""
-    f = _Fetcher(repo, revision, quiet, log)
-    f.resolve()
-    return f.fetch_all()
-
-
 class _hf_bars:
     """huggingface_hub's own download bars (bytes, rate), silenced with --quiet. On a non-TTY they hide themselves."""
 
@@ -454,7 +444,7 @@ def _up_to_date(out: Path, repo: str, commit: str, dtype, force: bool) -> bool:
         return False
     if not out.is_dir():
         raise GPT2PortError(f"{out}: exists and is not a directory")
-    manifest = read_manifest(out) if (out / MANIFEST).is_file() else {}
+    manifest = read_manifest(out)
     src = manifest.get("source", {})
     same = src.get("repo") == repo and src.get("commit") == commit and (out / WEIGHTS).is_file()
     if same and dtype is not None:
@@ -467,13 +457,11 @@ def _up_to_date(out: Path, repo: str, commit: str, dtype, force: bool) -> bool:
 
 
 def _run_verify(out: Path, quiet: bool):
-    try:
-        from gpt2port.verify import run_verify
-    except ImportError as e:
-        raise GPT2PortError(f"--verify: gpt2port.verify is not available ({e})") from None
+    from gpt2port.verify import run_verify
+
     report = run_verify(out, reference=None, dtype=None, tokens=None, progress=not quiet)
     if not report.passed:
-        first = next(iter(getattr(report, "failures", None) or []), "see the report")
+        first = next(iter(report.failures), "see the report")
         raise GPT2PortError(f"{out}: written, but verify FAILED ({first}); run `gpt2port verify {out}` for the "
                             f"full report")
     return report
@@ -508,7 +496,7 @@ def format_summary(r: DownloadResult) -> str:
         lines.append(f"  converted   {c.n_params:,} parameters, {DTYPE_LABELS.get(c.dtype, c.dtype)}, "
                      f"{_gb(c.bytes_written)} in {c.seconds:.1f}s")
     if r.report is not None:
-        n = len(getattr(r.report, "checks", []) or [])
+        n = len(r.report.checks)
         lines.append(f"  verified    gpt2port verify passed ({n} checks against the reference)")
     lines.append(f"  total       {r.seconds:.1f}s")
     for w in (s.warnings if s else []) + (list(r.converted.warnings) if r.converted else []):

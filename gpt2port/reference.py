@@ -88,11 +88,15 @@ class HFFiles:
         self.root = self.path if self.path.is_dir() else self.path.parent
         self.files = self._weight_files()
         self._where: dict[str, tuple[Path, str]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         self._open: dict[Path, object] = {}
         for f in self.files:
-            for key in self._handle(f).keys():
+            handle = self._handle(f)
+            for key in handle.keys():
                 bare = key[len(PREFIX):] if key.startswith(PREFIX) else key
-                self._where.setdefault(bare, (f, key))
+                if bare not in self._where:
+                    self._where[bare] = (f, key)
+                    self._shapes[bare] = tuple(handle.get_slice(key).get_shape())
 
     def _weight_files(self) -> list[Path]:
         if self.path.is_file():
@@ -138,11 +142,22 @@ class HFFiles:
     def has(self, key: str) -> bool:
         return key in self._where
 
-    def _read(self, key: str) -> torch.Tensor:
-        """The tensor as the library hands it out: for safetensors, a view into that read's own file mapping."""
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's shape, from the file's header: nothing is read."""
+        self._where_of(key)
+        return self._shapes[key]
+
+    def _where_of(self, key: str) -> tuple[Path, str]:
         if key not in self._where:
             raise GPT2PortError(f"{', '.join(str(f) for f in self.files)}: reference tensor {key!r} not found")
-        f, key_in_file = self._where[key]
+        return self._where[key]
+
+    def _read(self, key: str) -> torch.Tensor:
+        """The tensor as the library hands it out: for safetensors, a view into that read's own file mapping."""
+        f, key_in_file = self._where_of(key)
         return self._handle(f).get_tensor(key_in_file)
 
     def get(self, key: str) -> torch.Tensor:
@@ -155,6 +170,14 @@ class HFFiles:
 
     def close(self) -> None:
         self._open.clear()
+
+
+class _Shaped:
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.shape)
 
 
 class _BinFile:
@@ -172,6 +195,9 @@ class _BinFile:
     def keys(self):
         return list(self._sd)
 
+    def get_slice(self, key: str) -> "_Shaped":  # safe_open's face, for the shape
+        return _Shaped(self._sd[key])
+
     def get_tensor(self, key: str) -> torch.Tensor:
         return self._sd[key]
 
@@ -185,9 +211,9 @@ def read_config(files: HFFiles) -> RefConfig:
             hf = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise GPT2PortError(f"{path}: not valid JSON ({e})") from None
-    wte = files.get("wte.weight")
-    n_embd = int(hf.get("n_embd", wte.shape[1]))
-    n_layer = int(hf.get("n_layer", sum(1 for i in range(10_000) if files.has(f"h.{i}.ln_1.weight"))))
+    vocab_size, width = files.shape("wte.weight")
+    n_embd = int(hf.get("n_embd", width))
+    n_layer = int(hf["n_layer"]) if "n_layer" in hf else sum(1 for k in files.keys() if k.endswith(".ln_1.weight"))
     if "n_head" in hf:
         n_head = int(hf["n_head"])
     elif n_embd in OFFICIAL_HEADS:
@@ -203,8 +229,8 @@ def read_config(files: HFFiles) -> RefConfig:
         n_layer=n_layer,
         n_head=n_head,
         n_embd=n_embd,
-        n_positions=int(hf.get("n_positions", hf.get("n_ctx", files.get("wpe.weight").shape[0]))),
-        vocab_size=int(wte.shape[0]),
+        n_positions=int(hf.get("n_positions", hf.get("n_ctx") or files.shape("wpe.weight")[0])),
+        vocab_size=int(vocab_size),
         eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         activation=activation,
         scale_attn=bool(hf.get("scale_attn_weights", True)),
@@ -244,9 +270,6 @@ class Float64GPT2:
                  "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
                  "mlp.c_proj.weight", "mlp.c_proj.bias")
         return {n: self.files.get64(f"h.{i}.{n}") for n in names}
-
-    def embeddings(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._embed([ids], self.files.get("wte.weight"), self.files.get("wpe.weight"))[0]
 
     def _embed(self, inputs, wte, wpe) -> list[torch.Tensor]:
         out = []

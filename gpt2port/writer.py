@@ -51,7 +51,7 @@ class StreamingSafetensorsWriter:
                                 f"declared {expected_name} {dtype} {tuple(shape)}")
         # Raw bytes, whatever the dtype (numpy has no bfloat16): reinterpret as uint8 without a copy.
         data = self._layout(tensor.detach().cpu(), dtype).reshape(-1).view(torch.uint8).numpy()
-        self._write(memoryview(data))
+        self._write(data)
         self._next += 1
 
     def _layout(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

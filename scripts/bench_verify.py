@@ -76,9 +76,9 @@ class RssSampler(threading.Thread):
 
 def run_measured(cmd: list[str]) -> tuple[int, float, float, str, list]:
     """(exit code, wall seconds, peak RSS in GB of this child alone, stdout, RSS samples)."""
-    with tempfile.TemporaryFile() as out:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err_file:
         t0 = time.perf_counter()
-        child = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE)
+        child = subprocess.Popen(cmd, stdout=out, stderr=err_file)  # files, not pipes: nothing blocks the child
         sampler = RssSampler(child.pid, t0)
         sampler.start()
         _, status, usage = os.wait4(child.pid, 0)
@@ -86,8 +86,8 @@ def run_measured(cmd: list[str]) -> tuple[int, float, float, str, list]:
         sampler.done.set()
         sampler.join()
         child.returncode = os.waitstatus_to_exitcode(status)
-        err = child.stderr.read().decode(errors="replace")
-        child.stderr.close()
+        err_file.seek(0)
+        err = err_file.read().decode(errors="replace")
         out.seek(0)
         text = out.read().decode()
     if child.returncode not in (0, 1):

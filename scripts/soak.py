@@ -8,8 +8,7 @@ nothing leaked (file descriptors, memory maps, threads, temporary files, build d
 Per size: a random-weight 2019-hub-layout model.safetensors at the real shape (hf_fixtures.write_random_hub_file,
 one tensor in memory at a time) + config.json + the genuine tokenizer files; then `--rounds` conversions in THIS
 process (gpt2port.convert.convert, the first into a fresh directory, later ones replacing it with force=True), each
-followed by the leak checks; then a verification in a child process: `gpt2port verify CKPT --reference SRC --json`
-(when gpt2port.verify exists), else a logits comparison of gpt2port's model against transformers' on the same files.
+followed by the leak checks; then a verification in a child process: `gpt2port verify CKPT --reference SRC --json`.
 
 Peak RSS: the convert steps run in this process, so the kernel's high-water mark (VmHWM) is reset before each
 (/proc/self/clear_refs, 5) and read after it; the verify child's peak is its own ru_maxrss (os.wait4). Leaks are
@@ -23,7 +22,6 @@ Exit status 1 if any check fails or any verification does not pass.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -152,13 +150,8 @@ def convert_step(src: Path, dest: Path, force: bool) -> dict:
 
 def verify_step(dest: Path, src: Path, tokens: int, extra: list[str]) -> dict:
     """In a child, so transformers' memory is its own; its peak RSS comes from the kernel via wait4."""
-    if importlib.util.find_spec("gpt2port.verify") is not None:
-        how = "gpt2port verify"
-        cmd = [sys.executable, "-m", "gpt2port", "verify", str(dest), "--reference", str(src), "--tokens",
-               str(tokens), "--json", *extra]
-    else:
-        how = "logits vs transformers"
-        cmd = [sys.executable, __file__, "--logits-check", str(dest), str(src), "--tokens", str(tokens)]
+    cmd = [sys.executable, "-m", "gpt2port", "verify", str(dest), "--reference", str(src), "--tokens", str(tokens),
+           "--json", *extra]
     t0 = time.perf_counter()
     # The child gets a temp directory of its own: what it leaves there is reported below, and this process's leak
     # checks stay about this process's conversions.
@@ -170,16 +163,12 @@ def verify_step(dest: Path, src: Path, tokens: int, extra: list[str]) -> dict:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    step = {"how": how, "seconds": round(time.perf_counter() - t0, 2), "peak_rss_gb": round(usage.ru_maxrss * 1024 / GB, 3),
+    step = {"seconds": round(time.perf_counter() - t0, 2), "peak_rss_gb": round(usage.ru_maxrss * 1024 / GB, 3),
             "passed": proc.returncode == 0}
-    if how == "gpt2port verify":
-        try:
-            report = json.loads(stdout)
-            step["verdict"] = report.get("verdict", report.get("passed"))
-        except json.JSONDecodeError:
-            pass
-    else:
-        step["detail"] = stdout.strip()
+    try:
+        step["verdict"] = json.loads(stdout)["verdict"]
+    except (json.JSONDecodeError, KeyError):
+        pass
     if proc.returncode != 0:
         step["error"] = (stderr.strip().splitlines() or stdout.strip().splitlines() or ["?"])[-1]
     # PyTorch's compile cache directory appears whenever transformers is imported (the HF reference), not ours:
@@ -190,27 +179,6 @@ def verify_step(dest: Path, src: Path, tokens: int, extra: list[str]) -> dict:
         step["passed"] = False
         step["error"] = f"verify left files in its temp directory: {left[:5]}"
     return step
-
-
-def logits_check(ckpt: Path, src: Path, tokens: int) -> int:
-    """Fallback verification: gpt2port's model and transformers' on the same random ids, fp32."""
-    import torch
-    from transformers import GPT2LMHeadModel
-
-    from gpt2port import GPT
-
-    torch.manual_seed(0)
-    ours = GPT.from_pretrained(ckpt, dtype=torch.float32)
-    ids = torch.randint(0, ours.config.vocab_size, (1, tokens))
-    with torch.no_grad():
-        a = ours(ids)
-    del ours
-    hf = GPT2LMHeadModel.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        b = hf(ids).logits
-    diff = (a - b).abs().max().item()
-    print(f"max |logits diff| = {diff:.3g} over {tokens} tokens")
-    return 0 if diff < 1e-3 else 1
 
 
 # --- the run -------------------------------------------------------------------------------------------------------------------
@@ -276,10 +244,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="where sources and checkpoints go (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep sources and checkpoints")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    ap.add_argument("--logits-check", nargs=2, type=Path, metavar=("CKPT", "SRC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.logits_check:
-        sys.exit(logits_check(*args.logits_check, args.tokens))
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
