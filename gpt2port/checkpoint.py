@@ -1,20 +1,30 @@
-"""A converted gpt2port checkpoint directory: where it is, what it holds, and loading it into GPT fast.
+"""A gpt2port checkpoint directory: where it is, what it holds, reading its tensors mapped, writing one whole.
 
-Layout: model.safetensors (gpt2port keys, tied head stored once, metadata tag), config.json (GPTConfig fields
-plus a format tag), the tokenizer files, manifest.json (provenance).
+Layout: model.safetensors (canonical names, the tied head stored once, metadata tagging the format version),
+config.json (GPTConfig fields plus a format tag), the tokenizer files, manifest.json (provenance).
+This module knows nothing of the model class: it hands out a config and tensors, and takes any module whose
+state_dict holds the canonical names.
 """
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from gpt2port import __version__
 from gpt2port.config import GPTConfig, canonical_name, is_known_name, read_json
+from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
-from gpt2port.keymap import FORMAT_TAG, OURS_HEAD, expected_shapes
-from gpt2port.safetensors_format import FLOAT_DTYPES, mmap_tensors, read_header
+from gpt2port.formats import FLOAT_DTYPES
+from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
+from gpt2port.fsio import copy_file, refuse_overlap, staged_directory, write_json
+from gpt2port.layouts import GPT2PORT, canonical
+from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -22,30 +32,23 @@ MANIFEST = "manifest.json"
 CONFIG_FORMAT = "gpt2port"
 DEFAULT_ROOT = Path("checkpoints")
 
-DTYPE_ARGS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-              "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-DTYPE_LABELS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
+# --- where a checkpoint is -------------------------------------------------------------------------------------
 
-def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = DTYPE_ARGS.get(dtype.lower())
-    if found is None:
-        raise GPT2PortError(f"unknown dtype {dtype!r} (use fp32, fp16 or bf16)")
-    return found
+def root() -> Path:
+    """Where NAMEs live: ./checkpoints, or $GPT2PORT_CHECKPOINTS."""
+    return Path(os.environ.get("GPT2PORT_CHECKPOINTS", DEFAULT_ROOT))
 
 
 def default_dir(name: str) -> Path:
-    root = Path(os.environ.get("GPT2PORT_CHECKPOINTS", DEFAULT_ROOT))
-    return root / canonical_name(name)
+    return root() / canonical_name(name)
 
 
 def resolve(ckpt: str | Path) -> Path:
     """A checkpoint directory from a path, or from a model NAME (-> ./checkpoints/NAME)."""
     path = Path(ckpt)
     if path.is_dir():
-        if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
+        if not is_checkpoint(path):
             raise GPT2PortError(f"{path}: not a gpt2port checkpoint (needs {WEIGHTS} and {CONFIG}; "
                                 f"for a Hugging Face directory run `gpt2port convert {path} --out DIR` first)")
         return path
@@ -58,6 +61,12 @@ def resolve(ckpt: str | Path) -> Path:
         raise GPT2PortError(f"{path}: is a file; a checkpoint is a directory")
     raise GPT2PortError(f"{path}: no such checkpoint directory")
 
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / WEIGHTS).is_file() and (path / CONFIG).is_file()
+
+
+# --- what it holds ---------------------------------------------------------------------------------------------
 
 def read_config(ckpt_dir: Path) -> GPTConfig:
     data = read_json(ckpt_dir / CONFIG)
@@ -78,13 +87,14 @@ def read_manifest(ckpt_dir: Path) -> dict:
     return read_json(path) if path.is_file() else {}
 
 
-def check_weights(path: Path, config: GPTConfig):
-    """Header of a gpt2port weights file, checked against the config: every parameter, right shape, float."""
+def check_weights(path: Path, config: GPTConfig) -> Header:
+    """Header of a gpt2port weights file, checked against the config: every tensor, right shape, float."""
     header = read_header(path)
-    if header.metadata.get("gpt2port_format") != FORMAT_TAG["gpt2port_format"]:
-        raise GPT2PortError(f"{path}: not in gpt2port layout (metadata gpt2port_format="
-                            f"{header.metadata.get('gpt2port_format')!r})")
-    expected = expected_shapes(config)
+    tag = header.metadata.get(FORMAT_KEY)
+    if tag not in READABLE:
+        raise GPT2PortError(f"{path}: not in gpt2port layout (metadata {FORMAT_KEY}={tag!r}; this version reads "
+                            f"{', '.join(READABLE)})")
+    expected = canonical.shapes(config)
     missing = [k for k in expected if k not in header.entries]
     extra = [k for k in header.entries if k not in expected]
     if missing or extra:
@@ -98,25 +108,100 @@ def check_weights(path: Path, config: GPTConfig):
     return header
 
 
-def load_state_dict(ckpt_dir: Path, config: GPTConfig, dtype=None, device=None) -> dict[str, torch.Tensor]:
-    """Tensors memory-mapped from the file; converted only if a dtype or device is asked for."""
-    header = check_weights(ckpt_dir / WEIGHTS, config)
-    tensors = mmap_tensors(header)
-    if dtype is not None or device is not None:
-        tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
-    return tensors
-
-
-def load_model(ckpt, dtype=None, device=None):
-    """Build GPT on the meta device (no init of any weight) and assign the mapped tensors into it."""
-    from gpt2port.model import GPT
-
+def load_state(ckpt, dtype=None, device=None) -> tuple[Path, GPTConfig, dict[str, torch.Tensor]]:
+    """(directory, config, tensors) of a checkpoint. Tensors are views of one private copy-on-write memory map of
+    the file (nothing read until used, and changing them never writes to the file); converted only if a dtype or
+    device is asked for."""
     ckpt_dir = resolve(ckpt)
     config = read_config(ckpt_dir)
-    state = load_state_dict(ckpt_dir, config, parse_dtype(dtype), device)
-    with torch.device("meta"):
-        model = GPT(config)
-    state[OURS_HEAD] = state["tok_emb.weight"]
-    model.load_state_dict(state, assign=True, strict=True)
-    model.lm_head.weight = model.tok_emb.weight  # assign made two Parameters of one tensor; make them one
-    return model.eval()
+    tensors = mmap_tensors(check_weights(ckpt_dir / WEIGHTS, config))
+    dtype = parse_dtype(dtype)
+    if dtype is not None or device is not None:
+        tensors = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    return ckpt_dir, config, tensors
+
+
+# --- writing one -----------------------------------------------------------------------------------------------
+
+def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict], tokenizer_files: list[Path],
+          force: bool = False, progress=None) -> int:
+    """A checkpoint directory at `out`, built aside and renamed into place when complete (see fsio).
+
+    items: [(name, dtype, shape, produce)] in storage order, produce() called only when its tensor's turn comes.
+    provenance() gives the manifest, asked for after the weights are written (a conversion hashes its source
+    meanwhile). Returns the size of the weights file.
+    """
+    with staged_directory(out, force) as stage:
+        stream_safetensors(stage / WEIGHTS, items, dict(GPT2PORT.metadata), progress)
+        write_json(stage / CONFIG, config_json(config))
+        for f in tokenizer_files:
+            copy_file(f, stage / f.name)
+        size = (stage / WEIGHTS).stat().st_size
+        write_json(stage / MANIFEST, {**provenance(), "files": {WEIGHTS: size}})
+    return size
+
+
+def manifest(dtype: torch.dtype, config: GPTConfig, source: dict, warnings: list[str] | None = None) -> dict:
+    """A new checkpoint's provenance: what wrote it, when, from what."""
+    return {"tool": "gpt2port", "version": __version__, "created": _now(), "dtype": DTYPE_LABELS[dtype],
+            "n_params": sum(math.prod(s) for s in canonical.shapes(config).values()), "source": source,
+            "warnings": list(warnings or [])}
+
+
+def derived_manifest(previous: dict, dtype: torch.dtype, event: str, origin: str) -> dict:
+    """A checkpoint re-written from another (export, save after fine-tuning): its provenance, plus a note of this."""
+    history = list(previous.get(event, []))
+    history.append({"from": origin, "dtype": DTYPE_LABELS[dtype], "version": __version__, "created": _now()})
+    return {**previous, "dtype": DTYPE_LABELS[dtype], event: history}
+
+
+def _stored_order(origin, shapes: dict) -> list[str]:
+    """The tensor order of the file a model was loaded from (a conversion keeps its source's order), so that saving
+    an unchanged model reproduces that file byte for byte; canonical order otherwise."""
+    if origin is not None and (Path(origin) / WEIGHTS).is_file():
+        names = list(read_header(Path(origin) / WEIGHTS).entries)
+        if sorted(names) == sorted(shapes):
+            return names
+    return list(shapes)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from: str | Path | None = None) -> Path:
+    """Write a model in memory (gpt2port's GPT, or any module whose state_dict has the canonical names and a
+    `config`) as a checkpoint. A model loaded with from_pretrained and saved unchanged gives the same weights
+    file, byte for byte; its provenance and tokenizer files are carried over."""
+    from gpt2port.tokenizer import TOKENIZER_FILES
+
+    out = Path(out)
+    config = model.config
+    state = model.state_dict()
+    shapes = canonical.shapes(config)
+    missing = [k for k in shapes if k not in state]
+    if missing:
+        raise GPT2PortError(f"{type(model).__name__}: has no {', '.join(missing[:5])}; save() writes gpt2port's "
+                            f"own model (for another class, use its layout)")
+    head = state.get(canonical.HEAD)
+    if head is not None and head is not state[canonical.EMBEDDING] and not torch.equal(head, state[canonical.EMBEDDING]):
+        raise GPT2PortError(f"{type(model).__name__}: lm_head is no longer tied to the token embedding; a gpt2port "
+                            f"checkpoint stores the head as the embedding, so saving would change the model")
+    out_dtype = parse_dtype(dtype) or state[canonical.EMBEDDING].dtype
+    if out_dtype not in DTYPE_LABELS:
+        raise GPT2PortError(f"{type(model).__name__}: parameters are {out_dtype}; pass dtype fp32, fp16 or bf16")
+    origin = getattr(model, "checkpoint_dir", None)
+    tok_dir = Path(tokenizer_from) if tokenizer_from is not None else origin
+    tokenizer_files = [tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()] if tok_dir else []
+    if origin is not None and (Path(origin) / MANIFEST).is_file():
+        prov = derived_manifest(read_manifest(Path(origin)), out_dtype, "saves", str(Path(origin).resolve()))
+    else:
+        prov = manifest(out_dtype, config, {"path": None, "kind": f"in-memory {type(model).__name__}"})
+    # Saving over the checkpoint a model was loaded from (with force) is safe: its tensors map a file that stays
+    # readable until the new one is in place. Inside or around it is not.
+    if origin is not None and Path(out).resolve() != Path(origin).resolve():
+        refuse_overlap(out, Path(origin), "the checkpoint the model was loaded from")
+    order = _stored_order(origin, shapes)
+    items = [(name, out_dtype, shapes[name], (lambda t=state[name]: t)) for name in order]
+    write(out, config, items, lambda: prov, tokenizer_files, force)
+    return out

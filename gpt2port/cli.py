@@ -80,7 +80,7 @@ def main(debug: bool) -> None:
 @_handle_errors
 def convert(src, out, dtype, force, quiet):
     """Convert a local Hugging Face GPT-2 checkpoint (repo directory or weights file) to gpt2port's layout."""
-    from gpt2port.convert import convert as run_convert
+    from gpt2port.conversion import convert as run_convert
     from gpt2port.progress import byte_progress
 
     with byte_progress("converting", quiet) as progress:
@@ -118,19 +118,18 @@ def info(ckpt, as_json):
 @_handle_errors
 def export(ckpt, out, to, dtype, force):
     """Re-export a converted checkpoint: another dtype, or back to the Hugging Face layout."""
-    from gpt2port.export import export as run_export
+    from gpt2port.conversion import export as run_export
 
     result = run_export(ckpt, out, to=to, dtype=dtype, force=force)
     click.echo(f"wrote {result.out} ({to} layout, {_dtype_label(result.dtype)}, {result.bytes_written / 1e9:.2f} GB)")
 
 
 def _dtype_label(dtype) -> str:
-    from gpt2port.checkpoint import DTYPE_LABELS
+    from gpt2port.dtypes import label
 
-    return DTYPE_LABELS.get(dtype, str(dtype))
+    return label(dtype)
 
 
-# --- download: owned by the download issue -------------------------------------------------------------------------
 @main.command()
 @click.argument("name")
 @click.option("--revision", default=None, help="Branch, tag or commit hash on the Hub (default: main).")
@@ -148,7 +147,7 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
     GPT-2 model (e.g. distilbert/distilgpt2). Files go through the Hugging Face cache (HF_HOME, HF_HUB_CACHE),
     so a second download transfers nothing; HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE=1 work as usual.
     """
-    from gpt2port.hub import download as run_download, format_summary
+    from gpt2port.hub import download as run_download
 
     log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
     result = run_download(name, revision=revision, out=out, dtype=dtype, force=force, verify=run_verify,
@@ -160,7 +159,6 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
         click.echo(format_summary(result))
 
 
-# --- verify: owned by the verify issue -------------------------------------------------------------------------------
 @main.command()
 @click.argument("ckpt")
 @click.option("--reference", type=click.Path(path_type=str), default=None,
@@ -194,7 +192,6 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, quiet):
     sys.exit(0 if report.passed else EXIT_FAILURE)
 
 
-# --- generate: owned by the generation issue ------------------------------------------------------------------------
 @main.command()
 @click.argument("ckpt")
 @click.argument("prompt")
@@ -251,6 +248,36 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     seconds = time.perf_counter() - start
     click.echo(f"{produced} tokens in {seconds:.2f} s: {produced / max(seconds, 1e-9):.1f} tokens/s "
                f"({_dtype_label(model.tok_emb.weight.dtype)}, {device})", err=True)
+
+
+def format_summary(r) -> str:
+    """The one screen printed after a download (r: hub.DownloadResult)."""
+    from gpt2port.dtypes import DTYPE_LABELS
+    from gpt2port.hub.fetch import gb
+
+    lines = [f"{r.out}  <-  {r.repo}@{r.revision} (commit {r.commit[:12]})"]
+    s = r.snapshot
+    if s is None:
+        lines.append("  checkpoint  already up to date (same repo, commit and dtype): nothing fetched or rewritten")
+    else:
+        if s.offline:
+            lines.append(f"  source      the Hugging Face cache, offline: {s.path}")
+        elif s.downloaded_bytes:
+            rate = s.downloaded_bytes / max(s.download_seconds, 1e-9)
+            lines.append(f"  downloaded  {gb(s.downloaded_bytes)} in {s.download_seconds:.1f}s ({gb(int(rate))}/s)")
+        else:
+            lines.append(f"  downloaded  nothing: all {len(s.sha256)} files were in the Hugging Face cache")
+        lines.append(f"  checked     sha256 of {len(s.sha256)} files ({gb(s.total_bytes)}) against the Hub's hashes")
+        c = r.converted
+        lines.append(f"  converted   {c.n_params:,} parameters, {DTYPE_LABELS.get(c.dtype, c.dtype)}, "
+                     f"{gb(c.bytes_written)} in {c.seconds:.1f}s")
+    if r.report is not None:
+        n = len(r.report.checks)
+        lines.append(f"  verified    gpt2port verify passed ({n} checks against the reference)")
+    lines.append(f"  total       {r.seconds:.1f}s")
+    for w in (s.warnings if s else []) + (list(r.converted.warnings) if r.converted else []):
+        lines.append(f"  warning     {w}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 
-from gpt2port.checkpoint import DTYPE_LABELS, WEIGHTS, check_weights, read_config, read_manifest, resolve
+from gpt2port.checkpoint import WEIGHTS, check_weights, read_config, read_manifest, resolve
+from gpt2port.dtypes import DTYPE_LABELS
 
 # Ledger rows: (label, parameter-name suffixes within a block or at the top level). One table, read from the file.
 BLOCK_ROWS = [

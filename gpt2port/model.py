@@ -2,7 +2,7 @@
 
 Token + learned position embeddings, a stack of pre-LayerNorm blocks (fused-qkv causal self-attention, then a
 4x MLP), a final LayerNorm, and a head that is the token embedding itself (one Parameter, not a copy).
-Parameter names are gpt2port's own; gpt2port/keymap.py maps them to and from Hugging Face's names.
+Parameter names are gpt2port's own and are the canonical names gpt2port/layouts maps every other layout onto.
 
 The optional KVCache lets generation feed one new token per step instead of re-running the whole context.
 """
@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpt2port.checkpoint import load_state, save
 from gpt2port.config import GPTConfig
 
 _ACTIVATIONS = {
@@ -174,6 +175,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
+        self.checkpoint_dir: Path | None = None  # where from_pretrained loaded it from: save() carries its provenance
         # _weight: no reset_parameters() here (_init_weights covers every parameter). On the meta device that init
         # is a normal_() which PyTorch decomposes through torch._dynamo: a 1 s import, and a stray /tmp directory.
         V, P, C = config.vocab_size, config.n_positions, config.n_embd
@@ -238,7 +240,17 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | str | None = None,
                         device: torch.device | str | None = None) -> "GPT":
-        """Load a converted checkpoint (a directory, or a NAME under ./checkpoints) without random init or copies."""
-        from gpt2port.checkpoint import load_model
+        """Load a converted checkpoint (a directory, or a NAME under ./checkpoints) without random init or copies:
+        the model is built on the meta device and the file's memory-mapped tensors are assigned into it."""
+        ckpt_dir, config, state = load_state(path, dtype=dtype, device=device)
+        with torch.device("meta"):
+            model = cls(config)
+        state["lm_head.weight"] = state["tok_emb.weight"]
+        model.load_state_dict(state, assign=True, strict=True)
+        model.lm_head.weight = model.tok_emb.weight  # assign made two Parameters of one tensor; make them one
+        model.checkpoint_dir = ckpt_dir
+        return model.eval()
 
-        return load_model(path, dtype=dtype, device=device)
+    def save_pretrained(self, out: str | Path, dtype: torch.dtype | str | None = None, force: bool = False) -> Path:
+        """Write this model as a gpt2port checkpoint (see gpt2port.save)."""
+        return save(self, out, dtype=dtype, force=force)

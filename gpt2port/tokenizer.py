@@ -33,6 +33,9 @@ ENDOFTEXT = "<|endoftext|>"
 ENDOFTEXT_ID = 50256  # GPT-2's id for it
 VOCAB_MERGES = (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe"))  # HF names, OpenAI names
 TOKENIZER_JSON = "tokenizer.json"
+# Every tokenizer file that travels with a checkpoint: the three layouts above plus transformers' settings files.
+TOKENIZER_FILES = (*VOCAB_MERGES[0], TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json",
+                   *VOCAB_MERGES[1])
 
 
 def load_tokenizer(ckpt: str | Path) -> tiktoken.Encoding:

@@ -34,7 +34,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from gpt2port.checkpoint import DTYPE_LABELS, read_manifest, resolve
+from gpt2port.checkpoint import read_manifest, resolve
+from gpt2port.dtypes import DTYPE_LABELS
 from gpt2port.config import canonical_name, is_known_name
 from gpt2port.errors import GPT2PortError
 from gpt2port.reference import WEIGHT_FILES, Float64GPT2, Stage
@@ -116,8 +117,9 @@ def run_verify(ckpt, reference=None, dtype=None, tokens: int | None = None, prog
     dtype: compute dtype for ours and HF (default: the checkpoint's). tokens: length of the random-id inputs
     (default: the full context). hf=False skips transformers even when it is installed (float64 reference only).
     """
-    from gpt2port.checkpoint import WEIGHTS, load_model, parse_dtype
-    from gpt2port.safetensors_format import read_header
+    from gpt2port.checkpoint import WEIGHTS
+    from gpt2port.formats.safetensors import read_header
+    from gpt2port.model import GPT
 
     ckpt_dir = resolve(ckpt)
     manifest = read_manifest(ckpt_dir)
@@ -130,7 +132,7 @@ def run_verify(ckpt, reference=None, dtype=None, tokens: int | None = None, prog
              and str(source.get("endpoint", OFFICIAL_HUB)).rstrip("/") == OFFICIAL_HUB)
     stored = read_header(ckpt_dir / WEIGHTS).entries
     weights_dtype = stored["tok_emb.weight"].dtype if "tok_emb.weight" in stored else None
-    return _verify(lambda: load_model(ckpt_dir, dtype=parse_dtype(dtype)), str(ckpt_dir), ref_path,
+    return _verify(lambda: GPT.from_pretrained(ckpt_dir, dtype=dtype), str(ckpt_dir), ref_path,
                    tokenizer_dirs=[ckpt_dir, ref_path], tokens=tokens, progress=progress, known_answer=known,
                    use_hf=hf, weights_dtype=weights_dtype)
 

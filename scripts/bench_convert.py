@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE.parent))
 # --- steps, each run in its own process so its peak RSS is its own -------------------------------------------------
 
 def step_gpt2port(src: Path, out: Path) -> None:
-    from gpt2port.convert import convert
+    from gpt2port import convert
 
     convert(src, out, force=True)
 
@@ -44,7 +44,7 @@ def step_nanogpt(src: Path, out: Path) -> None:
     from transformers import GPT2LMHeadModel
 
     from gpt2port.config import GPTConfig
-    from gpt2port.keymap import plan_hf_to_ours
+    from gpt2port.layouts import HF
     from gpt2port.model import GPT
 
     hf = GPT2LMHeadModel.from_pretrained(src)
@@ -52,10 +52,10 @@ def step_nanogpt(src: Path, out: Path) -> None:
     config = GPTConfig.from_hf_config(hf.config.to_dict())
     model = GPT(config)  # randomly initialised, as nanoGPT does, then overwritten
     sd = model.state_dict()
-    mappings, _, _ = plan_hf_to_ours(list(sd_hf), config, str(src))
+    reads, _, _ = HF.plan_read(list(sd_hf), config, str(src))
     with torch.no_grad():
-        for m in mappings:
-            sd[m.target].copy_(sd_hf[m.source].t() if m.transform else sd_hf[m.source])
+        for r in reads:
+            sd[r.target].copy_(r.transform.from_layout(sd_hf[r.key], sd[r.target].shape))
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"}, out / "model.safetensors")
 

@@ -40,7 +40,7 @@ import hf_fixtures  # noqa: E402
 
 import gpt2port.model  # noqa: E402
 from gpt2port import GPT  # noqa: E402
-from gpt2port.convert import convert  # noqa: E402
+from gpt2port import convert  # noqa: E402
 from gpt2port.generate import steps  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024

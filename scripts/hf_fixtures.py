@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpt2port.config import PRESETS  # noqa: E402
-from gpt2port.safetensors_format import encode_header  # noqa: E402
+from gpt2port.formats.safetensors import encode_header  # noqa: E402
 
 LAYOUTS = ("hub", "save_pretrained", "sharded", "bin", "with_head")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -7,7 +7,7 @@ nothing leaked (file descriptors, memory maps, threads, temporary files, build d
 
 Per size: a random-weight 2019-hub-layout model.safetensors at the real shape (hf_fixtures.write_random_hub_file,
 one tensor in memory at a time) + config.json + the genuine tokenizer files; then `--rounds` conversions in THIS
-process (gpt2port.convert.convert, the first into a fresh directory, later ones replacing it with force=True), each
+process (gpt2port.convert, the first into a fresh directory, later ones replacing it with force=True), each
 followed by the leak checks; then a verification in a child process: `gpt2port verify CKPT --reference SRC --json`.
 
 Peak RSS: the convert steps run in this process, so the kernel's high-water mark (VmHWM) is reset before each
@@ -116,7 +116,7 @@ class Baseline:
         temp = sorted(temp_entries() - self.temp)
         if temp:
             found.append(f"new entries in {tempfile.gettempdir()}: {temp[:5]}")
-        from gpt2port.writer import OLD_MARK, PARTIAL_MARK
+        from gpt2port.fsio import OLD_MARK, PARTIAL_MARK
 
         stray = [p.name for p in dest.parent.iterdir() if PARTIAL_MARK in p.name or OLD_MARK in p.name]
         if stray:
@@ -136,7 +136,7 @@ def make_source(size: str, src: Path, dtype: str) -> None:
 
 
 def convert_step(src: Path, dest: Path, force: bool) -> dict:
-    from gpt2port.convert import convert
+    from gpt2port import convert
 
     exact = reset_peak()
     before = rss_now()
@@ -187,7 +187,7 @@ def soak(sizes: list[str], workdir: Path, rounds: int, dtype: str, tokens: int, 
          verify_args: list[str]) -> tuple[list[dict], bool]:
     import torch  # noqa: F401 - loaded before the baseline, so its own threads and files are not counted as leaks
 
-    import gpt2port.convert  # noqa: F401
+    import gpt2port.conversion  # noqa: F401
 
     baseline = Baseline()
     rows, ok = [], True

@@ -52,7 +52,7 @@ def make_hf_repo(tmp_path_factory, tiny_hf_model):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory, make_hf_repo):
     """A converted gpt2port checkpoint of the tiny model (fp32, from the hub layout)."""
-    from gpt2port.convert import convert
+    from gpt2port import convert
 
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
     convert(make_hf_repo("hub"), out)
@@ -70,7 +70,7 @@ def gpt2_hf_repo(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def gpt2_ckpt(tmp_path_factory, gpt2_hf_repo):
-    from gpt2port.convert import convert
+    from gpt2port import convert
 
     out = tmp_path_factory.mktemp("ckpt-full") / "gpt2"
     convert(gpt2_hf_repo, out)

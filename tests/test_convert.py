@@ -22,9 +22,9 @@ import hf_fixtures
 from gpt2port import GPT
 from gpt2port.cli import main
 from gpt2port.config import GPTConfig
-from gpt2port.convert import convert
+from gpt2port import convert
 from gpt2port.errors import GPT2PortError
-from gpt2port.export import export
+from gpt2port import export
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -108,7 +108,7 @@ def _forkserver():
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "gpt2port.cli", "gpt2port.convert", "gpt2port.hub"])
+        _context.set_forkserver_preload(["torch", "gpt2port.cli", "gpt2port.conversion", "gpt2port.hub"])
     return _context
 
 
@@ -423,7 +423,7 @@ def test_private_repo_needs_hf_token(hub_root, tmp_path, hub_models):
 # --- pieces --------------------------------------------------------------------------------------------------------
 
 def test_select_files_prefers_one_safetensors_format():
-    from gpt2port.hub import select_files
+    from gpt2port.hub.names import select_files
 
     everything = {"config.json", "vocab.json", "merges.txt", "model.safetensors", "pytorch_model.bin",
                   "tf_model.h5", "flax_model.msgpack", "rust_model.ot", "model.safetensors.index.json"}
@@ -435,7 +435,7 @@ def test_select_files_prefers_one_safetensors_format():
 
 
 def test_resolve_name(monkeypatch):
-    from gpt2port.hub import resolve_name
+    from gpt2port.hub.names import resolve_name
 
     monkeypatch.delenv("GPT2PORT_CHECKPOINTS", raising=False)
     assert resolve_name("355M") == ("openai-community/gpt2-medium", Path("checkpoints/gpt2-medium"))

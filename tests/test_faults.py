@@ -24,8 +24,10 @@ from pathlib import Path
 
 import pytest
 
-import gpt2port.writer as writer_mod
-from gpt2port.writer import PARTIAL_MARK, staged_directory, sweep_leftovers
+import gpt2port.formats.safetensors as safetensors_mod
+import gpt2port.fsio as fsio_mod
+from gpt2port.errors import GPT2PortError
+from gpt2port.fsio import PARTIAL_MARK, staged_directory, sweep_leftovers
 from test_safety import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint, leftovers,
                          run_cli, snapshot)
 
@@ -37,7 +39,8 @@ from test_safety import (WEIGHTS, assert_clean_failure, assert_one_line_error, a
 FAULTS = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-import gpt2port.writer as W
+import gpt2port.formats.safetensors as W
+import gpt2port.fsio as fsio
 
 spec = json.loads(os.environ.get("GPT2PORT_TEST_FAULT", "{}"))
 if "started" in spec:
@@ -54,7 +57,7 @@ if "signal_at_swap" in spec:
     _rename = os.rename
     def rename(src, dst, *a, **k):
         _rename(src, dst, *a, **k)
-        if W.OLD_MARK in os.path.basename(str(dst)):
+        if fsio.OLD_MARK in os.path.basename(str(dst)):
             os.kill(os.getpid(), getattr(signal, spec["signal_at_swap"]))
     os.rename = rename
 
@@ -115,12 +118,18 @@ def _open_on_full_disk(file, mode="r", *args, **kwargs):
     return open(file, mode, *args, **kwargs)
 
 
+def full_disk(monkeypatch) -> None:
+    """Every file opened for writing by the weights writer and by fsio (config, manifest) runs out of space."""
+    for mod in (safetensors_mod, fsio_mod):
+        monkeypatch.setattr(mod, "open", _open_on_full_disk, raising=False)
+
+
 @pytest.mark.parametrize("prev", ["absent", "existing", "absent, parents too"])
 @pytest.mark.parametrize("where", ["header", "mid-data", "config.json"])
 def test_disk_full_injected(where, prev, tiny_src, tiny_ckpt, dest_for, monkeypatch):
     weights_size = (tiny_ckpt / WEIGHTS).stat().st_size
     _FullDisk.budget[0] = {"header": 0, "mid-data": weights_size // 2, "config.json": weights_size + 10}[where]
-    monkeypatch.setattr(writer_mod, "open", _open_on_full_disk, raising=False)
+    full_disk(monkeypatch)
     dest = dest_for(prev)
     if prev == "absent, parents too":  # the directories created for --out go again too
         dest = dest.parent / "new" / "deeper" / "ckpt"
@@ -142,7 +151,7 @@ def test_export_disk_full_keeps_the_previous_export(tiny_ckpt, tmp_path, monkeyp
     assert run_cli("export", tiny_ckpt, "--out", dest, "--to", "hf").exit_code == 0
     before_ckpt, before_dest = snapshot(tiny_ckpt), snapshot(dest)
     _FullDisk.budget[0] = 100_000
-    monkeypatch.setattr(writer_mod, "open", _open_on_full_disk, raising=False)
+    full_disk(monkeypatch)
     result = run_cli("export", tiny_ckpt, "--out", dest, "--to", "hf", "--dtype", "fp16", "--force")
     assert_clean_failure(result, names=["no space left on device"])
     assert snapshot(dest) == before_dest
@@ -263,10 +272,10 @@ def test_ctrl_c_between_the_renames_is_held_until_they_are_done(tiny_src, dest_f
 # --- the post-write check --------------------------------------------------------------------------------------------------
 
 def _failing_check(path, entries, metadata):
-    raise writer_mod.GPT2PortError(f"{path}: post-write check failed: simulated")
+    raise GPT2PortError(f"{path}: post-write check failed: simulated")
 
 
-def _corrupting_check(path, entries, metadata, _real=writer_mod.check_written):
+def _corrupting_check(path, entries, metadata, _real=safetensors_mod.check_written):
     """What a bad disk or a concurrent writer would do: the bytes on disk differ from what was written."""
     raw = bytearray(Path(path).read_bytes())
     at = raw.index(b"tok_emb.weight")
@@ -278,7 +287,7 @@ def _corrupting_check(path, entries, metadata, _real=writer_mod.check_written):
 @pytest.mark.parametrize("prev", ["absent", "existing"])
 @pytest.mark.parametrize("check", [_failing_check, _corrupting_check], ids=["check raises", "file corrupted"])
 def test_post_write_check_failure(check, prev, tiny_src, dest_for, monkeypatch):
-    monkeypatch.setattr(writer_mod, "check_written", check)
+    monkeypatch.setattr(safetensors_mod, "check_written", check)
     dest = dest_for(prev)
     before_src, before_dest = snapshot(tiny_src), snapshot(dest)
     result = run_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest))
@@ -329,7 +338,7 @@ def test_destination_taken_at_the_last_moment(tmp_path, monkeypatch):
             (dest / "theirs").write_text("complete")
         return real_rename(src, dst, *a, **k)
 
-    with pytest.raises(writer_mod.GPT2PortError, match=str(dest)):
+    with pytest.raises(GPT2PortError, match=str(dest)):
         with staged_directory(dest) as stage:
             (stage / "ours").write_text("complete")
             monkeypatch.setattr(os, "rename", rename_after_the_other_run)

@@ -12,7 +12,7 @@ import torch
 import hf_fixtures
 from gpt2port import GPT, KVCache, load_tokenizer
 from gpt2port.cli import main
-from gpt2port.convert import convert
+from gpt2port import convert
 from gpt2port.errors import GPT2PortError
 from gpt2port.generate import _left_pad, generate, sample, stream
 

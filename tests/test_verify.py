@@ -20,9 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import hf_fixtures
-from gpt2port.checkpoint import load_model, read_config
+from gpt2port.checkpoint import read_config
 from gpt2port.cli import main
-from gpt2port.convert import convert
+from gpt2port import convert
 from gpt2port.model import GPT
 from gpt2port.reference import Float64GPT2
 from gpt2port.verify import KNOWN_ANSWER, TOLERANCES, run_verify, verify_model
@@ -118,7 +118,7 @@ def test_passes_correct_124m_conversion(gpt2_ckpt):
 def test_passes_correct_124m_conversion_in_half_precision(gpt2_hf_repo, tmp_path, dtype):
     """A 124M conversion to fp16/bf16, computed in that dtype by ours and HF alike, PASSes at its tolerances, with
     errors against float64 in that precision's own band (short inputs: CPU half-precision products are slow)."""
-    from gpt2port.convert import convert
+    from gpt2port import convert
 
     ckpt = tmp_path / dtype
     convert(gpt2_hf_repo, ckpt, dtype=dtype)
@@ -168,7 +168,7 @@ def test_fails_on_corrupted_conversion_naming_the_stage(tiny_ckpt, tmp_path, edi
 
 
 def test_fails_on_untied_perturbed_head(tiny_ckpt, make_hf_repo):
-    model = load_model(tiny_ckpt)
+    model = GPT.from_pretrained(tiny_ckpt)
     torch.manual_seed(0)
     head = model.tok_emb.weight.detach().clone() + 1e-3 * torch.randn_like(model.tok_emb.weight)
     model.lm_head.weight = torch.nn.Parameter(head)
@@ -198,7 +198,7 @@ def test_fails_on_exact_erf_gelu(gelu_sensitive_repo, tmp_path):
     config = read_config(ckpt)
     config.activation = "gelu"
     erf_model = GPT(config).eval()
-    erf_model.load_state_dict(load_model(ckpt).state_dict())
+    erf_model.load_state_dict(GPT.from_pretrained(ckpt).state_dict())
     report = verify_model(erf_model, gelu_sensitive_repo, hf=False)
     assert not report.passed
     assert report.localization["first_divergence"].startswith("block 0: MLP output differs")
@@ -360,14 +360,14 @@ def test_fails_on_wrong_layernorm_eps(tiny_ckpt, make_hf_repo):
     config = read_config(tiny_ckpt)
     config.layer_norm_epsilon = 1e-6  # GPT-2's is 1e-5
     model = GPT(config).eval()
-    model.load_state_dict(load_model(tiny_ckpt).state_dict())
+    model.load_state_dict(GPT.from_pretrained(tiny_ckpt).state_dict())
     report = verify_model(model, make_hf_repo("hub"), hf=False)
     assert not report.passed
     assert report.localization["first_divergence"].startswith("block 0: attention output differs")
 
 
 def test_nan_fails_and_json_stays_strict(tiny_ckpt, make_hf_repo):
-    model = load_model(tiny_ckpt)
+    model = GPT.from_pretrained(tiny_ckpt)
     with torch.no_grad():
         model.blocks[1].mlp.fc.bias = torch.nn.Parameter(model.blocks[1].mlp.fc.bias.clone())
         model.blocks[1].mlp.fc.bias[0] = float("nan")

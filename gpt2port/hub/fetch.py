@@ -1,22 +1,19 @@
-"""A model NAME or Hub repo id -> verified files in the Hugging Face cache -> a converted checkpoint.
+"""One Hub repo at one pinned commit -> verified files in the Hugging Face cache.
 
-The first stop on the data path. Everything network-related is huggingface_hub's own machinery, so its cache
-(HF_HOME / HF_HUB_CACHE), tokens (HF_TOKEN, `hf auth login`), HF_ENDPOINT and HF_HUB_OFFLINE behave as in the
-rest of the HF ecosystem, and files already cached are never transferred again. What this module adds:
+Everything network-related is huggingface_hub's own machinery, so its cache (HF_HOME / HF_HUB_CACHE), tokens
+(HF_TOKEN, `hf auth login`), HF_ENDPOINT and HF_HUB_OFFLINE behave as in the rest of the HF ecosystem, and files
+already cached are never transferred again. What this adds:
 
-- it fetches only what conversion needs: config.json, the tokenizer files, and ONE weights format (safetensors,
-  single or sharded; pytorch_model.bin only when a repo has no safetensors), never the TF/Flax/Rust/ONNX files;
-- it pins the commit: the revision is resolved once, every file comes from that commit, the manifest records it;
-- it checks integrity, which huggingface_hub does not (it compares sizes only): every file is hashed and compared
-  with the hash the Hub announced (sha256 for LFS files, the git blob sha1 for small ones). A bad copy is removed
-  from the cache and fetched once more; a second failure stops the download;
-- it converts from the cache snapshot directory with the verified hashes (convert.py does not hash them again).
+- only what conversion needs: config.json, the tokenizer files, and ONE weights format (names.select_files);
+- a pinned commit: the revision is resolved once and every file comes from that commit;
+- integrity, which huggingface_hub does not check (it compares sizes only): every file is hashed and compared with
+  the hash the Hub announced (sha256 for LFS files, the git blob sha1 for small ones). A bad copy is removed from
+  the cache and fetched once more; a second failure stops the download.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 import shutil
@@ -25,18 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpt2port.checkpoint import DEFAULT_ROOT, DTYPE_LABELS, WEIGHTS, default_dir, parse_dtype, read_manifest
-from gpt2port.config import GPTConfig, HUB_REPOS, canonical_name, is_known_name, read_json
+from gpt2port.config import GPTConfig, read_json
 from gpt2port.errors import GPT2PortError
+from gpt2port.formats import WEIGHT_FILES
+from gpt2port.formats.shards import shard_names
+from gpt2port.fsio import hash_file, hf_cache_dir
+from gpt2port.hub.names import SIDE_FILES, select_files
 from gpt2port.progress import byte_progress
-# WEIGHT_FILES: the formats in the converter's order of preference (safetensors first: it cannot run code and
-# converts by streaming; .bin for older repos), so a download fetches exactly the one `convert` will read.
-from gpt2port.sources import TOKENIZER_FILES, WEIGHT_FILES
 
-SIDE_FILES = ("config.json", *TOKENIZER_FILES)
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 GIT_SHA1_RE = re.compile(r"^[0-9a-f]{40}$")
-HASH_CHUNK = 16 << 20
 SPACE_MARGIN = 64 << 20  # keep a little room: a disk filled to the last byte fails in unhelpful places
 
 
@@ -65,58 +60,8 @@ class Snapshot:
     warnings: list[str] = field(default_factory=list)
 
 
-@dataclass
-class DownloadResult:
-    out: Path
-    repo: str
-    revision: str
-    commit: str
-    snapshot: Snapshot | None  # None when the checkpoint was already up to date (nothing fetched)
-    converted: object | None  # convert.ConvertResult; None when up to date
-    up_to_date: bool
-    report: object | None  # verify report when --verify was given
-    seconds: float
 
-
-# --- names ---------------------------------------------------------------------------------------------------------
-
-def resolve_name(name: str) -> tuple[str, Path]:
-    """(Hub repo id, default output directory) for a model NAME/alias or a repo id like distilbert/distilgpt2."""
-    root = Path(os.environ.get("GPT2PORT_CHECKPOINTS", DEFAULT_ROOT))
-    if is_known_name(name):
-        canonical = canonical_name(name)
-        return HUB_REPOS[canonical], default_dir(canonical)
-    if "/" in name:
-        return name.strip("/"), root / name.rstrip("/").rsplit("/", 1)[-1]
-    try:
-        canonical_name(name)
-    except GPT2PortError as e:
-        raise GPT2PortError(f"{e}; or give a Hub repo id such as distilbert/distilgpt2") from None
-    raise AssertionError("unreachable")
-
-
-def select_files(available: set[str]) -> tuple[list[str], str]:
-    """(side files to fetch, the weights entry) from the repo's root file names: see WEIGHT_FILES."""
-    weights = next((w for w in WEIGHT_FILES if w in available), None)
-    if weights is None:
-        return [n for n in SIDE_FILES if n in available], ""
-    return [n for n in SIDE_FILES if n in available], weights
-
-
-def shard_names(index_path: Path) -> list[str]:
-    weight_map = read_json(index_path).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise GPT2PortError(f"{index_path}: no weight_map")
-    names = sorted(set(weight_map.values()))
-    bad = [n for n in names if not isinstance(n, str) or "/" in n or n.startswith(".")]
-    if bad:
-        raise GPT2PortError(f"{index_path}: unexpected shard names {bad[:3]}")
-    return names
-
-
-# --- the download --------------------------------------------------------------------------------------------------
-
-class _Fetcher:
+class Fetcher:
     """One repo at one pinned commit: list, choose, download, hash, retry."""
 
     def __init__(self, repo: str, revision: str | None, quiet: bool, log: Callable[[str], None]):
@@ -130,7 +75,7 @@ class _Fetcher:
         self.log = log
         self.offline = hf.is_offline_mode()
         self.endpoint = hf.constants.ENDPOINT
-        self.cache = Path(hf.constants.HF_HUB_CACHE)
+        self.cache = hf_cache_dir()
         self.commit = ""
         self.remote: dict[str, RemoteFile] = {}
         self.paths: dict[str, Path] = {}
@@ -164,7 +109,7 @@ class _Fetcher:
                 if not _is_connection_error(e):
                     raise GPT2PortError(self._hub_error(e)) from None
                 self.offline = True
-                self.warnings.append(f"the Hub at {self.endpoint} cannot be reached ({_first_line(e)}); "
+                self.warnings.append(f"the Hub at {self.endpoint} cannot be reached ({first_line(e)}); "
                                      f"using the cached copy of {self.where}")
         self.remote = self._cached_listing()
 
@@ -228,7 +173,7 @@ class _Fetcher:
         free = shutil.disk_usage(probe).free
         if free < need + SPACE_MARGIN:
             raise GPT2PortError(f"{self.cache}: not enough free space for {self.where}: the download needs "
-                                f"{_gb(need)}, {_gb(free)} is free (set HF_HOME or HF_HUB_CACHE to use another disk)")
+                                f"{gb(need)}, {gb(free)} is free (set HF_HOME or HF_HUB_CACHE to use another disk)")
 
     def fetch_all(self) -> Snapshot:
         """Every needed file of the pinned commit into the cache, small ones first, then verified."""
@@ -295,7 +240,7 @@ class _Fetcher:
         with byte_progress("checking sha256", self.quiet) as progress:
             for name in names:
                 remote = self.remote[name]
-                sha256, git_sha1 = _hash_file(self.paths[name], lambda n: progress and progress(done + n, total))
+                sha256, git_sha1 = hash_file(self.paths[name], lambda n: progress and progress(done + n, total), git=True)
                 done += self.paths[name].stat().st_size
                 digests[name] = sha256
                 if remote.sha256 is not None and sha256 != remote.sha256:
@@ -338,10 +283,10 @@ class _Fetcher:
         if isinstance(e, errors.RevisionNotFoundError):
             return f"{self.repo}: revision {self.revision!r} not found (a branch, tag or commit hash)"
         if isinstance(e, errors.HFValidationError):
-            return f"{self.repo!r} is not a valid Hub repo id ({_first_line(e)})"
+            return f"{self.repo!r} is not a valid Hub repo id ({first_line(e)})"
         if _is_connection_error(e):
             return self._unreachable_message()
-        return f"{self.where}: the Hub request failed: {_first_line(e)}"
+        return f"{self.where}: the Hub request failed: {first_line(e)}"
 
     def _file_error(self, name: str, e: Exception) -> str:
         errors = self.hf.errors
@@ -353,7 +298,7 @@ class _Fetcher:
             return f"{self.where}: downloading {name} failed: no space left on device ({self.cache})"
         if isinstance(e, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError)):
             return self._hub_error(e)
-        return f"{self.where}: downloading {name} failed: {_first_line(e)} (run again to resume)"
+        return f"{self.where}: downloading {name} failed: {first_line(e)} (run again to resume)"
 
 
 def _is_connection_error(e: BaseException) -> bool:
@@ -374,21 +319,6 @@ def _cached_file(name: str, path: Path) -> RemoteFile:
     if GIT_SHA1_RE.match(blob):
         return RemoteFile(name, size, git_sha1=blob)
     return RemoteFile(name, size)
-
-
-def _hash_file(path: Path, progress: Callable[[int], object]) -> tuple[str, str]:
-    """(sha256, git blob sha1) of a file in one read."""
-    size = path.stat().st_size
-    sha256 = hashlib.sha256()
-    git = hashlib.sha1(b"blob %d\0" % size)
-    done = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            sha256.update(chunk)
-            git.update(chunk)
-            done += len(chunk)
-            progress(done)
-    return sha256.hexdigest(), git.hexdigest()
 
 
 class _hf_bars:
@@ -412,93 +342,11 @@ class _hf_bars:
             enable_progress_bars()
 
 
-def download(name: str, revision: str | None = None, out: str | Path | None = None, dtype=None, force: bool = False,
-             verify: bool = False, quiet: bool = False, log: Callable[[str], None] = lambda s: None) -> DownloadResult:
-    """`gpt2port download`: NAME or repo id -> verified HF files -> checkpoint at `out` (default ./checkpoints/NAME)."""
-    from gpt2port.convert import convert
-
-    t0 = time.perf_counter()
-    repo, default_out = resolve_name(name)
-    out = Path(out) if out is not None else default_out
-    out_dtype = parse_dtype(dtype)
-    f = _Fetcher(repo, revision, quiet, log)
-    f.resolve()
-    # Decided before any file moves: a finished checkpoint of this very commit needs nothing; anything else
-    # already at `out` needs --force.
-    if _up_to_date(out, repo, f.commit, out_dtype, force):
-        report = _run_verify(out, quiet) if verify else None
-        return DownloadResult(out, f.repo, f.revision, f.commit, None, None, True, report, time.perf_counter() - t0)
-    snapshot = f.fetch_all()
-    provenance = {"repo": repo, "revision": snapshot.revision, "commit": snapshot.commit,
-                  "endpoint": f.endpoint, "sha256_checked": "every file, against the hashes the Hub announced"}
-    with byte_progress("converting", quiet) as progress:
-        converted = convert(snapshot.path, out, dtype=out_dtype, force=force, provenance=provenance,
-                            known_sha256=snapshot.sha256, progress=progress)
-    report = _run_verify(out, quiet) if verify else None
-    return DownloadResult(out, f.repo, f.revision, f.commit, snapshot, converted, False, report,
-                          time.perf_counter() - t0)
-
-
-def _up_to_date(out: Path, repo: str, commit: str, dtype, force: bool) -> bool:
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())) or force:
-        return False
-    if not out.is_dir():
-        raise GPT2PortError(f"{out}: exists and is not a directory")
-    manifest = read_manifest(out)
-    src = manifest.get("source", {})
-    same = src.get("repo") == repo and src.get("commit") == commit and (out / WEIGHTS).is_file()
-    if same and dtype is not None:
-        same = manifest.get("dtype") == DTYPE_LABELS[dtype]
-    if same and manifest.get("files", {}).get(WEIGHTS) == (out / WEIGHTS).stat().st_size:
-        return True
-    held = f" (holds {src['repo']}@{str(src.get('commit', '?'))[:12]}, {manifest.get('dtype', '?')})" \
-        if src.get("repo") else ""
-    raise GPT2PortError(f"{out}: already exists{held}; use --force to replace it, or --out to choose another place")
-
-
-def _run_verify(out: Path, quiet: bool):
-    from gpt2port.verify import run_verify
-
-    report = run_verify(out, reference=None, dtype=None, tokens=None, progress=not quiet)
-    if not report.passed:
-        first = next(iter(report.failures), "see the report")
-        raise GPT2PortError(f"{out}: written, but verify FAILED ({first}); run `gpt2port verify {out}` for the "
-                            f"full report")
-    return report
-
-
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def _gb(n: int) -> str:
+def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
-def format_summary(r: DownloadResult) -> str:
-    """The one screen printed after a download."""
-    lines = [f"{r.out}  <-  {r.repo}@{r.revision} (commit {r.commit[:12]})"]
-    s = r.snapshot
-    if s is None:
-        lines.append("  checkpoint  already up to date (same repo, commit and dtype): nothing fetched or rewritten")
-    else:
-        if s.offline:
-            lines.append(f"  source      the Hugging Face cache, offline: {s.path}")
-        elif s.downloaded_bytes:
-            rate = s.downloaded_bytes / max(s.download_seconds, 1e-9)
-            lines.append(f"  downloaded  {_gb(s.downloaded_bytes)} in {s.download_seconds:.1f}s ({_gb(int(rate))}/s)")
-        else:
-            lines.append(f"  downloaded  nothing: all {len(s.sha256)} files were in the Hugging Face cache")
-        lines.append(f"  checked     sha256 of {len(s.sha256)} files ({_gb(s.total_bytes)}) against the Hub's hashes")
-        c = r.converted
-        lines.append(f"  converted   {c.n_params:,} parameters, {DTYPE_LABELS.get(c.dtype, c.dtype)}, "
-                     f"{_gb(c.bytes_written)} in {c.seconds:.1f}s")
-    if r.report is not None:
-        n = len(r.report.checks)
-        lines.append(f"  verified    gpt2port verify passed ({n} checks against the reference)")
-    lines.append(f"  total       {r.seconds:.1f}s")
-    for w in (s.warnings if s else []) + (list(r.converted.warnings) if r.converted else []):
-        lines.append(f"  warning     {w}")
-    return "\n".join(lines)

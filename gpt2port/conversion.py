@@ -1,0 +1,188 @@
+"""Convert and export, one path: a source's reader and layout -> canonical tensors -> a target layout and writer.
+
+sources.py opens the input, layouts/ decide where each tensor goes and how it is reshaped, formats/ stream the
+bytes, fsio.py makes sure nothing is left half-written. A tensor is read, transformed, cast and written before the
+next is read, so peak memory is about two tensors, not a model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from gpt2port import checkpoint
+from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
+from gpt2port.errors import GPT2PortError
+from gpt2port.formats import FLOAT_DTYPES
+from gpt2port.formats.safetensors import stream_safetensors
+from gpt2port.fsio import BackgroundHasher, copy_file, refuse_hf_cache, refuse_overlap, staged_directory, write_json
+from gpt2port.layouts import GPT2PORT, canonical, get as get_layout
+from gpt2port.layouts.transforms import merge
+from gpt2port.sources import Source, open_source
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    layout: str
+    n_params: int
+    dtype: torch.dtype
+    bytes_written: int
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+
+
+def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, to: str = "gpt2port",
+            provenance: dict | None = None, known_sha256: dict[str, str] | None = None,
+            progress: Callable[[int, int], None] | None = None) -> ConvertResult:
+    """Convert the GPT-2 weights at `src` (a Hugging Face repo directory or weights file, or a gpt2port checkpoint)
+    into the directory `out`, in layout `to` ("gpt2port", or "hf" for GPT2LMHeadModel.from_pretrained).
+
+    dtype: fp32/fp16/bf16 (default: the source's). provenance: extra facts for the manifest (the Hub repo and commit
+    a download came from). known_sha256: file name -> sha256 already established (a verified download), so it is
+    not hashed again. progress(done_bytes, total_bytes) is called after each tensor.
+    """
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    target = get_layout(to)
+    with open_source(src) as source:
+        refuse_overlap(out, source.root)
+        refuse_overlap(out, source.path)
+        refuse_hf_cache(out)
+        out_dtype = parse_dtype(dtype) or source.dtype()
+        warnings: list[str] = []
+        items, dropped, head = _items(source, target, out_dtype, warnings)
+        if out_dtype not in DTYPE_LABELS:
+            raise GPT2PortError(f"{source.where}: weights are {out_dtype}; pass --dtype fp32, fp16 or bf16")
+        if target is GPT2PORT:
+            facts = {"dropped_keys": len(dropped), "head": "checked equal to wte" if head else "absent (tied)",
+                     **(provenance or {})}
+            size = _write_checkpoint(source, out, items, out_dtype, warnings, force, facts, known_sha256, progress)
+        else:
+            size = _write_layout_dir(source, out, items, target, out_dtype, force, progress)
+    n_params = sum(_numel(s) for s in canonical.shapes(source.config).values())
+    return ConvertResult(out, target.name, n_params, out_dtype, size, time.perf_counter() - t0, warnings)
+
+
+def export(ckpt, out: str | Path, to: str = "gpt2port", dtype=None, force: bool = False,
+           progress: Callable[[int, int], None] | None = None) -> ConvertResult:
+    """A converted checkpoint (directory or NAME) re-written in another dtype or another layout."""
+    ckpt_dir = checkpoint.resolve(ckpt)
+    refuse_overlap(Path(out), ckpt_dir, "the checkpoint itself")
+    return convert(ckpt_dir, out, dtype=dtype, force=force, to=to, progress=progress)
+
+
+# --- reading: every canonical tensor, in the order the source's bytes lie --------------------------------------
+
+def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str]) -> tuple[list, list[str], str | None]:
+    """([(key, dtype, shape, produce)] of the target, dropped source keys, the source's untied head key or None).
+    Each produce() reads and transforms its tensor when called; warnings collects NaN/Inf findings."""
+    config, reader = source.config, source.reader
+    reads, dropped, head = source.layout.plan_read(list(reader.tensors), config, source.where)
+    shapes = canonical.shapes(config)
+    parts: dict[str, list] = {}
+    for r in reads:
+        info = reader.tensors[r.key]
+        want = r.transform.layout_shape(shapes[r.target])
+        if info.shape != want:
+            raise GPT2PortError(f"{info.file}: tensor {r.key!r} has shape {info.shape}, but "
+                                f"{source.config_path or 'the inferred config'} implies {want}")
+        if info.dtype not in FLOAT_DTYPES:
+            raise GPT2PortError(f"{info.file}: tensor {r.key!r} has non-float dtype {info.dtype}")
+        parts.setdefault(r.target, []).append(r)
+    buffer = torch.empty(reader.largest(), dtype=torch.uint8)
+
+    def produce(name: str) -> torch.Tensor:
+        tensors = []
+        for r in parts[name]:
+            t = reader.read(r.key, into=buffer if len(parts[name]) == 1 else None)
+            if not all_finite(t):
+                warnings.append(f"{reader.tensors[r.key].file}: tensor {r.key!r} contains NaN or Inf")
+            tensors.append((r.transform, t))
+        whole = merge(tensors, shapes[name])
+        if head is not None and name == canonical.EMBEDDING:
+            _check_head_is_tied(source, head, whole)
+        return whole
+
+    # Read in file order, so a large source streams sequentially through the page cache.
+    rank = {f: i for i, f in enumerate(reader.files)}
+    first = {name: min((rank.get(reader.tensors[r.key].file, 0), reader.tensors[r.key].offset) for r in rs)
+             for name, rs in parts.items()}
+    writes = sorted(target.plan_write(config), key=lambda w: first[w.source])
+    cache: dict[str, torch.Tensor] = {}
+
+    def produce_write(w):
+        def run():
+            if w.source not in cache:  # several layout tensors may come from one canonical tensor (q, k, v parts)
+                cache.clear()
+                cache[w.source] = produce(w.source)
+            return w.transform.to_layout(cache[w.source])
+        return run
+
+    return [(w.key, out_dtype, w.shape, produce_write(w)) for w in writes], dropped, head
+
+
+def _check_head_is_tied(source: Source, head: str, wte: torch.Tensor) -> None:
+    lm_head = source.reader.read(head)
+    if lm_head.shape != wte.shape or not torch.equal(lm_head, wte):
+        raise GPT2PortError(f"{source.reader.tensors[head].file}: {head!r} differs from "
+                            f"{source.layout.key_for(canonical.EMBEDDING)}; GPT-2 ties the head to the token embedding, "
+                            f"so converting would change the model")
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    # A sum is non-finite if any element is (NaN and Inf propagate); an exact element-wise check, ~20x slower,
+    # runs only to rule out a sum that merely overflowed.
+    if bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(tensor).all())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# --- writing: a gpt2port checkpoint, or a directory in another layout ------------------------------------------
+
+def _write_checkpoint(source: Source, out: Path, items, out_dtype, warnings, force, facts: dict, known_sha256,
+                      progress) -> int:
+    if source.layout is GPT2PORT:  # re-writing a checkpoint: its provenance carries over, with a note of this
+        prev = checkpoint.read_manifest(source.root)
+        meta = checkpoint.derived_manifest(prev, out_dtype, "exports", str(source.root.resolve()))
+        return checkpoint.write(out, source.config, items, lambda: {**meta, "warnings": warnings},
+                                source.tokenizer_files(), force, progress)
+    hasher = BackgroundHasher(source.reader.files + source.side_files(), known_sha256 or {})
+
+    def manifest() -> dict:  # called once the weights are written: the hashes are ready by then
+        return checkpoint.manifest(out_dtype, source.config, {
+            "path": str(source.path.resolve()),
+            "dtype": str(source.dtype()).removeprefix("torch."),
+            "files": hasher.results(),
+            **facts,
+        }, warnings)
+
+    try:
+        return checkpoint.write(out, source.config, items, manifest, source.tokenizer_files(), force, progress)
+    except BaseException:
+        hasher.cancel()  # a failed conversion needs no digests: stop reading the source now
+        raise
+
+
+def _write_layout_dir(source: Source, out: Path, items, target, out_dtype, force, progress) -> int:
+    """A directory in another layout: its weights, its config.json, the tokenizer files. For "hf", what
+    GPT2LMHeadModel.from_pretrained loads as is."""
+    with staged_directory(out, force) as stage:
+        stream_safetensors(stage / checkpoint.WEIGHTS, items, dict(target.metadata), progress)
+        write_json(stage / checkpoint.CONFIG, {**source.config.to_hf_config(),
+                                               "dtype": str(out_dtype).removeprefix("torch.")})
+        for f in source.tokenizer_files():
+            copy_file(f, stage / f.name)
+        size = (stage / checkpoint.WEIGHTS).stat().st_size
+    return size

@@ -1,0 +1,64 @@
+"""What every file format offers: the tensors it holds (name, dtype, shape) before any is read, then one at a time.
+
+A reader never interprets names: "wte.weight" or "blocks.0.attn.qkv.weight" are strings to it. What a name means,
+and how a tensor must be reshaped to mean it, belongs to gpt2port.layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpt2port.errors import GPT2PortError
+
+FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+LFS_POINTER_PREFIX = b"version https://git-lfs"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+    offset: int = 0  # where its bytes start in `file`, for reading in file order (0 where the format has no order)
+    nbytes: int = 0
+
+
+class Reader:
+    """One opened weights source. `tensors` lists every tensor in file order; read(name) loads just that one.
+
+    Subclasses set path (what was opened), files (every file the tensors come from, in order), index_file (a file
+    that only lists others, or None), tensors and metadata, and implement read().
+    """
+
+    path: Path
+    files: list[Path]
+    index_file: Path | None = None
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+
+    def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """One tensor. `into`, a uint8 buffer of at least its nbytes, may receive the bytes (the result is then a
+        view of it, valid until the next read into the same buffer); formats that cannot use it ignore it."""
+        raise NotImplementedError
+
+    def largest(self) -> int:
+        return max((t.nbytes for t in self.tensors.values()), default=0)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def refuse_lfs_pointer(path: Path, head: bytes) -> None:
+    """A Git LFS pointer saved in place of the weights (a clone without `git lfs pull`) is named as such."""
+    if head.startswith(LFS_POINTER_PREFIX):
+        raise GPT2PortError(f"{path}: is a Git LFS pointer file, not the weights (fetch the real file)")

@@ -1,0 +1,307 @@
+"""The "nothing lost" rules, once: outputs appear only when complete, sources are never written, files are hashed.
+
+A checkpoint directory is built under a temporary sibling name, every file flushed and fsynced, the weights
+re-opened and checked by their writer, and only then renamed into place. An existing output is replaced only on
+request and survives until its replacement is complete. Every other module writes through these functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Callable
+
+from gpt2port.errors import GPT2PortError
+
+PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
+OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
+HASH_CHUNK = 16 << 20
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """A small file (config, manifest), flushed to disk."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
+
+
+def write_json(path: Path, obj) -> None:
+    write_file(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    try:
+        shutil.copyfile(src, dst)
+        with open(dst, "rb+") as f:
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise GPT2PortError(f"{dst}: copy from {src} failed: {os_reason(e)}") from None
+
+
+@contextlib.contextmanager
+def staged_directory(dest: Path, force: bool = False):
+    """Yield a temporary directory beside `dest`; on success it becomes `dest`, on any failure it vanishes.
+
+    An existing non-empty `dest` is replaced only with force=True, and survives untouched until the new
+    directory is complete: it is moved aside, the new one renamed in, and only then removed.
+    """
+    dest = Path(dest)
+    if dest.is_symlink():
+        # checkpoints/gpt2 -> /big/disk/gpt2: the checkpoint lives at the target, so build and replace it there
+        # (renaming the link itself aside would leave the link behind as a leftover and the target orphaned).
+        dest = Path(os.path.realpath(dest))
+    parent = dest.parent
+    created = _missing_parents(parent)  # removed again on failure: a failed run leaves no trace, not even those
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise GPT2PortError(f"{parent}: cannot create output directory: {os_reason(e)}") from None
+    stage = parent / f".{dest.name}{PARTIAL_MARK}{os.getpid()}"
+    try:
+        sweep_leftovers(dest)
+        if dest.exists() and not dest.is_dir():
+            raise GPT2PortError(f"{dest}: exists and is not a directory")
+        if dest.is_dir() and any(dest.iterdir()) and not force:
+            raise GPT2PortError(f"{dest}: already exists (use --force to replace it)")
+        try:
+            stage.mkdir()  # exclusive: a stage of this name (another thread of ours) is never taken over
+        except OSError as e:
+            raise GPT2PortError(f"{parent}: cannot write here: {os_reason(e)}") from None
+    except BaseException:
+        _remove_if_empty(created)
+        raise
+    try:
+        yield stage
+        _fsync_dir(stage)
+        _swap_in(stage, dest, force)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        _remove_if_empty(created)
+        raise
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The directories that mkdir(parents=True) would create for `path`, innermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_if_empty(dirs: list[Path]) -> None:
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (someone else wrote there meanwhile) or already gone: leave it and its parents
+            return
+
+
+def _swap_in(stage: Path, dest: Path, force: bool) -> None:
+    """Move the finished `stage` to `dest`. `dest` was checked at the start, but another run may have finished
+    there since: without force its checkpoint stays. Renaming a directory onto a non-empty one fails, so even a
+    checkpoint that lands between this check and the rename is never overwritten."""
+    old = None
+    with _signals_deferred():
+        if dest.exists():
+            if not force and dest.is_dir() and any(dest.iterdir()):
+                raise GPT2PortError(f"{dest}: appeared while this run was writing (another run finished first?); "
+                                    f"left as it is (use --force to replace it)")
+            old = dest.parent / f".{dest.name}{OLD_MARK}{os.getpid()}"
+            _rename(dest, old)
+        try:
+            os.rename(stage, dest)
+        except OSError as e:
+            if old is not None:
+                try:
+                    os.rename(old, dest)
+                except OSError:  # another run's checkpoint took the name meanwhile; ours was to be replaced anyway
+                    shutil.rmtree(old, ignore_errors=True)
+            raise GPT2PortError(f"{dest}: could not move the new checkpoint into place ({os_reason(e)}; another run "
+                                f"may have written it meanwhile); nothing of this run was left") from None
+        _fsync_dir(dest.parent)
+        if old is not None:  # still deferred: a Ctrl-C during the renames must not leave the old copy behind
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _rename(src: Path, dst: Path) -> None:
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        raise GPT2PortError(f"{src}: cannot rename it to {dst}: {os_reason(e)}") from None
+
+
+def sweep_leftovers(dest: Path) -> list[Path]:
+    """Remove build directories that a killed run left beside `dest` (their process is gone); restore a
+    checkpoint that was moved aside if its replacement never arrived."""
+    removed = []
+    try:
+        siblings = list(dest.parent.iterdir())
+    except OSError:
+        return removed
+    for p in siblings:
+        for mark in (PARTIAL_MARK, OLD_MARK):
+            # Exact names only: a glob would let a destination called 'run*' take '.run1.replaced-N' for its own.
+            prefix = f".{dest.name}{mark}"
+            pid = p.name[len(prefix):]
+            if p.name.startswith(prefix) and pid.isdigit() and not _pid_alive(pid):
+                if mark == OLD_MARK and not dest.exists():
+                    _rename(p, dest)
+                else:
+                    shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def _pid_alive(pid: str) -> bool:
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT/SIGTERM across the two renames so Ctrl-C cannot land between them."""
+    caught = []
+    handlers = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, lambda s, f: caught.append(s))
+    except ValueError:  # not the main thread: signals cannot be caught here anyway
+        handlers = {}
+    try:
+        yield
+    finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
+        for sig in caught:
+            os.kill(os.getpid(), sig)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def os_reason(e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return "no space left on device"
+    return e.strerror or str(e)
+
+
+def close_quietly(f) -> None:
+    """Close a file whose failure is already being reported: on a full disk close() retries the buffered bytes and
+    raises ENOSPC again, which would replace the one-line error naming the file with a bare OSError."""
+    try:
+        f.close()
+    except OSError:
+        pass
+
+
+# --- where things live -----------------------------------------------------------------------------------------
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, found as huggingface_hub finds it (HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub), read when asked rather than at import."""
+    cache = os.environ.get("HF_HUB_CACHE")
+    if not cache:
+        home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+        cache = os.path.join(home, "hub")
+    return Path(cache).expanduser().resolve()
+
+
+def is_inside(path: Path, other: Path) -> bool:
+    """Whether `path` is `other` or lies under it (both resolved)."""
+    path, other = Path(path).resolve(), Path(other).resolve()
+    return path == other or other in path.parents
+
+
+# --- hashing ---------------------------------------------------------------------------------------------------
+
+def hash_file(path: Path, progress: Callable[[int], object] = lambda n: None, git: bool = False,
+              stop: threading.Event | None = None) -> tuple[str, str | None]:
+    """(sha256, git blob sha1 or None) of a file in one read; progress(bytes done) after each chunk. A set `stop`
+    ends the read early and returns ("", None)."""
+    size = os.stat(path).st_size
+    sha256 = hashlib.sha256()
+    blob = hashlib.sha1(b"blob %d\0" % size) if git else None
+    done = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            if stop is not None and stop.is_set():
+                return "", None
+            sha256.update(chunk)
+            if blob is not None:
+                blob.update(chunk)
+            done += len(chunk)
+            progress(done)
+    return sha256.hexdigest(), blob.hexdigest() if blob is not None else None
+
+
+class BackgroundHasher:
+    """sha256 of each file, computed on a second thread while the caller works on the first (the conversion
+    reads the same files, so the hash mostly costs page-cache reads). `known` names files already hashed."""
+
+    def __init__(self, files: list[Path], known: dict[str, str]):
+        self._files = files
+        self._known = known
+        self._digests: dict[Path, str] = {}
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for f in self._files:
+                if self._stop.is_set():
+                    return
+                if f.name not in self._known:
+                    self._digests[f] = hash_file(f, stop=self._stop)[0]
+        except BaseException as e:  # noqa: BLE001 - reported on the main thread by results()
+            self._error = e
+
+    def cancel(self) -> None:
+        """Stop reading (the caller failed; nobody will need the digests)."""
+        self._stop.set()
+        self._thread.join()
+
+    def results(self) -> list[dict]:
+        self._thread.join()
+        if self._error is not None:
+            raise GPT2PortError(f"hashing the source failed: {self._error}")
+        return [{"name": f.name, "size": f.stat().st_size, "sha256": self._known.get(f.name) or self._digests[f]}
+                for f in self._files]
+
+
+def refuse_overlap(out: Path, source: Path, what: str = "the source") -> None:
+    """An output must not be its source, inside it or around it: `--out checkpoints --force` would replace the
+    directory that holds the source."""
+    if is_inside(out, source) or is_inside(source, out):
+        raise GPT2PortError(f"{out}: output must not be {what} or inside/around it ({source})")
+
+
+def refuse_hf_cache(out: Path) -> None:
+    cache = hf_cache_dir()
+    if is_inside(out, cache):
+        raise GPT2PortError(f"{out}: output must not be inside the Hugging Face cache ({cache})")

@@ -1,0 +1,89 @@
+"""`gpt2port download`: a NAME or repo id -> verified files in the Hugging Face cache -> a converted checkpoint
+(-> verified, on request). The orchestrator: hub.fetch gets the files, conversion converts them from the cache
+snapshot with the hashes already checked, verification proves the result."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from gpt2port.checkpoint import WEIGHTS, read_manifest
+from gpt2port.conversion import ConvertResult, convert
+from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
+from gpt2port.errors import GPT2PortError
+from gpt2port.hub.fetch import Fetcher, Snapshot
+from gpt2port.hub.names import resolve_name
+from gpt2port.progress import byte_progress
+
+
+@dataclass
+class DownloadResult:
+    out: Path
+    repo: str
+    revision: str
+    commit: str
+    snapshot: Snapshot | None  # None when the checkpoint was already up to date (nothing fetched)
+    converted: ConvertResult | None  # None when up to date
+    report: object | None  # verify report when --verify was given
+    seconds: float
+
+    @property
+    def up_to_date(self) -> bool:
+        """The checkpoint was already there, of the same commit and dtype: nothing fetched or written."""
+        return self.snapshot is None
+
+
+
+
+def download(name: str, revision: str | None = None, out: str | Path | None = None, dtype=None, force: bool = False,
+             verify: bool = False, quiet: bool = False, log: Callable[[str], None] = lambda s: None) -> DownloadResult:
+    """`gpt2port download`: NAME or repo id -> verified HF files -> checkpoint at `out` (default ./checkpoints/NAME)."""
+    t0 = time.perf_counter()
+    repo, default_out = resolve_name(name)
+    out = Path(out) if out is not None else default_out
+    out_dtype = parse_dtype(dtype)
+    f = Fetcher(repo, revision, quiet, log)
+    f.resolve()
+    # Decided before any file moves: a finished checkpoint of this very commit needs nothing; anything else
+    # already at `out` needs --force.
+    if _up_to_date(out, repo, f.commit, out_dtype, force):
+        report = _run_verify(out, quiet) if verify else None
+        return DownloadResult(out, f.repo, f.revision, f.commit, None, None, report, time.perf_counter() - t0)
+    snapshot = f.fetch_all()
+    provenance = {"repo": repo, "revision": snapshot.revision, "commit": snapshot.commit,
+                  "endpoint": f.endpoint, "sha256_checked": "every file, against the hashes the Hub announced"}
+    with byte_progress("converting", quiet) as progress:
+        converted = convert(snapshot.path, out, dtype=out_dtype, force=force, provenance=provenance,
+                            known_sha256=snapshot.sha256, progress=progress)
+    report = _run_verify(out, quiet) if verify else None
+    return DownloadResult(out, f.repo, f.revision, f.commit, snapshot, converted, report, time.perf_counter() - t0)
+
+
+def _up_to_date(out: Path, repo: str, commit: str, dtype, force: bool) -> bool:
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())) or force:
+        return False
+    if not out.is_dir():
+        raise GPT2PortError(f"{out}: exists and is not a directory")
+    manifest = read_manifest(out)
+    src = manifest.get("source", {})
+    same = src.get("repo") == repo and src.get("commit") == commit and (out / WEIGHTS).is_file()
+    if same and dtype is not None:
+        same = manifest.get("dtype") == DTYPE_LABELS[dtype]
+    if same and manifest.get("files", {}).get(WEIGHTS) == (out / WEIGHTS).stat().st_size:
+        return True
+    held = f" (holds {src['repo']}@{str(src.get('commit', '?'))[:12]}, {manifest.get('dtype', '?')})" \
+        if src.get("repo") else ""
+    raise GPT2PortError(f"{out}: already exists{held}; use --force to replace it, or --out to choose another place")
+
+
+def _run_verify(out: Path, quiet: bool):
+    from gpt2port.verify import run_verify
+
+    report = run_verify(out, reference=None, dtype=None, tokens=None, progress=not quiet)
+    if not report.passed:
+        first = next(iter(report.failures), "see the report")
+        raise GPT2PortError(f"{out}: written, but verify FAILED ({first}); run `gpt2port verify {out}` for the "
+                            f"full report")
+    return report

@@ -1,0 +1,137 @@
+"""A layout: one table mapping the canonical tensor set to the names (and transforms) some file or class uses.
+
+A row is (canonical template, layout template, transform); `{}` stands for the layer index. Reading checks that
+every key of a file is consumed exactly once or dropped by name, and that every canonical tensor is present;
+writing lists the layout's tensors in canonical order. Both directions use the same rows.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from gpt2port.config import GPTConfig
+from gpt2port.errors import GPT2PortError
+from gpt2port.layouts import canonical
+from gpt2port.layouts.transforms import IDENTITY, Transform
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.)")
+
+
+@dataclass(frozen=True)
+class Row:
+    canonical: str
+    key: str
+    transform: Transform = IDENTITY
+
+
+@dataclass(frozen=True)
+class Read:
+    """A source key and what it holds: the canonical tensor `target` (or one part of it), through `transform`."""
+    key: str
+    target: str
+    transform: Transform
+
+
+@dataclass(frozen=True)
+class Write:
+    key: str
+    source: str  # canonical name
+    transform: Transform
+    shape: tuple[int, ...]
+
+
+def template(key: str) -> tuple[str, tuple[int, ...]]:
+    """'h.7.attn.c_attn.weight' -> ('h.{}.attn.c_attn.weight', (7,))."""
+    indices = tuple(int(m) for m in _INDEX.findall(key))
+    return _INDEX.sub("{}", key), indices
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    rows: tuple[Row, ...]
+    dropped: frozenset[str] = frozenset()  # templates of keys that carry nothing (e.g. causal-mask buffers)
+    read_prefixes: tuple[str, ...] = ()  # prefixes a file may put before every key; stripped on read
+    write_prefix: str = ""
+    untied_head: str | None = None  # a stored copy of the head, accepted on read only if it equals the embedding
+    metadata: dict[str, str] = field(default_factory=dict)  # safetensors metadata this layout writes
+
+    def __post_init__(self):
+        by_key: dict[str, list[Row]] = {}
+        for row in self.rows:
+            by_key.setdefault(row.key, []).append(row)
+        object.__setattr__(self, "by_key", by_key)  # a frozen dataclass sets its derived index this way
+
+    def strip(self, key: str) -> str:
+        for p in self.read_prefixes:
+            if key.startswith(p):
+                return key[len(p):]
+        return key
+
+    def key_for(self, name: str) -> str:
+        """The layout's key for a canonical tensor (its first row's), for messages."""
+        tpl, idx = template(name)
+        row = next(r for r in self.rows if r.canonical == tpl)
+        return row.key.format(*idx)
+
+    def canonical_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The canonical shapes a file's tensors imply (keys this layout does not know are left out), for telling the
+        size of the model a file holds."""
+        out = {}
+        for key, shape in shapes.items():
+            tpl, idx = template(self.strip(key))
+            for row in self.by_key.get(tpl, ()):
+                out[row.canonical.format(*idx)] = row.transform.canonical_shape(tuple(shape))
+        return out
+
+    def plan_read(self, keys, config: GPTConfig, where: str) -> tuple[list[Read], list[str], str | None]:
+        """Decide the fate of every key of a file: mapped, dropped, or (an untied head) to be checked.
+
+        Returns (reads, dropped keys, head key or None). Raises, naming the keys and `where`, if any key is unknown
+        or held twice, or any canonical tensor would be missing.
+        """
+        reads, dropped, head, unknown, seen = [], [], None, [], {}
+        for key in keys:
+            bare = self.strip(key)
+            if bare == self.untied_head:
+                head = key
+                continue
+            tpl, idx = template(bare)
+            if any(i >= config.n_layer for i in idx[:1]):
+                unknown.append(key)
+            elif tpl in self.dropped:
+                dropped.append(key)
+            elif tpl in self.by_key:
+                for row in self.by_key[tpl]:
+                    target = row.canonical.format(*idx)
+                    slot = (target, row.transform.name)
+                    if slot in seen:
+                        raise GPT2PortError(f"{where}: keys {seen[slot]!r} and {key!r} both hold {bare!r}")
+                    seen[slot] = key
+                    reads.append(Read(key, target, row.transform))
+            else:
+                unknown.append(key)
+        if unknown:
+            raise GPT2PortError(f"{where}: unexpected keys: {short_list(unknown)}")
+        held = {target for target, _ in seen}
+        missing = [name for name in canonical.shapes(config) if name not in held]
+        if missing:
+            raise GPT2PortError(f"{where}: missing keys: {short_list([self.key_for(m) for m in missing])}")
+        return reads, dropped, head
+
+    def plan_write(self, config: GPTConfig) -> list[Write]:
+        """Every tensor this layout stores for a model of `config`, in canonical order."""
+        out = []
+        for name, shape in canonical.shapes(config).items():
+            tpl, idx = template(name)
+            for row in self.rows:
+                if row.canonical == tpl:
+                    out.append(Write(self.write_prefix + row.key.format(*idx), name, row.transform,
+                                     row.transform.layout_shape(shape)))
+        return out
+
+
+def short_list(keys: list[str], limit: int = 8) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
