@@ -9,21 +9,13 @@ One function per command, importable from here (the CLI calls the same ones):
     gpt2port.save(model, out, dtype=None, force=False)                                      # model in memory -> checkpoint
 """
 
-__version__ = "0.1.0"
-
-from gpt2port.checkpoint import save  # noqa: E402
-from gpt2port.config import GPTConfig  # noqa: E402
-from gpt2port.conversion import convert, export  # noqa: E402
-from gpt2port.errors import GPT2PortError  # noqa: E402
-from gpt2port.hub import download  # noqa: E402
-from gpt2port.model import GPT, KVCache  # noqa: E402
-
-
-def load_tokenizer(ckpt):
-    """The checkpoint's GPT-2 BPE as a tiktoken.Encoding, built from its own files (no network)."""
-    from gpt2port.tokenizer import load_tokenizer as _load
-
-    return _load(ckpt)
+from gpt2port.checkpoint import load_tokenizer, save
+from gpt2port.config import GPTConfig
+from gpt2port.conversion import convert, export
+from gpt2port.errors import GPT2PortError
+from gpt2port.hub import download
+from gpt2port.model import GPT, KVCache
+from gpt2port.version import __version__
 
 
 def verify(ckpt, reference=None, dtype=None, tokens=None, hf: bool = True, progress: bool = False):

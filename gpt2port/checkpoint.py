@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from gpt2port import __version__
 from gpt2port.config import GPTConfig, canonical_name, is_known_name, read_json
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
@@ -25,6 +24,8 @@ from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stre
 from gpt2port.fsio import copy_file, refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import GPT2PORT, canonical
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
+from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
+from gpt2port.version import __version__
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -60,6 +61,13 @@ def resolve(ckpt: str | Path) -> Path:
     if path.exists():
         raise GPT2PortError(f"{path}: is a file; a checkpoint is a directory")
     raise GPT2PortError(f"{path}: no such checkpoint directory")
+
+
+def load_tokenizer(ckpt: str | Path):
+    """The GPT-2 BPE of a checkpoint (directory or NAME), or of any directory holding GPT-2 tokenizer files, as a
+    tiktoken.Encoding built from those files (no network)."""
+    path = Path(ckpt)
+    return from_directory(path if path.is_dir() else resolve(ckpt))
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -173,8 +181,6 @@ def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from
     """Write a model in memory (gpt2port's GPT, or any module whose state_dict has the canonical names and a
     `config`) as a checkpoint. A model loaded with from_pretrained and saved unchanged gives the same weights
     file, byte for byte; its provenance and tokenizer files are carried over."""
-    from gpt2port.tokenizer import TOKENIZER_FILES
-
     out = Path(out)
     config = model.config
     state = model.state_dict()

@@ -219,7 +219,8 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
 
     import torch
 
-    from gpt2port import GPT, load_tokenizer
+    from gpt2port.model import GPT
+    from gpt2port.checkpoint import load_tokenizer
     from gpt2port.generate import stream
     from gpt2port.tokenizer import StreamDecoder
 

@@ -38,18 +38,10 @@ TOKENIZER_FILES = (*VOCAB_MERGES[0], TOKENIZER_JSON, "tokenizer_config.json", "s
                    *VOCAB_MERGES[1])
 
 
-def load_tokenizer(ckpt: str | Path) -> tiktoken.Encoding:
-    """The tokenizer of a converted checkpoint (directory or NAME), or of any directory holding GPT-2 BPE files."""
-    return _cached(*_tokenizer_key(_tokenizer_dir(ckpt)))
-
-
-def _tokenizer_dir(ckpt: str | Path) -> Path:
-    path = Path(ckpt)
-    if path.is_dir():  # a converted checkpoint or a plain HF repo directory: both just need the BPE files
-        return path
-    from gpt2port.checkpoint import resolve
-
-    return resolve(ckpt)  # NAME -> ./checkpoints/NAME, or the one-line error for a missing/odd path
+def from_directory(directory: str | Path) -> tiktoken.Encoding:
+    """The tokenizer in a directory holding GPT-2 BPE files: a converted checkpoint or a plain HF repo directory
+    (gpt2port.load_tokenizer also takes a NAME)."""
+    return _cached(*_tokenizer_key(Path(directory)))
 
 
 def _tokenizer_key(directory: Path) -> tuple:

@@ -288,7 +288,7 @@ def _make_inputs(model, tokenizer_dirs, tokens, known_answer, notes, say) -> lis
 
 
 def _tokenizer(dirs: list[Path], notes: list[str]):
-    from gpt2port.tokenizer import load_tokenizer
+    from gpt2port.tokenizer import from_directory as load_tokenizer
 
     problems = []
     for d in dirs:

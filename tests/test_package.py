@@ -1,0 +1,99 @@
+"""The package's shape: no import cycles, every module importable on its own terms, no top-level name hiding a
+submodule, no module grown past a readable size."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import gpt2port
+
+PACKAGE = Path(gpt2port.__file__).parent
+MAX_LINES = 420
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every gpt2port module `name` imports, at the top or inside a function (a lazy import is still a dependency).
+    `from X import Y` depends on X.Y when that is a module, else on X. A package's own __init__, run implicitly
+    before any of its submodules, is not counted as an edge."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_lazy_cycle(tmp_path, monkeypatch):
+    """The check is not vacuous: a cycle made only of imports inside functions is found."""
+    a = tmp_path / "a.py"
+    a.write_text("def f():\n    from gpt2port.model import GPT\n")
+    modules = {"gpt2port.model": PACKAGE / "model.py", "gpt2port.checkpoint": a}
+    assert _imports("gpt2port.checkpoint", a, modules) == {"gpt2port.model"}
+
+
+def test_every_module_imports_in_a_fresh_process_without_transformers():
+    names = sorted(n for n in _modules() if n != "gpt2port.__main__")  # that one runs the CLI
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_no_top_level_name_hides_a_submodule():
+    for name in gpt2port.__all__:
+        attr = getattr(gpt2port, name)
+        spec = importlib.util.find_spec(f"gpt2port.{name}")
+        assert spec is None or getattr(attr, "__name__", None) == f"gpt2port.{name}", \
+            f"gpt2port.{name} is {attr!r} but also a submodule"
+
+
+def test_one_function_per_command_at_the_top_level():
+    for name in ("convert", "export", "download", "verify", "verify_model", "save", "load_tokenizer"):
+        assert callable(getattr(gpt2port, name)), name
+
+
+def test_no_module_past_a_readable_size():
+    big = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
