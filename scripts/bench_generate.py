@@ -15,8 +15,9 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
 --device cuda runs the same on a GPU (no MKL contender there; timings synchronize the device). The targets in the
 README are for the CPU run.
 
-Usage: python scripts/bench_generate.py [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
-                                        [--device cuda]
+Usage (from the repository root):
+    python -m scripts.bench_generate [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
+                                     [--device cuda]
 """
 
 from __future__ import annotations
@@ -33,15 +34,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import hf_fixtures  # noqa: E402
-
-import gpt2port.kernels  # noqa: E402
-from gpt2port import GPT  # noqa: E402
-from gpt2port.convert import convert  # noqa: E402
-from gpt2port.generate import steps  # noqa: E402
+import gpt2port.kernels
+from gpt2port import GPT
+from gpt2port.convert import convert
+from gpt2port.generate import steps
+from scripts import hf_fixtures
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"

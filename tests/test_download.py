@@ -25,9 +25,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import fake_hub
-import fill_fake_hub
-import hf_fixtures
+from scripts import fake_hub, fill_fake_hub, hf_fixtures
 from gpt2port.errors import GPT2PortError
 
 TINY_REPO = "gpt2port-fixtures/tiny"
@@ -471,8 +469,8 @@ def test_disk_full_while_downloading_is_one_line(tmp_path):
 
 def test_fake_hub_runs_as_a_script(hub_root, tmp_path):
     """The README's demo: the stand-in as its own process, with its control endpoints."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "fake_hub.py"), "--root", str(hub_root),
-                             "--port", "0"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.fake_hub", "--root", str(hub_root), "--port", "0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().split(" on ")[1].strip()
         req = urllib.request.Request(f"{url}/_fake/faults", data=json.dumps({"corrupt": {"config.json": 1}}).encode(),

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-import hf_fixtures
+from scripts import hf_fixtures
 from gpt2port import GPT, KVCache, load_tokenizer
 from gpt2port.cli import main
 from gpt2port.convert import convert
