@@ -416,7 +416,7 @@ def test_soak_leak_detector_sees_each_kind_of_leak(tmp_path):
     import mmap
     import threading
 
-    import soak
+    from scripts import soak
 
     dest = tmp_path / "checkpoints" / "gpt2"
     dest.parent.mkdir(parents=True)
