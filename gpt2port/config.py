@@ -8,10 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
-
-# Activations the model implements, by their HF `activation_function` name. GPT-2 itself uses the tanh
-# approximation ("gelu_new"); the others appear in fine-tuned or re-implemented checkpoints.
-ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu", "silu", "swish")
+from gpt2port.kernels import ACTIVATIONS  # the model's own table: a name is valid iff the model implements it
 
 
 @dataclass

@@ -39,7 +39,8 @@ def checkpoint_info(ckpt) -> dict:
 
 
 def parameter_ledger(shapes: dict[str, tuple[int, ...]], n_layer: int) -> list[dict]:
-    """Rows of (part, params) in the seed tutorials' style; the tied head counts 0 because it is wte itself."""
+    """Rows of (part, params), the way from-scratch GPT write-ups count them by hand; the tied head counts 0
+    because it is wte itself."""
     numel = {name: math.prod(shape) for name, shape in shapes.items()}
     ledger = [{"part": label, "params": sum(numel[k] for k in keys)} for label, keys in TOP_ROWS_BEFORE]
     per_block = [{"part": label, "params": sum(numel[f"blocks.0.{k}"] for k in keys)} for label, keys in BLOCK_ROWS]

@@ -4,12 +4,12 @@ Token + learned position embeddings, a stack of pre-LayerNorm blocks (fused-qkv 
 4x MLP), a final LayerNorm, and a head that is the token embedding itself (one Parameter, not a copy).
 Parameter names are gpt2port's own and are the canonical names gpt2port/layouts maps every other layout onto.
 
+Its Linear layers and activations come from gpt2port/kernels.py (how the products are computed, not what).
 The optional KVCache lets generation feed one new token per step instead of re-running the whole context.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
@@ -19,17 +19,7 @@ import torch.nn.functional as F
 
 from gpt2port.checkpoint import load_state, save
 from gpt2port.config import GPTConfig
-
-_ACTIVATIONS = {
-    # GPT-2's own: the tanh approximation. Exact-erf GELU differs by up to ~1e-3 and breaks logit parity.
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
+from gpt2port.kernels import ACTIVATIONS, Linear
 
 
 class KVCache:
@@ -79,46 +69,6 @@ class KVCache:
         return self._mask, False
 
 
-# Route inference-time fp32 products on CPU through oneDNN (see Linear); a switch for comparisons and debugging.
-USE_ONEDNN = True
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose fp32 inference on CPU runs on oneDNN's linear kernel: same parameters, same fp32 math.
-
-    F.linear calls MKL, whose fp32 matrix-vector and few-row products on the CPUs measured (AMD EPYC, 2 threads)
-    stream the weight well below what memory gives: 26 GB/s against oneDNN's 37 GB/s for one row (PyTorch's other
-    CPU library, the one torch.compile puts under linear layers), and 2-3x slower again for a few rows. One decoding
-    step is nothing but such products, so generation gets 1.7-2.1x faster and a 1024-token prefill 1.8-2.0x
-    (scripts/bench_generate.py compares both paths). Autograd, other devices and dtypes, and PyTorch builds without
-    the kernel go through F.linear as usual.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 \
-                or self.weight.dtype != torch.float32 or not _onednn_linear():
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-@functools.cache
-def _onednn_linear_works() -> bool:
-    """Whether this PyTorch has oneDNN's linear kernel (a private op) and it agrees with F.linear."""
-    try:
-        x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
-        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        return torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-
-
-def _onednn_linear() -> bool:
-    return USE_ONEDNN and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and \
-        _onednn_linear_works()
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -151,7 +101,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = Linear(config.n_embd, config.mlp_width)
         self.proj = Linear(config.mlp_width, config.n_embd)
-        self.act = _ACTIVATIONS[config.activation]
+        self.act = ACTIVATIONS[config.activation]
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,9 +7,9 @@ then measures in fresh processes, one after the other in the same run:
   (c) cp of the source file                      the floor: bytes moved through the page cache, nothing else
   load: GPT.from_pretrained(converted) -> first logits  vs  HF GPT2LMHeadModel.from_pretrained -> first logits,
         each in a fresh process, imports included
-Targets (issue 2): (a) wall <= 2.5x (c), peak RSS <= 1.5 GB; load <= 1.0x HF.
+Targets: (a) wall <= 2.5x (c), peak RSS <= 1.5 GB; load <= 1.0x HF.
 
-    python scripts/bench_convert.py [--size gpt2-xl] [--workdir /tmp/gpt2port-bench] [--repeat 1] [--keep]
+    python -m scripts.bench_convert [--size gpt2-xl] [--workdir /tmp/gpt2port-bench] [--repeat 1] [--keep]
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+ROOT = Path(__file__).resolve().parents[1]  # the children run as `python -m scripts...` from here
 
 
 # --- steps, each run in its own process so its peak RSS is its own -------------------------------------------------
@@ -91,7 +89,7 @@ STEPS = {"gpt2port": step_gpt2port, "nanogpt": step_nanogpt, "cp": step_cp,
 def run_step(name: str, src: Path, out: Path) -> dict:
     """Run one step in a fresh interpreter; its wall time includes interpreter start and imports."""
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--step", name, str(src), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_convert", "--step", name, str(src), str(out)], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -142,8 +140,8 @@ def main() -> None:
         print(f"building a random {args.size} checkpoint in the hub layout at {src} ...", file=sys.stderr)
         # In a child: a child's ru_maxrss starts at its parent's high-water mark (Linux keeps it across fork and
         # exec), so this process must stay small for the steps' peaks to be their own.
-        subprocess.run([sys.executable, str(HERE / "hf_fixtures.py"), str(src), "--size", args.size, "--streamed"],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "scripts.hf_fixtures", str(src), "--size", args.size, "--streamed"],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     size_gb = (src / "model.safetensors").stat().st_size / 1e9
     warm(src / "model.safetensors")
 

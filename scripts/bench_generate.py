@@ -5,7 +5,7 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
 
   decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill.
            Contenders: gpt2port fp32 (its Linear layers on oneDNN, the default), gpt2port fp32 with
-           gpt2port.model.USE_ONEDNN = False (F.linear, i.e. MKL, as HF uses), HF generate fp32; they alternate run
+           gpt2port.kernels.USE_ONEDNN = False (F.linear, i.e. MKL, as HF uses), HF generate fp32; they alternate run
            by run, so all see the same machine load, and the best run of each counts. Then gpt2port bf16.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
@@ -15,8 +15,9 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
 --device cuda runs the same on a GPU (no MKL contender there; timings synchronize the device). The targets in the
 README are for the CPU run.
 
-Usage: python scripts/bench_generate.py [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
-                                        [--device cuda]
+Usage (from the repository root):
+    python -m scripts.bench_generate [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
+                                     [--device cuda]
 """
 
 from __future__ import annotations
@@ -33,15 +34,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import hf_fixtures  # noqa: E402
-
-import gpt2port.model  # noqa: E402
-from gpt2port import GPT  # noqa: E402
-from gpt2port import convert  # noqa: E402
-from gpt2port.generate import steps  # noqa: E402
+import gpt2port.kernels
+from gpt2port import GPT
+from gpt2port import convert
+from gpt2port.generate import steps
+from scripts import hf_fixtures
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
@@ -54,7 +51,7 @@ def matvec_bandwidth(device: str, repeats: int = 20) -> float:
     x = torch.randn(1, 8192, device=device)
     products = [lambda: torch.nn.functional.linear(x, w)]
     if device == "cpu":
-        layer = gpt2port.model.Linear(8192, 8192, bias=False, device="meta")
+        layer = gpt2port.kernels.Linear(8192, 8192, bias=False, device="meta")
         layer.weight = torch.nn.Parameter(w, requires_grad=False)
         products.append(lambda: layer(x))
     best = float("inf")
@@ -108,11 +105,11 @@ def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
 def without_onednn(fn):
     """fn with gpt2port's Linear layers on F.linear (MKL), as everyone else's."""
     def run(*args):
-        gpt2port.model.USE_ONEDNN = False
+        gpt2port.kernels.USE_ONEDNN = False
         try:
             return fn(*args)
         finally:
-            gpt2port.model.USE_ONEDNN = True
+            gpt2port.kernels.USE_ONEDNN = True
     return run
 
 

@@ -6,10 +6,10 @@ genuine tokenizer files), converted by `gpt2port convert --dtype D` for each req
 the converter, not this script); its wall time is measured around it. The errors it measured (ours and HF against
 the float64 reference) are the numbers behind gpt2port.verify.TOLERANCES.
 
-Usage:
-    python scripts/bench_verify.py --sizes gpt2                       # one size, fp32, full 1024-token inputs
-    python scripts/bench_verify.py --sizes gpt2,gpt2-medium --dtypes fp32,bf16 --tokens 128
-    python scripts/bench_verify.py                                    # all four sizes (gpt2-xl needs ~13 GB disk)
+Usage (from the repository root):
+    python -m scripts.bench_verify --sizes gpt2                       # one size, fp32, full 1024-token inputs
+    python -m scripts.bench_verify --sizes gpt2,gpt2-medium --dtypes fp32,bf16 --tokens 128
+    python -m scripts.bench_verify                                    # all four sizes (gpt2-xl needs ~13 GB disk)
 Prints a markdown table; --json-out FILE also saves every verify report.
 """
 
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the hf_fixtures child runs as `python -m scripts.hf_fixtures` from here
 SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2PORT = [sys.executable, "-m", "gpt2port"]
 
@@ -38,8 +38,8 @@ def make_source(work: Path, size: str) -> Path:
         return src
     # In a child process (with the genuine tokenizer files): a child's ru_maxrss starts at its parent's high-water
     # mark, so this process stays small for the verify peaks measured below to be verify's own.
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "hf_fixtures.py"), str(src), "--size", size, "--streamed"],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "scripts.hf_fixtures", str(src), "--size", size, "--streamed"],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     return src
 
 

@@ -3,7 +3,7 @@
 # 127.0.0.1, then download -> convert -> info -> verify -> generate through the real huggingface_hub client.
 #   bash scripts/demo_offline.sh [SIZE]     SIZE: gpt2 (default), gpt2-medium, gpt2-large, gpt2-xl
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.."  # the repository root: the helpers run as `python -m scripts.NAME` from here
 SIZE="${1:-gpt2}"
 WORK="${DEMO_DIR:-/tmp/gpt2port-demo}"
 PORT="${DEMO_PORT:-8765}"
@@ -16,9 +16,9 @@ if [ ! -x .venv/bin/gpt2port ]; then
 fi
 PY=.venv/bin/python
 mkdir -p "$WORK"
-[ -d "$WORK/hub/openai-community/$SIZE" ] || $PY scripts/fill_fake_hub.py "$WORK/hub" --sizes "$SIZE" --also-tf-files
+[ -d "$WORK/hub/openai-community/$SIZE" ] || $PY -m scripts.fill_fake_hub "$WORK/hub" --sizes "$SIZE" --also-tf-files
 
-$PY scripts/fake_hub.py --root "$WORK/hub" --port "$PORT" > "$WORK/fake_hub.log" 2>&1 &
+$PY -m scripts.fake_hub --root "$WORK/hub" --port "$PORT" > "$WORK/fake_hub.log" 2>&1 &
 HUB_PID=$!
 trap 'kill $HUB_PID 2>/dev/null || true' EXIT
 for _ in $(seq 50); do (echo > /dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break; sleep 0.2; done

@@ -28,7 +28,7 @@ The request log (GET /_fake/log; FakeHub.log) records method, path, range, statu
 Authorization header came along. With a token (--token), every /api and /resolve request needs
 "Authorization: Bearer <token>", as a private repo does.
 
-Usage: python scripts/fake_hub.py --root DIR [--port 8765] [--token T] [--no-cdn]
+Usage (from the repository root): python -m scripts.fake_hub --root DIR [--port 8765] [--token T] [--no-cdn]
 Then:  HF_ENDPOINT=http://127.0.0.1:8765 HF_HUB_DISABLE_XET=1 gpt2port download gpt2
 """
 
@@ -38,12 +38,10 @@ import argparse
 import datetime
 import hashlib
 import json
-import os
 import re
 import socket
 import threading
 import time
-from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
@@ -558,7 +556,7 @@ def main() -> None:
     ap.add_argument("--no-cdn", action="store_true", help="serve LFS files directly instead of redirecting")
     args = ap.parse_args()
     if not args.root.is_dir():
-        ap.error(f"{args.root}: not a directory (fill it with scripts/fill_fake_hub.py)")
+        ap.error(f"{args.root}: not a directory (fill it with python -m scripts.fill_fake_hub)")
     hub = FakeHub(args.root, args.host, args.port, cdn_host=None if args.no_cdn else "localhost", token=args.token)
     repos = sorted(f"{o.name}/{r.name}" for o in args.root.iterdir() if o.is_dir() for r in o.iterdir() if r.is_dir())
     print(f"fake hub serving {len(repos)} repos from {args.root} on {hub.url}", flush=True)

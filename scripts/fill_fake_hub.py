@@ -1,6 +1,7 @@
 """Fill a directory with random-weight GPT-2 repos in the real Hub layouts, for scripts/fake_hub.py to serve.
+Run from the repository root:
 
-    python scripts/fill_fake_hub.py DIR --sizes gpt2[,gpt2-medium,...] [--also-tf-files] [--revisions main,v1.0]
+    python -m scripts.fill_fake_hub DIR --sizes gpt2[,gpt2-medium,...] [--also-tf-files] [--revisions main,v1.0]
 
 Every size becomes openai-community/<size>, laid out like the real repo: the 2019 hub-layout model.safetensors
 (bare keys, per-layer attn.bias buffers), config.json, vocab.json, merges.txt, tokenizer.json,
@@ -23,13 +24,9 @@ import json
 import os
 import random
 import shutil
-import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import hf_fixtures  # noqa: E402
+from scripts import hf_fixtures
 
 OFFICIAL_ORG = "openai-community"
 FIXTURE_ORG = "gpt2port-fixtures"

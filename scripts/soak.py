@@ -1,9 +1,9 @@
 """Soak check: convert and verify GPT-2 sizes back to back in one process; report peak RSS per step and prove that
 nothing leaked (file descriptors, memory maps, threads, temporary files, build directories).
 
-    python scripts/soak.py                      # all four sizes (gpt2-xl needs ~13 GB free disk, ~25 min here)
-    python scripts/soak.py --sizes gpt2         # 124M only (~1 min)
-    python scripts/soak.py --sizes gpt2 --rounds 3 --json soak.json
+    python -m scripts.soak                      # all four sizes (gpt2-xl needs ~13 GB free disk, ~25 min here)
+    python -m scripts.soak --sizes gpt2         # 124M only (~1 min)
+    python -m scripts.soak --sizes gpt2 --rounds 3 --json soak.json
 
 Per size: a random-weight 2019-hub-layout model.safetensors at the real shape (hf_fixtures.write_random_hub_file,
 one tensor in memory at a time) + config.json + the genuine tokenizer files; then `--rounds` conversions in THIS
@@ -31,10 +31,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
 
 SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GB = 1e9
@@ -127,7 +123,7 @@ class Baseline:
 # --- the steps ----------------------------------------------------------------------------------------------------------------
 
 def make_source(size: str, src: Path, dtype: str) -> None:
-    import hf_fixtures
+    from scripts import hf_fixtures
 
     src.mkdir(parents=True)
     hf_fixtures.write_random_hub_file(src / "model.safetensors", size, dtype=dtype, seed=SIZES.index(size))

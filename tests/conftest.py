@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import hf_fixtures  # noqa: E402
+from scripts import hf_fixtures
 
 # Tests must never reach the network: HF libraries stay offline, and the Hub cache lives in a temporary place.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-import hf_fixtures
+from scripts import hf_fixtures
 from gpt2port import GPT
 from gpt2port.cli import main
 from gpt2port.config import GPTConfig

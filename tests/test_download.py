@@ -25,9 +25,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import fake_hub
-import fill_fake_hub
-import hf_fixtures
+from scripts import fake_hub, fill_fake_hub, hf_fixtures
 from gpt2port.errors import GPT2PortError
 
 TINY_REPO = "gpt2port-fixtures/tiny"
@@ -146,14 +144,6 @@ def assert_logits_match(ckpt: Path, hf_model, dtype=None) -> None:
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
-def _verify_available() -> bool:
-    try:
-        from gpt2port.verify import run_verify  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def one_error_line(r) -> str:
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode != 0, r.stdout + r.stderr
@@ -238,7 +228,6 @@ def test_revision_branch_and_commit(hub, tmp_path, hub_models):
     assert_logits_match(tmp_path / "v1", hub_models["main"])
 
 
-@pytest.mark.skipif(not _verify_available(), reason="gpt2port.verify not importable")
 def test_verify_flag_runs_verify_on_the_result(hub, tmp_path):
     r = download(hub.url, tmp_path, SHARDED_REPO, "--out", "checked", "--verify", timeout=300)
     assert r.returncode == 0, r.stderr
@@ -471,8 +460,8 @@ def test_disk_full_while_downloading_is_one_line(tmp_path):
 
 def test_fake_hub_runs_as_a_script(hub_root, tmp_path):
     """The README's demo: the stand-in as its own process, with its control endpoints."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "fake_hub.py"), "--root", str(hub_root),
-                             "--port", "0"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.fake_hub", "--root", str(hub_root), "--port", "0"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().split(" on ")[1].strip()
         req = urllib.request.Request(f"{url}/_fake/faults", data=json.dumps({"corrupt": {"config.json": 1}}).encode(),

@@ -1,12 +1,13 @@
-"""Faults in the middle of a conversion never cost a user their data (issue 6, second half).
+"""Faults in the middle of a conversion never cost a user their data (bad inputs are in test_safety.py).
 
 Disk full, Ctrl-C, SIGKILL (also between the two renames of a --force replacement), a failed post-write check and
 two conversions racing for one destination. After each: the final name holds either nothing, the previous
 checkpoint byte for byte, or one complete checked checkpoint; never a mix. Temporary directories are gone, or (after
 SIGKILL, when nothing can clean up) swept by the next run. The source is never touched.
 
-Faults are injected into a real `gpt2port` process by FAULTS below, a wrapper around the CLI that patches
-gpt2port.writer per $GPT2PORT_TEST_FAULT; disk full is also produced for real on a small tmpfs when we may mount one.
+Faults are injected into a real `gpt2port` process by FAULTS below, a wrapper around the CLI that patches the
+safetensors writer and fsio per $GPT2PORT_TEST_FAULT; disk full is also produced for real on a small tmpfs when we may
+mount one.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import gpt2port.formats.safetensors as safetensors_mod
 import gpt2port.fsio as fsio_mod
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import PARTIAL_MARK, staged_directory, sweep_leftovers
-from test_safety import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint, leftovers,
-                         run_cli, snapshot)
+from scripts import fake_hub, fill_fake_hub
+from tests.support import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint, leftovers,
+                           run_cli, snapshot)
 
 # The CLI with faults patched in, chosen by the JSON in $GPT2PORT_TEST_FAULT:
 #   slow: seconds to sleep before each tensor (and touch `started` at the first), so a signal lands mid-write
@@ -424,7 +426,7 @@ def test_soak_leak_detector_sees_each_kind_of_leak(tmp_path):
     import mmap
     import threading
 
-    import soak
+    from scripts import soak
 
     dest = tmp_path / "checkpoints" / "gpt2"
     dest.parent.mkdir(parents=True)
@@ -455,9 +457,9 @@ def test_soak_leak_detector_sees_each_kind_of_leak(tmp_path):
 def test_soak_gpt2(tmp_path):
     """scripts/soak.py at 124M: two back-to-back conversions and a verification, no leaks. ~1-3 min."""
     report = tmp_path / "soak.json"
-    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "scripts" / "soak.py"),
-                        "--sizes", "gpt2", "--rounds", "2", "--json", str(report), "--workdir", str(tmp_path / "w")],
-                       capture_output=True, text=True, timeout=1200)
+    r = subprocess.run([sys.executable, "-m", "scripts.soak", "--sizes", "gpt2", "--rounds", "2", "--json", str(report),
+                        "--workdir", str(tmp_path / "w")],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(report.read_text())["rows"]
     converts = [row for row in rows if row["step"].startswith("convert")]
@@ -473,9 +475,6 @@ def test_soak_gpt2(tmp_path):
 
 @pytest.fixture
 def small_hub(tmp_path, tiny_hf_model):
-    import fake_hub
-    import fill_fake_hub
-
     root = tmp_path / "hub-root"
     fill_fake_hub.write_hub_repo(root, "someone/tiny-gpt2", tiny_hf_model)
     fill_fake_hub.write_hub_repo(root, "someone/tiny-gpt2", tiny_hf_model, revision="v1", dtype="fp16")

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-import hf_fixtures
+from scripts import hf_fixtures
 from gpt2port import GPT, KVCache, load_tokenizer
 from gpt2port.cli import main
 from gpt2port import convert
@@ -129,10 +129,10 @@ def test_greedy_equals_hf_generate_124m(gpt2_hf_repo, gpt2_ckpt):
 def test_onednn_linear_computes_what_f_linear_does(lively, monkeypatch):
     """Inference on CPU runs the Linear layers on oneDNN; the numbers and tokens are F.linear's, and training
     (autograd on) still goes through F.linear."""
-    import gpt2port.model
+    from gpt2port import kernels
 
     hf, model, _ = lively
-    if not gpt2port.model._onednn_linear():
+    if not kernels.onednn_linear_enabled():
         pytest.skip("this PyTorch build has no oneDNN linear kernel")
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
@@ -141,9 +141,9 @@ def test_onednn_linear_computes_what_f_linear_does(lively, monkeypatch):
     with torch.inference_mode():
         fast = model(idx)
         assert len(calls) == 2 * 4 + 1  # every Linear: 2 blocks x (qkv, proj, fc, proj) + the head
-        monkeypatch.setattr(gpt2port.model, "USE_ONEDNN", False)
+        monkeypatch.setattr(kernels, "USE_ONEDNN", False)
         torch.testing.assert_close(fast, model(idx), rtol=1e-5, atol=1e-5 * float(fast.abs().max()))
-        monkeypatch.setattr(gpt2port.model, "USE_ONEDNN", True)
+        monkeypatch.setattr(kernels, "USE_ONEDNN", True)
     assert generate(model, TINY_PROMPTS, N_NEW, temperature=0, stop_token=None) == hf_greedy(hf, TINY_PROMPTS, N_NEW)
     calls.clear()
     _, loss = model(idx[:, :-1], targets=idx[:, 1:])

@@ -1,4 +1,4 @@
-"""Bad inputs and hostile files never cost a user their data (issue 6, first half; faults are in test_faults.py).
+"""Bad inputs and hostile files never cost a user their data (faults mid-run are in test_faults.py).
 
 Every case drives the real CLI and checks the whole promise, not just "it failed":
   - exit code != 0, exactly ONE line on stderr, starting "error: " and naming the path (and key) at fault,
@@ -14,7 +14,6 @@ Most cases run in-process through click's CliRunner (fast); the ones where what 
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import os
 import pickle
@@ -26,91 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from gpt2port.checkpoint import check_weights, read_config
-from gpt2port.cli import main
-from gpt2port.fsio import OLD_MARK, PARTIAL_MARK
-
-ROOT = Path(__file__).resolve().parents[1]
-WEIGHTS = "model.safetensors"
-
-
-# --- the promise, as helpers shared with test_faults.py ----------------------------------------------------------------
-
-def snapshot(root: Path) -> dict:
-    """Every entry under `root` -> (kind, size, mtime_ns, sha256): what 'unchanged' means, byte for byte."""
-    root = Path(root)
-    if not root.exists():
-        return {}
-    if not root.is_dir():
-        return {".": _file_facts(root)}
-    facts = {".": ("dir",)}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            facts[str(p.relative_to(root))] = _file_facts(p)
-    return facts
-
-
-def _file_facts(p: Path) -> tuple:
-    if p.is_symlink():
-        return ("link", os.readlink(p))
-    if p.is_dir():
-        return ("dir",)
-    st = p.stat()
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return ("file", st.st_size, st.st_mtime_ns, h.hexdigest())
-
-
-def leftovers(parent: Path) -> list[str]:
-    """Temporary build / moved-aside directories that a run left in `parent`."""
-    parent = Path(parent)
-    if not parent.is_dir():
-        return []
-    return sorted(p.name for p in parent.iterdir() if PARTIAL_MARK in p.name or OLD_MARK in p.name)
-
-
-def run_cli(*args, env: dict | None = None):
-    """The real click command, in-process. catch_exceptions=True: an escaping exception shows up as
-    result.exception, which a clean failure never has (it exits through SystemExit)."""
-    return CliRunner().invoke(main, [str(a) for a in args], env=env)
-
-
-def assert_one_line_error(exit_code: int, stderr: str, stdout: str = "", names=()) -> str:
-    assert exit_code != 0, f"expected failure, got exit 0; stdout={stdout!r}"
-    assert "Traceback" not in stderr + stdout, stderr
-    lines = stderr.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
-    line = lines[0]
-    assert line.startswith("error: "), line
-    for name in names:
-        assert str(name) in line, f"{name!r} not named in: {line}"
-    return line
-
-
-def assert_clean_failure(result, names=()) -> str:
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"escaped {type(result.exception).__name__}: {result.exception}") from result.exception
-    return assert_one_line_error(result.exit_code, result.stderr, result.stdout, names)
-
-
-def run_module(*args, env: dict | None = None, cwd: Path | None = None, timeout: float = 120):
-    """`python -m gpt2port ARGS` in a fresh process: what a user's terminal sees."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "gpt2port", *map(str, args)], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=timeout)
-
-
-def assert_valid_checkpoint(ckpt: Path) -> None:
-    """Complete and well-formed: header checked against config.json, manifest present, no temp files inside."""
-    check_weights(ckpt / WEIGHTS, read_config(ckpt))
-    assert (ckpt / "manifest.json").is_file()
-    assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]
+from tests.support import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint, leftovers,
+                           run_cli, run_module, snapshot)
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import hf_fixtures
+from scripts import hf_fixtures
 from gpt2port import load_tokenizer
 from gpt2port.errors import GPT2PortError
 from gpt2port.tokenizer import StreamDecoder

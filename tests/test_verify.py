@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import hf_fixtures
+from scripts import hf_fixtures
 from gpt2port.checkpoint import read_config
 from gpt2port.cli import main
 from gpt2port import convert

@@ -1,0 +1,73 @@
+"""The compute pieces gpt2port.model opts into: its activation functions, and a Linear layer whose fp32 inference on
+CPU runs on oneDNN. The model's structure lives in model.py; how its products are computed lives here."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# Activations the model implements, by their HF `activation_function` name; config.py accepts exactly these names.
+# GPT-2's own is the tanh approximation ("gelu_new"): exact-erf GELU differs by up to ~1e-3 and breaks logit parity.
+# The others appear in fine-tuned or re-implemented checkpoints.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+# Route inference-time fp32 products on CPU through oneDNN (see Linear); a switch for comparisons and debugging.
+USE_ONEDNN = True
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose fp32 inference on CPU runs on oneDNN's linear kernel: same parameters, same fp32 math.
+
+    F.linear calls MKL, whose fp32 matrix-vector and few-row products stream the weight well below what memory
+    gives on the CPUs measured, while oneDNN (PyTorch's other CPU library, the one torch.compile puts under linear
+    layers) comes much closer. One decoding step is nothing but such products, so generation and prefill get
+    markedly faster (scripts/bench_generate.py compares both paths; the README has the figures). Autograd, other
+    devices and dtypes, and PyTorch builds without the kernel go through F.linear as usual.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 \
+                or self.weight.dtype != torch.float32 or not onednn_linear_enabled():
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+@functools.cache
+def _onednn_linear_works() -> bool:
+    """Whether this PyTorch has oneDNN's linear kernel (a private op) and it agrees with F.linear.
+
+    The probe runs on first use, inside a user's forward: its data come from a private generator, so the global
+    random state, and with it whatever the user seeded, is left as it was.
+    """
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g) for shape in ((3, 8), (5, 8), (5,)))
+    try:
+        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def onednn_linear_enabled() -> bool:
+    """Whether Linear takes the oneDNN path now: switched on, available in this build, and probed correct."""
+    return USE_ONEDNN and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and \
+        _onednn_linear_works()

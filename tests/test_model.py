@@ -1,0 +1,102 @@
+"""The model's kernels: the oneDNN Linear against F.linear, its switch, the activation table that config validates
+against, and that nothing a user calls moves the global random state."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2port import GPTConfig, kernels
+from gpt2port.errors import GPT2PortError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each snippet runs in a fresh process between two reads of the global RNG state. Fresh, because the oneDNN probe
+# runs once per process, on the first fp32 CPU forward: in a process where anything ran before, it has already run.
+_RNG_CHILD = """
+import sys
+import torch
+from gpt2port import GPT
+ckpt = sys.argv[1]
+{setup}
+before = torch.get_rng_state()
+{action}
+print("unchanged" if torch.equal(torch.get_rng_state(), before) else "CHANGED")
+"""
+_LOAD = "model = GPT.from_pretrained(ckpt)"
+_RNG_CASES = {
+    "from_pretrained": ("", _LOAD),
+    "forward": (_LOAD, "with torch.inference_mode():\n    model(torch.tensor([[464, 3290, 318]]))"),
+    "generate": (_LOAD, "from gpt2port.generate import generate\n"
+                        "generate(model, [[464, 3290]], 8, temperature=1.0, top_k=40, seed=3, stop_token=None)"),
+    "verify": ("from gpt2port.verify import run_verify", "run_verify(ckpt, tokens=16, hf=False)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_RNG_CASES))
+def test_global_rng_state_is_untouched(tiny_ckpt, case):
+    setup, action = _RNG_CASES[case]
+    code = _RNG_CHILD.format(setup=setup, action=action)
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_ckpt)], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "unchanged", f"{case} moved torch's global RNG state"
+
+
+@pytest.fixture
+def pointwise_calls(monkeypatch):
+    """The list that each call of oneDNN's linear kernel appends to (the op itself still runs)."""
+    if not kernels.onednn_linear_enabled():
+        pytest.skip("this PyTorch build has no oneDNN linear kernel")
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48)])
+def test_onednn_linear_agrees_with_f_linear_and_switches_off(pointwise_calls, monkeypatch, bias, shape):
+    g = torch.Generator().manual_seed(1)
+    layer = kernels.Linear(48, 80, bias=bias)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(shape, generator=g)
+    expected = F.linear(x, layer.weight, layer.bias).detach()
+    with torch.inference_mode():
+        fast = layer(x)
+        assert len(pointwise_calls) == 1 and fast.shape == (*shape[:-1], 80)
+        torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(kernels, "USE_ONEDNN", False)
+        assert not kernels.onednn_linear_enabled()
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+    assert len(pointwise_calls) == 1  # switched off: F.linear, not the kernel
+
+
+def test_onednn_linear_is_for_fp32_inference_only(pointwise_calls):
+    layer = kernels.Linear(16, 8)
+    x = torch.ones(2, 16)
+    layer(x).sum().backward()  # autograd on: F.linear, so gradients flow as nn.Linear's
+    assert layer.weight.grad is not None
+    with torch.inference_mode():
+        layer.to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert not pointwise_calls
+
+
+def test_config_accepts_exactly_the_activations_the_model_implements():
+    for name, fn in kernels.ACTIVATIONS.items():
+        assert GPTConfig(activation=name).activation == name and callable(fn)
+    with pytest.raises(GPT2PortError, match="not supported"):
+        GPTConfig(activation="mish")
+    with pytest.raises(GPT2PortError, match="activation_function 'mish'"):
+        GPTConfig.from_hf_config({"n_layer": 1, "n_head": 1, "n_embd": 4, "vocab_size": 8,
+                                  "activation_function": "mish"})
+    x = torch.linspace(-3, 3, 13)
+    torch.testing.assert_close(kernels.ACTIVATIONS["gelu_new"](x), F.gelu(x, approximate="tanh"))
