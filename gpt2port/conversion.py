@@ -7,6 +7,7 @@ next is read, so peak memory is about two tensors, not a model.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
             size = _write_checkpoint(source, out, items, out_dtype, warnings, force, facts, known_sha256, progress)
         else:
             size = _write_layout_dir(source, out, items, target, out_dtype, force, progress)
-    n_params = sum(_numel(s) for s in canonical.shapes(source.config).values())
+    n_params = sum(math.prod(s) for s in canonical.shapes(source.config).values())
     return ConvertResult(out, target.name, n_params, out_dtype, size, time.perf_counter() - t0, warnings)
 
 
@@ -135,18 +136,11 @@ def _check_head_is_tied(source: Source, head: str, wte: torch.Tensor) -> None:
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    # A sum is non-finite if any element is (NaN and Inf propagate); an exact element-wise check, ~20x slower,
+    # A sum is non-finite if any element is (NaN and Inf propagate); the exact element-wise check, much slower,
     # runs only to rule out a sum that merely overflowed.
     if bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
         return True
     return bool(torch.isfinite(tensor).all())
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # --- writing: a gpt2port checkpoint, or a directory in another layout ------------------------------------------

@@ -215,8 +215,8 @@ class StreamingSafetensorsWriter:
     def _write(self, data) -> None:
         view = memoryview(data).cast("B")
         try:
-            # In slices: one write() of a whole 300 MB tensor ran 2-4x slower here than the same bytes in 4 MB
-            # writes (measured with the page cache warm, on ext4), as the kernel throttles the dirtying process.
+            # In slices: one write() of a whole 300 MB tensor runs several times slower than the same bytes in a few MB
+            # per call, as the kernel throttles a process that dirties many pages at once (README, performance).
             for start in range(0, len(view), WRITE_SLICE):
                 self._file.write(view[start:start + WRITE_SLICE])
             self._flusher.wrote(len(view))
