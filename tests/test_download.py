@@ -435,10 +435,10 @@ def test_resolve_name(monkeypatch):
 
 
 def test_not_enough_disk_space_is_refused_before_downloading(tmp_path, monkeypatch):
-    from gpt2port import hub as hub_mod
+    from gpt2port.hub import fetch as hub_mod
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    f = hub_mod._Fetcher("org/model", None, True, lambda s: None)
+    f = hub_mod.Fetcher("org/model", None, True, lambda s: None)
     f.cache, f.commit = tmp_path, "0" * 40
     f.remote = {"model.safetensors": hub_mod.RemoteFile("model.safetensors", 1 << 50)}
     with pytest.raises(GPT2PortError, match="not enough free space.*needs 1125899.91 GB"):
@@ -450,9 +450,9 @@ def test_not_enough_disk_space_is_refused_before_downloading(tmp_path, monkeypat
 def test_disk_full_while_downloading_is_one_line(tmp_path):
     import errno
 
-    from gpt2port import hub as hub_mod
+    from gpt2port.hub import fetch as hub_mod
 
-    f = hub_mod._Fetcher("org/model", None, True, lambda s: None)
+    f = hub_mod.Fetcher("org/model", None, True, lambda s: None)
     f.commit = "a" * 40
     msg = f._file_error("model.safetensors", OSError(errno.ENOSPC, "No space left on device"))
     assert msg.startswith("org/model@aaaaaaaaaaaa: downloading model.safetensors failed: no space left on device")
