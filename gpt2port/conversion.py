@@ -52,7 +52,6 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     target = get_layout(to)
     with open_source(src) as source:
         refuse_overlap(out, source.root)
-        refuse_overlap(out, source.path)
         refuse_hf_cache(out)
         out_dtype = parse_dtype(dtype) or source.dtype()
         warnings: list[str] = []
