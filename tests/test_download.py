@@ -148,7 +148,7 @@ def assert_logits_match(ckpt: Path, hf_model, dtype=None) -> None:
 
 def _verify_available() -> bool:
     try:
-        from gpt2port.verify import run_verify  # noqa: F401
+        from gpt2port.verification import run_verify  # noqa: F401
     except ImportError:
         return False
     return True
@@ -238,7 +238,7 @@ def test_revision_branch_and_commit(hub, tmp_path, hub_models):
     assert_logits_match(tmp_path / "v1", hub_models["main"])
 
 
-@pytest.mark.skipif(not _verify_available(), reason="gpt2port.verify not importable")
+@pytest.mark.skipif(not _verify_available(), reason="gpt2port.verification not importable")
 def test_verify_flag_runs_verify_on_the_result(hub, tmp_path):
     r = download(hub.url, tmp_path, SHARDED_REPO, "--out", "checked", "--verify", timeout=300)
     assert r.returncode == 0, r.stderr

@@ -24,9 +24,7 @@ from gpt2port.checkpoint import load_model, read_config
 from gpt2port.cli import main
 from gpt2port.convert import convert
 from gpt2port.model import GPT
-from gpt2port.reference import Float64GPT2
-from gpt2port.verify import KNOWN_ANSWER, TOLERANCES, run_verify, verify_model
-from gpt2port.verify_report import SCHEMA
+from gpt2port.verification import KNOWN_ANSWER, SCHEMA, TOLERANCES, Float64GPT2, run_verify, verify_model
 
 C = hf_fixtures.TINY["n_embd"]
 
