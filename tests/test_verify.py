@@ -84,7 +84,6 @@ class ReplayReference:
         self.ref = Float64GPT2(path)
         self.path, self.config = self.ref.path, self.ref.config
         self.seen: dict[tuple, tuple[list[Stage], torch.Tensor]] = {}  # per input: its stages and its logits
-        self.computed = 0  # inputs computed afresh, over the fixture's life
 
     def forward(self, inputs, observe=None, progress=None):
         fresh = list({_ids_key(ids): ids for ids in inputs if _ids_key(ids) not in self.seen}.values())
@@ -94,7 +93,6 @@ class ReplayReference:
             for j, ids in enumerate(fresh):
                 mine = [Stage(st.kind, st.layer, {n: v[j] for n, v in st.values.items()}) for st in recorded]
                 self.seen[_ids_key(ids)] = (mine, logits[j])
-            self.computed += len(fresh)
         runs = [self.seen[_ids_key(ids)] for ids in inputs]
         for k, st in enumerate(runs[0][0]):
             if observe:
@@ -155,11 +153,13 @@ def test_passes_correct_124m_conversion(gpt2_ckpt):
     assert len(report.localization["stages"]) == 1 + 2 * 12 + 2  # embeddings, attention+MLP per block, norm, head
 
 
+@pytest.mark.heavy
 @pytest.mark.fullsize
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_passes_correct_124m_conversion_in_half_precision(gpt2_hf_repo, tmp_path, dtype):
     """A 124M conversion to fp16/bf16, computed in that dtype by ours and HF alike, PASSes at its tolerances, with
-    errors against float64 in that precision's own band (short inputs: CPU half-precision products are slow)."""
+    errors against float64 in that precision's own band. Heavy: CPU half-precision products are so slow that even
+    short inputs take minutes; the tiny fp16/bf16 conversions check the same bands in the default run."""
     from gpt2port.convert import convert
 
     ckpt = tmp_path / dtype
@@ -249,7 +249,7 @@ def test_fails_on_exact_erf_gelu(gelu_sensitive_repo, tmp_path):
 
 
 def test_known_answer_checked_for_the_official_gpt2(tiny_ckpt, tmp_path, pass_report):
-    """A manifest naming openai-community/gpt2 brings in BRIEF §3's known answer; random weights cannot produce it."""
+    """A manifest naming openai-community/gpt2 brings in transformers' known answer; random weights cannot produce it."""
     out = tmp_path / "official"
     shutil.copytree(tiny_ckpt, out)
     manifest = json.loads((out / "manifest.json").read_text())

@@ -196,5 +196,6 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
 
 def _shape_mismatch(ours: Stages, rc) -> str | None:
     names = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
-    diff = [f"{n} {getattr(ours, n)} vs reference {getattr(rc, n)}" for n in names if getattr(ours, n) != getattr(rc, n)]
+    pairs = [(n, getattr(ours, n), getattr(rc, n)) for n in names]
+    diff = [f"{n} {mine} vs reference {theirs}" for n, mine, theirs in pairs if mine != theirs]
     return "; ".join(diff) or None

@@ -124,4 +124,5 @@ def as_stages(model) -> Stages:
 
     if isinstance(model, GPT):
         return GPTStages(model)
-    raise TypeError(f"verify needs a gpt2port GPT or a gpt2port.verification.Stages adapter, not {type(model).__name__}")
+    raise TypeError(f"verify needs a gpt2port GPT or a Stages adapter (gpt2port.verification.Stages), "
+                    f"not {type(model).__name__}")
