@@ -15,23 +15,9 @@ from gpt2port.conversion import convert, export
 from gpt2port.errors import GPT2PortError
 from gpt2port.hub import download
 from gpt2port.model import GPT, KVCache
+from gpt2port.verification import run_verify as verify
+from gpt2port.verification import verify_model
 from gpt2port.version import __version__
-
-
-def verify(ckpt, reference=None, dtype=None, tokens=None, hf: bool = True, progress: bool = False):
-    """`gpt2port verify`: prove that a converted checkpoint computes what the reference computes (a VerifyReport:
-    .passed, .failures, .to_text(), .to_dict())."""
-    from gpt2port.verify import run_verify
-
-    return run_verify(ckpt, reference=reference, dtype=dtype, tokens=tokens, progress=progress, hf=hf)
-
-
-def verify_model(model, reference, **kwargs):
-    """Verify a model in memory against a Hugging Face checkpoint (see verify)."""
-    from gpt2port.verify import verify_model as _verify_model
-
-    return _verify_model(model, reference, **kwargs)
-
 
 __all__ = ["GPT", "GPTConfig", "GPT2PortError", "KVCache", "__version__", "convert", "download", "export",
            "load_tokenizer", "save", "verify", "verify_model"]

@@ -177,7 +177,7 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, quiet):
     transformers' GPT2LMHeadModel on natural-text prompts and random ids at full context; compares logits, next-token
     distributions, greedy continuations and loss; judges each block alone to name the first one that differs.
     """
-    from gpt2port.verify import run_verify
+    from gpt2port.verification import run_verify
 
     report = run_verify(ckpt, reference=reference, dtype=dtype, tokens=tokens, progress=not quiet and not as_json,
                         hf=not no_hf)

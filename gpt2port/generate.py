@@ -59,11 +59,19 @@ def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, tempera
         yield token
 
 
-@torch.inference_mode()
 def steps(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
           top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
           keep: int | None = None) -> Iterator[torch.Tensor]:
-    """The decoding loop: yields a (B,) tensor of next tokens per step; rows that have stopped repeat stop_token."""
+    """Yields a (B,) tensor of next tokens per step; rows that have stopped repeat stop_token."""
+    for nxt, _ in decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+        yield nxt
+
+
+@torch.inference_mode()
+def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
+           keep: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The decoding loop: yields (next tokens (B,), the (B, vocab) logits they were drawn from) per step."""
     check_sampling(temperature, top_k, top_p)
     param = model.tok_emb.weight
     n_ctx = model.config.n_positions
@@ -85,7 +93,7 @@ def steps(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, to
         if stop_token is not None:
             nxt = nxt.masked_fill(done, stop_token)
             done |= nxt == stop_token
-        yield nxt
+        yield nxt, logits[:, -1]
         if step == max_new_tokens - 1 or bool(done.all()):
             return
         tokens = torch.cat([tokens, nxt.view(B, 1)], dim=1)

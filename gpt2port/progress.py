@@ -1,9 +1,10 @@
-"""Progress bars that appear only on a terminal: logs and pipes get no bar garbage."""
+"""Progress bars and status lines that appear only on a terminal: logs and pipes get no bar garbage."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 
 def show_bars(quiet: bool = False) -> bool:
@@ -31,3 +32,28 @@ def byte_progress(label: str, quiet: bool = False):
     finally:
         if bar is not None:
             bar.close()
+
+
+class StatusLine:
+    """One self-overwriting status line on stderr, "LABEL [elapsed s] message", shown only when show_bars(quiet).
+
+    Call it with a message to show, or with None to clear the line (do that before printing anything else).
+    """
+
+    def __init__(self, label: str, quiet: bool = False):
+        self.label = label
+        self.enabled = show_bars(quiet)
+        self.shown = False
+        self.t0 = time.perf_counter()
+
+    def __call__(self, message: str | None) -> None:
+        if not self.enabled:
+            return
+        if message is None:
+            if self.shown:
+                sys.stderr.write("\r\033[K")
+            self.shown = False
+        else:
+            sys.stderr.write(f"\r\033[K{self.label} [{time.perf_counter() - self.t0:5.0f}s] {message}")
+            self.shown = True
+        sys.stderr.flush()

@@ -4,7 +4,7 @@ For each size: a full-size random-weight hub-layout HF directory (hf_fixtures.wr
 genuine tokenizer files), converted by `gpt2port convert --dtype D` for each requested dtype, then
 `gpt2port verify CKPT --json` run as a child process. Its peak RSS comes from os.wait4 on exactly that child (not
 the converter, not this script); its wall time is measured around it. The errors it measured (ours and HF against
-the float64 reference) are the numbers behind gpt2port.verify.TOLERANCES.
+the float64 reference) are the numbers behind gpt2port.verification.TOLERANCES.
 
 Usage (from the repository root):
     python -m scripts.bench_verify --sizes gpt2                       # one size, fp32, full 1024-token inputs

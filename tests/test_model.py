@@ -35,7 +35,7 @@ _RNG_CASES = {
     "forward": (_LOAD, "with torch.inference_mode():\n    model(torch.tensor([[464, 3290, 318]]))"),
     "generate": (_LOAD, "from gpt2port.generate import generate\n"
                         "generate(model, [[464, 3290]], 8, temperature=1.0, top_k=40, seed=3, stop_token=None)"),
-    "verify": ("from gpt2port.verify import run_verify", "run_verify(ckpt, tokens=16, hf=False)"),
+    "verify": ("from gpt2port.verification import run_verify", "run_verify(ckpt, tokens=16, hf=False)"),
 }
 
 

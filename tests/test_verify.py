@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -24,9 +25,8 @@ from gpt2port.checkpoint import read_config
 from gpt2port.cli import main
 from gpt2port import convert
 from gpt2port.model import GPT
-from gpt2port.reference import Float64GPT2
-from gpt2port.verify import KNOWN_ANSWER, TOLERANCES, run_verify, verify_model
-from gpt2port.verify_report import SCHEMA
+from gpt2port.verification import KNOWN_ANSWER, SCHEMA, TOLERANCES, Float64GPT2, Stages, run_verify, verify_model
+from gpt2port.verification.reference import Stage
 
 C = hf_fixtures.TINY["n_embd"]
 
@@ -68,6 +68,46 @@ def corrupted(ckpt, tmp_path, edit):
         edit(tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
     return out
+
+
+def _ids_key(ids: torch.Tensor) -> tuple:
+    return tuple(ids.shape), ids.numpy().tobytes()
+
+
+class ReplayReference:
+    """A Float64GPT2 that computes each distinct input once and replays its recorded stages afterwards, so the
+    seeded-bug tests share one float64 run instead of each recomputing it. An input not seen before (a buggy model
+    continues the prompts greedily in its own way) is computed then and remembered. The stages handed to the observer
+    and the logits returned are the very tensors a fresh run produces: the reference treats every input apart."""
+
+    def __init__(self, path):
+        self.ref = Float64GPT2(path)
+        self.path, self.config = self.ref.path, self.ref.config
+        self.seen: dict[tuple, tuple[list[Stage], torch.Tensor]] = {}  # per input: its stages and its logits
+
+    def forward(self, inputs, observe=None, progress=None):
+        fresh = list({_ids_key(ids): ids for ids in inputs if _ids_key(ids) not in self.seen}.values())
+        if fresh:
+            recorded: list[Stage] = []
+            logits = self.ref.forward(fresh, observe=recorded.append)
+            for j, ids in enumerate(fresh):
+                mine = [Stage(st.kind, st.layer, {n: v[j] for n, v in st.values.items()}) for st in recorded]
+                self.seen[_ids_key(ids)] = (mine, logits[j])
+        runs = [self.seen[_ids_key(ids)] for ids in inputs]
+        for k, st in enumerate(runs[0][0]):
+            if observe:
+                observe(Stage(st.kind, st.layer, {n: [r[0][k].values[n] for r in runs] for n in st.values}))
+            if progress and st.kind == "block":
+                progress(st.layer + 1, self.config.n_layer)
+        return [r[1] for r in runs]
+
+
+@pytest.fixture(scope="module")
+def hub_reference(make_hf_repo):
+    """The float64 reference of the tiny model (tiny_ckpt's source), shared by every seeded-bug test."""
+    ref = ReplayReference(make_hf_repo("hub"))
+    yield ref
+    ref.ref.close()
 
 
 # --- PASS on correct conversions ---------------------------------------------------------------------------------
@@ -113,11 +153,13 @@ def test_passes_correct_124m_conversion(gpt2_ckpt):
     assert len(report.localization["stages"]) == 1 + 2 * 12 + 2  # embeddings, attention+MLP per block, norm, head
 
 
+@pytest.mark.heavy
 @pytest.mark.fullsize
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_passes_correct_124m_conversion_in_half_precision(gpt2_hf_repo, tmp_path, dtype):
     """A 124M conversion to fp16/bf16, computed in that dtype by ours and HF alike, PASSes at its tolerances, with
-    errors against float64 in that precision's own band (short inputs: CPU half-precision products are slow)."""
+    errors against float64 in that precision's own band. Heavy: CPU half-precision products are so slow that even
+    short inputs take minutes; the tiny fp16/bf16 conversions check the same bands in the default run."""
     from gpt2port import convert
 
     ckpt = tmp_path / dtype
@@ -157,8 +199,8 @@ def _shift_pos_emb(t):
     (_shift_ln_bias, "block 1: MLP output differs"),
     (_shift_pos_emb, "embeddings differ"),
 ], ids=["attn.proj transposed", "q/k swapped", "LayerNorm bias +0.01", "pos_emb shifted one row"])
-def test_fails_on_corrupted_conversion_naming_the_stage(tiny_ckpt, tmp_path, edit, first):
-    report = run_verify(corrupted(tiny_ckpt, tmp_path, edit), hf=False)
+def test_fails_on_corrupted_conversion_naming_the_stage(tiny_ckpt, hub_reference, tmp_path, edit, first):
+    report = run_verify(corrupted(tiny_ckpt, tmp_path, edit), reference=hub_reference, hf=False)
     assert not report.passed
     assert report.localization["first_divergence"].startswith(first), report.localization["first_divergence"]
     assert report.failures[0].startswith(first)
@@ -167,13 +209,13 @@ def test_fails_on_corrupted_conversion_naming_the_stage(tiny_ckpt, tmp_path, edi
     assert report.metrics["overall"]["ours_vs_f64"]["max_rel"] > TOLERANCES["fp32"].logits_rel
 
 
-def test_fails_on_untied_perturbed_head(tiny_ckpt, make_hf_repo):
+def test_fails_on_untied_perturbed_head(tiny_ckpt, hub_reference):
     model = GPT.from_pretrained(tiny_ckpt)
     torch.manual_seed(0)
     head = model.tok_emb.weight.detach().clone() + 1e-3 * torch.randn_like(model.tok_emb.weight)
     model.lm_head.weight = torch.nn.Parameter(head)
     assert model.lm_head.weight is not model.tok_emb.weight
-    report = verify_model(model, make_hf_repo("hub"), hf=False)
+    report = verify_model(model, hub_reference, hf=False)
     assert not report.passed
     assert report.localization["first_divergence"].startswith("head (lm_head) output differs")
     assert all(s["passed"] for s in report.localization["stages"][:-1])  # everything before the head is fine
@@ -193,20 +235,21 @@ def gelu_sensitive_repo(make_hf_repo):
 def test_fails_on_exact_erf_gelu(gelu_sensitive_repo, tmp_path):
     ckpt = tmp_path / "ckpt"
     convert(gelu_sensitive_repo, ckpt)
-    correct = run_verify(ckpt, hf=False)
+    reference = ReplayReference(gelu_sensitive_repo)  # one float64 run for the correct and the erf model
+    correct = run_verify(ckpt, reference=reference, hf=False)
     assert correct.passed, correct.to_text()
     config = read_config(ckpt)
     config.activation = "gelu"
     erf_model = GPT(config).eval()
     erf_model.load_state_dict(GPT.from_pretrained(ckpt).state_dict())
-    report = verify_model(erf_model, gelu_sensitive_repo, hf=False)
+    report = verify_model(erf_model, reference, hf=False)
     assert not report.passed
     assert report.localization["first_divergence"].startswith("block 0: MLP output differs")
     assert report.localization["stages"][1]["passed"]  # block 0 attention is untouched
 
 
 def test_known_answer_checked_for_the_official_gpt2(tiny_ckpt, tmp_path, pass_report):
-    """A manifest naming openai-community/gpt2 brings in BRIEF §3's known answer; random weights cannot produce it."""
+    """A manifest naming openai-community/gpt2 brings in transformers' known answer; random weights cannot produce it."""
     out = tmp_path / "official"
     shutil.copytree(tiny_ckpt, out)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -356,23 +399,134 @@ def test_config_mismatch_fails_without_computing(tiny_ckpt, make_hf_repo):
     assert d["failures"] == ["config matches the reference: n_layer 2 vs reference 3"]
 
 
-def test_fails_on_wrong_layernorm_eps(tiny_ckpt, make_hf_repo):
+def test_fails_on_wrong_layernorm_eps(tiny_ckpt, hub_reference):
     config = read_config(tiny_ckpt)
     config.layer_norm_epsilon = 1e-6  # GPT-2's is 1e-5
     model = GPT(config).eval()
     model.load_state_dict(GPT.from_pretrained(tiny_ckpt).state_dict())
-    report = verify_model(model, make_hf_repo("hub"), hf=False)
+    report = verify_model(model, hub_reference, hf=False)
     assert not report.passed
     assert report.localization["first_divergence"].startswith("block 0: attention output differs")
 
 
-def test_nan_fails_and_json_stays_strict(tiny_ckpt, make_hf_repo):
+def test_nan_fails_and_json_stays_strict(tiny_ckpt, hub_reference):
     model = GPT.from_pretrained(tiny_ckpt)
     with torch.no_grad():
         model.blocks[1].mlp.fc.bias = torch.nn.Parameter(model.blocks[1].mlp.fc.bias.clone())
         model.blocks[1].mlp.fc.bias[0] = float("nan")
-    report = verify_model(model, make_hf_repo("hub"), hf=False, tokens=8)
+    report = verify_model(model, hub_reference, hf=False, tokens=8)
     assert not report.passed
     assert report.localization["first_divergence"].startswith("block 1: MLP output differs (rel inf")
     text = json.dumps(report.to_dict(), allow_nan=False)  # raises on a bare NaN/Infinity
     assert json.loads(text)["metrics"]["overall"]["ours_vs_f64"]["max_abs"] == "inf"
+
+
+# --- a model class of the user's own, verified through a Stages adapter ------------------------------------------
+
+class _HandLayerNorm(torch.nn.Module):
+    def __init__(self, weight, bias, eps):
+        super().__init__()
+        self.gain, self.shift, self.eps = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone()), eps
+
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + self.eps) * self.gain + self.shift
+
+
+class _UserGPT(torch.nn.Module):
+    """GPT-2 as a user might write it: other names, attention one head at a time, LayerNorm by hand, no KV cache.
+    Built from a gpt2port GPT's weights, so it computes the same function."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        cfg, eps = gpt.config, gpt.config.layer_norm_epsilon
+        self.n_head = cfg.n_head
+        self.words = torch.nn.Parameter(gpt.tok_emb.weight.detach().clone())
+        self.places = torch.nn.Parameter(gpt.pos_emb.weight.detach().clone())
+        self.layers = torch.nn.ModuleList()
+        for b in gpt.blocks:
+            layer = torch.nn.Module()
+            layer.pre_attn = _HandLayerNorm(b.ln1.weight.detach(), b.ln1.bias.detach(), eps)
+            layer.q, layer.k, layer.v = (torch.nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(3))
+            for lin, w, bias in zip((layer.q, layer.k, layer.v), b.attn.qkv.weight.detach().chunk(3),
+                                    b.attn.qkv.bias.detach().chunk(3)):
+                lin.weight.data.copy_(w)
+                lin.bias.data.copy_(bias)
+            layer.out = copy_linear(b.attn.proj)
+            layer.pre_ffn = _HandLayerNorm(b.ln2.weight.detach(), b.ln2.bias.detach(), eps)
+            layer.up, layer.down = copy_linear(b.mlp.fc), copy_linear(b.mlp.proj)
+            self.layers.append(layer)
+        self.ln_out = _HandLayerNorm(gpt.final_norm.weight.detach(), gpt.final_norm.bias.detach(), eps)
+
+    def attend(self, layer, x):
+        h = layer.pre_attn(x)
+        q, k, v = layer.q(h), layer.k(h), layer.v(h)
+        heads = [F.scaled_dot_product_attention(qh.unsqueeze(1), kh.unsqueeze(1), vh.unsqueeze(1), is_causal=True)
+                 for qh, kh, vh in zip(q.chunk(self.n_head, -1), k.chunk(self.n_head, -1), v.chunk(self.n_head, -1))]
+        return layer.out(torch.cat(heads, dim=-1).squeeze(1))
+
+    def feed_forward(self, layer, x):
+        return layer.down(F.gelu(layer.up(layer.pre_ffn(x)), approximate="tanh"))
+
+    def forward(self, ids, each=lambda x: None):
+        x = self.words[ids] + self.places[: ids.shape[1]]
+        each(x)
+        for layer in self.layers:
+            x = x + self.attend(layer, x)
+            x = x + self.feed_forward(layer, x)
+            each(x)
+        return self.ln_out(x) @ self.words.T
+
+
+def copy_linear(src: torch.nn.Linear) -> torch.nn.Linear:
+    dst = torch.nn.Linear(src.in_features, src.out_features)
+    dst.load_state_dict({"weight": src.weight.detach().clone(), "bias": src.bias.detach().clone()})
+    return dst
+
+
+class _UserStages(Stages):
+    """The adapter a user writes for _UserGPT: it alone knows the class's names."""
+
+    def __init__(self, model: _UserGPT):
+        self.model = model
+        self.vocab_size, self.n_embd = model.words.shape
+        self.n_positions, self.n_layer, self.n_head = model.places.shape[0], len(model.layers), model.n_head
+        self.dtype, self.device = model.words.dtype, model.words.device
+        self.n_params = sum(p.numel() for p in model.parameters())
+
+    def logits(self, ids, keep=None):
+        return self.model(ids, keep or (lambda x: None))
+
+    def embeddings(self, ids):
+        return self.model.words[ids] + self.model.places[: ids.shape[1]]
+
+    def attention(self, layer, x):
+        return self.model.attend(self.model.layers[layer], x)
+
+    def mlp(self, layer, x):
+        return self.model.feed_forward(self.model.layers[layer], x)
+
+    def final_norm(self, x):
+        return self.model.ln_out(x)
+
+    def head(self, x):
+        return x @ self.model.words.T
+
+
+def test_verifies_a_user_model_through_its_own_stages_adapter(tiny_ckpt, hub_reference):
+    user = _UserGPT(load_model(tiny_ckpt)).eval()
+    report = verify_model(_UserStages(user), hub_reference, hf=False)
+    assert report.passed, report.to_text()
+    assert len(report.localization["stages"]) == 1 + 2 * hf_fixtures.TINY["n_layer"] + 2
+    assert report.model["n_params"] == load_model(tiny_ckpt).num_params()  # the same weights, counted by the adapter
+    # Without a KV cache the greedy steps are recomputed in full, and the report says so instead of claiming a cache.
+    names = [c.name for c in report.checks]
+    assert "decode steps vs float64" in names and "KV-cached decode vs float64" not in names
+    assert any("no KV-cached decoding" in n for n in report.notes)
+    assert report.metrics["overall"]["greedy"]["unexplained"] == 0
+    # A seeded bug in the user's class is named at its stage, through the adapter.
+    with torch.no_grad():
+        user.layers[1].pre_ffn.shift += 0.01
+    broken = verify_model(_UserStages(user), hub_reference, hf=False)
+    assert not broken.passed
+    assert broken.localization["first_divergence"].startswith("block 1: MLP output differs")

@@ -79,7 +79,7 @@ def _up_to_date(out: Path, repo: str, commit: str, dtype, force: bool) -> bool:
 
 
 def _run_verify(out: Path, quiet: bool):
-    from gpt2port.verify import run_verify
+    from gpt2port.verification import run_verify
 
     report = run_verify(out, reference=None, dtype=None, tokens=None, progress=not quiet)
     if not report.passed:

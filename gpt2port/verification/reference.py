@@ -20,9 +20,33 @@ from typing import Callable
 import torch
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.formats import WEIGHT_FILES
+from gpt2port.formats.shards import INDEX_SUFFIX, shard_names
 
-# In order of preference, as HF's own loader chooses them.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# --- which files hold the weights ----------------------------------------------------------------------------------
+# Which files to open is bytes, not meaning: the reference shares the package's one list of HF weight files and its
+# one (path-checking) shard-index reader. What the tensors mean, it works out on its own below.
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The weights files of a local HF GPT-2 (a directory, a weights file or a shard index), shards in index order."""
+    if path.is_file():
+        return _shards(path) if path.name.endswith(INDEX_SUFFIX) else [path]
+    if not path.is_dir():
+        raise GPT2PortError(f"{path}: reference not found (a Hugging Face GPT-2 directory or weights file)")
+    for name in WEIGHT_FILES:
+        f = path / name
+        if f.is_file():
+            return _shards(f) if name.endswith(INDEX_SUFFIX) else [f]
+    raise GPT2PortError(f"{path}: no GPT-2 weights for the reference (looked for {', '.join(WEIGHT_FILES)})")
+
+
+def _shards(index: Path) -> list[Path]:
+    return [index.parent / name for name in shard_names(index)]
+
+
+# --- the tensors and the forward ---------------------------------------------------------------------------------
+
 PREFIX = "transformer."  # save_pretrained's prefix; the 2019 hub files have bare keys
 
 # n_embd -> n_head of the four official sizes: only used when a bare weights file comes without config.json.
@@ -86,7 +110,7 @@ class HFFiles:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.root = self.path if self.path.is_dir() else self.path.parent
-        self.files = self._weight_files()
+        self.files = weight_files(self.path)
         self._where: dict[str, tuple[Path, str]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._open: dict[Path, object] = {}
@@ -97,27 +121,6 @@ class HFFiles:
                 if bare not in self._where:
                     self._where[bare] = (f, key)
                     self._shapes[bare] = tuple(handle.get_slice(key).get_shape())
-
-    def _weight_files(self) -> list[Path]:
-        if self.path.is_file():
-            if self.path.name.endswith(".index.json"):
-                return self._shards(self.path)
-            return [self.path]
-        if not self.path.is_dir():
-            raise GPT2PortError(f"{self.path}: reference not found (a Hugging Face GPT-2 directory or weights file)")
-        for name in WEIGHT_FILES:
-            f = self.path / name
-            if f.is_file():
-                return self._shards(f) if name.endswith(".index.json") else [f]
-        raise GPT2PortError(f"{self.path}: no GPT-2 weights for the reference (looked for {', '.join(WEIGHT_FILES)})")
-
-    @staticmethod
-    def _shards(index: Path) -> list[Path]:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise GPT2PortError(f"{index}: unreadable shard index ({e})") from None
-        return [index.parent / name for name in dict.fromkeys(weight_map.values())]
 
     def _handle(self, f: Path):
         """A reader for f. A safetensors file is opened afresh for each read and closed after it: the library
@@ -253,6 +256,7 @@ class Float64GPT2:
     """
 
     def __init__(self, path: str | Path):
+        self.path = Path(path)
         self.files = HFFiles(path)
         self.config = read_config(self.files)
 

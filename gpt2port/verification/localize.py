@@ -1,0 +1,83 @@
+"""Localization: ours' stages run on the float64 reference's own inputs ("teacher forcing") as the reference streams
+past, so each stage is judged alone, errors do not pile up across blocks, and a failure names the first stage that
+differs ("block 7: attention output differs")."""
+
+from __future__ import annotations
+
+import torch
+
+from gpt2port.verification.metrics import CHUNK, absmax, max_errors, ratio
+from gpt2port.verification.reference import Stage
+from gpt2port.verification.stages import Stages
+
+
+class Localizer:
+    """Observer of Float64GPT2.forward: records the error of every stage of ours, and of ours' own residual stream.
+
+    streams[k] is ours' residual stream on input k as Stages.logits captured it (after the embeddings, then after
+    each block); head() judges the head once the reference's logits exist.
+    """
+
+    def __init__(self, stages: Stages, inputs, streams: list[list[torch.Tensor]], tol: float):
+        self.ours, self.inputs, self.streams, self.tol = stages, inputs, streams, tol
+        self.stages: list[dict] = []
+        self.stream: list[dict] = []
+        self.finals: list[torch.Tensor] = []
+
+    def _record(self, stage: str, block, part, pairs) -> None:
+        self._store(stage, block, part, *max_errors(pairs))
+
+    def _store(self, stage: str, block, part, max_abs: float, rel: float) -> None:
+        self.stages.append({"stage": stage, "block": block, "part": part, "max_abs": max_abs, "rel": rel,
+                            "tolerance": self.tol, "passed": bool(rel <= self.tol)})
+
+    def _drift(self, block, index: int, refs) -> None:
+        max_abs, rel = max_errors([(s[index], r) for s, r in zip(self.streams, refs)])
+        self.stream.append({"block": block, "max_abs": max_abs, "rel": rel})
+
+    @torch.no_grad()
+    def observe(self, st: Stage) -> None:
+        ours, v, dt = self.ours, st.values, self.ours.dtype
+        if st.kind == "embeddings":
+            self._record("embeddings", None, "embeddings",
+                         [(ours.embeddings(i.ids), r) for i, r in zip(self.inputs, v["out"])])
+            self._drift(None, 0, v["out"])
+        elif st.kind == "block":
+            i = st.layer
+            self._record(f"block {i} attention", i, "attention",
+                         [(ours.attention(i, x.to(dt)), r) for x, r in zip(v["in"], v["attn"])])
+            self._record(f"block {i} MLP", i, "mlp", [(ours.mlp(i, x.to(dt)), r) for x, r in zip(v["mid"], v["mlp"])])
+            self._drift(i, i + 1, v["out"])
+        else:
+            self._record("final norm", None, "final_norm",
+                         [(ours.final_norm(x.to(dt)), r) for x, r in zip(v["in"], v["out"])])
+            self.finals = v["out"]
+
+    @torch.no_grad()
+    def head(self, ref_logits: list[torch.Tensor]) -> None:
+        def chunks(f, r):  # row chunks: ours' head output never exists at full (B, T, vocab) size
+            f, r = f.reshape(-1, f.shape[-1]), r.reshape(-1, r.shape[-1])
+            for s in range(0, len(f), CHUNK):
+                yield self.ours.head(f[s:s + CHUNK].to(self.ours.dtype)), r[s:s + CHUNK]
+
+        max_abs, rel = 0.0, 0.0
+        for f, r in zip(self.finals, ref_logits):
+            d = max(max_errors([pair])[0] for pair in chunks(f, r))
+            max_abs, rel = max(max_abs, d), max(rel, ratio(d, absmax(r)))
+        self._store("head", None, "head", max_abs, rel)
+        self.finals = []
+
+    def result(self) -> dict:
+        first = next((s for s in self.stages if not s["passed"]), None)
+        return {"first_divergence": _divergence_message(first) if first else None,
+                "stages": self.stages, "stream": self.stream}
+
+
+_PART_WORDS = {"embeddings": "embeddings differ", "attention": "attention output differs",
+               "mlp": "MLP output differs", "final_norm": "final LayerNorm output differs",
+               "head": "head (lm_head) output differs"}
+
+
+def _divergence_message(s: dict) -> str:
+    where = f"block {s['block']}: " if s["block"] is not None else ""
+    return f"{where}{_PART_WORDS[s['part']]} (rel {s['rel']:.2e} > {s['tolerance']:.2g})"
