@@ -514,11 +514,11 @@ class _UserStages(Stages):
 
 
 def test_verifies_a_user_model_through_its_own_stages_adapter(tiny_ckpt, hub_reference):
-    user = _UserGPT(load_model(tiny_ckpt)).eval()
+    user = _UserGPT(GPT.from_pretrained(tiny_ckpt)).eval()
     report = verify_model(_UserStages(user), hub_reference, hf=False)
     assert report.passed, report.to_text()
     assert len(report.localization["stages"]) == 1 + 2 * hf_fixtures.TINY["n_layer"] + 2
-    assert report.model["n_params"] == load_model(tiny_ckpt).num_params()  # the same weights, counted by the adapter
+    assert report.model["n_params"] == GPT.from_pretrained(tiny_ckpt).num_params()  # the same weights, counted by the adapter
     # Without a KV cache the greedy steps are recomputed in full, and the report says so instead of claiming a cache.
     names = [c.name for c in report.checks]
     assert "decode steps vs float64" in names and "KV-cached decode vs float64" not in names
