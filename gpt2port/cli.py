@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from gpt2port.conversion import TARGETS
 from gpt2port.errors import GPT2PortError
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
@@ -111,7 +112,7 @@ def info(ckpt, as_json):
 @main.command()
 @click.argument("ckpt")
 @click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
-@click.option("--to", "to", type=click.Choice(["gpt2port", "hf"]), default="gpt2port", show_default=True,
+@click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
               help="Layout: gpt2port's own, or Hugging Face's (loads with GPT2LMHeadModel.from_pretrained).")
 @click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Output dtype (default: the checkpoint's).")
 @click.option("--force", is_flag=True, help="Replace an existing directory at --out.")

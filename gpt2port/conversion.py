@@ -21,7 +21,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import stream_safetensors
 from gpt2port.fsio import BackgroundHasher, copy_file, refuse_hf_cache, refuse_overlap, staged_directory, write_json
-from gpt2port.layouts import GPT2PORT, canonical, get as get_layout
+from gpt2port.layouts import GPT2PORT, HF, canonical, get as get_layout
 from gpt2port.layouts.transforms import merge
 from gpt2port.sources import Source, open_source
 
@@ -37,18 +37,36 @@ class ConvertResult:
     warnings: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Job:
+    """One conversion, as a target's writer sees it: the opened source, the planned tensors, where and how."""
+    source: Source
+    out: Path
+    items: list  # [(key, dtype, shape, produce)] in the order to write them
+    dtype: torch.dtype
+    force: bool
+    progress: Callable[[int, int], None] | None
+    warnings: list[str]
+    facts: dict  # provenance for a manifest: what the reading learned, and what the caller added
+    known_sha256: dict[str, str]
+    options: dict  # target-specific switches, passed through from convert(..., options=)
+
+
 def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, to: str = "gpt2port",
             provenance: dict | None = None, known_sha256: dict[str, str] | None = None,
-            progress: Callable[[int, int], None] | None = None) -> ConvertResult:
+            progress: Callable[[int, int], None] | None = None, options: dict | None = None) -> ConvertResult:
     """Convert the GPT-2 weights at `src` (a Hugging Face repo directory or weights file, or a gpt2port checkpoint)
     into the directory `out`, in layout `to` ("gpt2port", or "hf" for GPT2LMHeadModel.from_pretrained).
 
     dtype: fp32/fp16/bf16 (default: the source's). provenance: extra facts for the manifest (the Hub repo and commit
     a download came from). known_sha256: file name -> sha256 already established (a verified download), so it is
-    not hashed again. progress(done_bytes, total_bytes) is called after each tensor.
+    not hashed again. progress(done_bytes, total_bytes) is called after each tensor. options: switches of the target
+    layout's writer (see TARGETS).
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
+    if to not in TARGETS:
+        raise GPT2PortError(f"unknown output layout {to!r} (known: {', '.join(TARGETS)})")
     target = get_layout(to)
     with open_source(src) as source:
         refuse_overlap(out, source.root)
@@ -58,22 +76,20 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
         items, dropped, head = _items(source, target, out_dtype, warnings)
         if out_dtype not in DTYPE_LABELS:
             raise GPT2PortError(f"{source.where}: weights are {out_dtype}; pass --dtype fp32, fp16 or bf16")
-        if target is GPT2PORT:
-            facts = {"dropped_keys": len(dropped), "head": "checked equal to wte" if head else "absent (tied)",
-                     **(provenance or {})}
-            size = _write_checkpoint(source, out, items, out_dtype, warnings, force, facts, known_sha256, progress)
-        else:
-            size = _write_layout_dir(source, out, items, target, out_dtype, force, progress)
+        facts = {"dropped_keys": len(dropped), "head": "checked equal to wte" if head else "absent (tied)",
+                 **(provenance or {})}
+        job = Job(source, out, items, out_dtype, force, progress, warnings, facts, known_sha256 or {}, options or {})
+        size = TARGETS[target.name](job)
     n_params = sum(math.prod(s) for s in canonical.shapes(source.config).values())
     return ConvertResult(out, target.name, n_params, out_dtype, size, time.perf_counter() - t0, warnings)
 
 
 def export(ckpt, out: str | Path, to: str = "gpt2port", dtype=None, force: bool = False,
-           progress: Callable[[int, int], None] | None = None) -> ConvertResult:
+           progress: Callable[[int, int], None] | None = None, options: dict | None = None) -> ConvertResult:
     """A converted checkpoint (directory or NAME) re-written in another dtype or another layout."""
     ckpt_dir = checkpoint.resolve(ckpt)
     refuse_overlap(Path(out), ckpt_dir, "the checkpoint itself")
-    return convert(ckpt_dir, out, dtype=dtype, force=force, to=to, progress=progress)
+    return convert(ckpt_dir, out, dtype=dtype, force=force, to=to, progress=progress, options=options)
 
 
 # --- reading: every canonical tensor, in the order the source's bytes lie --------------------------------------
@@ -112,7 +128,8 @@ def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str]) 
     rank = {f: i for i, f in enumerate(reader.files)}
     first = {name: min((rank.get(reader.tensors[r.key].file, 0), reader.tensors[r.key].offset) for r in rs)
              for name, rs in parts.items()}
-    writes = sorted(target.plan_write(config), key=lambda w: first[w.source])
+    writes = target.plan_write(config)
+    writes = target.order(writes) if target.order else sorted(writes, key=lambda w: first[w.source])
     cache: dict[str, torch.Tensor] = {}
 
     def produce_write(w):
@@ -144,38 +161,45 @@ def all_finite(tensor: torch.Tensor) -> bool:
 
 # --- writing: a gpt2port checkpoint, or a directory in another layout ------------------------------------------
 
-def _write_checkpoint(source: Source, out: Path, items, out_dtype, warnings, force, facts: dict, known_sha256,
-                      progress) -> int:
+def _write_checkpoint(job: Job) -> int:
+    source = job.source
     if source.layout is GPT2PORT:  # re-writing a checkpoint: its provenance carries over, with a note of this
         prev = checkpoint.read_manifest(source.root)
-        meta = checkpoint.derived_manifest(prev, out_dtype, "exports", str(source.root.resolve()))
-        return checkpoint.write(out, source.config, items, lambda: {**meta, "warnings": warnings},
-                                source.tokenizer_files(), force, progress)
-    hasher = BackgroundHasher(source.reader.files + source.side_files(), known_sha256 or {})
+        meta = checkpoint.derived_manifest(prev, job.dtype, "exports", str(source.root.resolve()))
+        return checkpoint.write(job.out, source.config, job.items, lambda: {**meta, "warnings": job.warnings},
+                                source.tokenizer_files(), job.force, job.progress)
+    hasher = BackgroundHasher(source.reader.files + source.side_files(), job.known_sha256)
 
     def manifest() -> dict:  # called once the weights are written: the hashes are ready by then
-        return checkpoint.manifest(out_dtype, source.config, {
+        return checkpoint.manifest(job.dtype, source.config, {
             "path": str(source.path.resolve()),
             "dtype": str(source.dtype()).removeprefix("torch."),
             "files": hasher.results(),
-            **facts,
-        }, warnings)
+            **job.facts,
+        }, job.warnings)
 
     try:
-        return checkpoint.write(out, source.config, items, manifest, source.tokenizer_files(), force, progress)
+        return checkpoint.write(job.out, source.config, job.items, manifest, source.tokenizer_files(), job.force,
+                                job.progress)
     except BaseException:
         hasher.cancel()  # a failed conversion needs no digests: stop reading the source now
         raise
 
 
-def _write_layout_dir(source: Source, out: Path, items, target, out_dtype, force, progress) -> int:
-    """A directory in another layout: its weights, its config.json, the tokenizer files. For "hf", what
-    GPT2LMHeadModel.from_pretrained loads as is."""
-    with staged_directory(out, force) as stage:
-        stream_safetensors(stage / checkpoint.WEIGHTS, items, dict(target.metadata), progress)
-        write_json(stage / checkpoint.CONFIG, {**source.config.to_hf_config(),
-                                               "dtype": str(out_dtype).removeprefix("torch.")})
-        for f in source.tokenizer_files():
+def _write_hf_dir(job: Job) -> int:
+    """What GPT2LMHeadModel.from_pretrained loads as is: safetensors weights, its config.json, the tokenizer."""
+    with staged_directory(job.out, job.force) as stage:
+        stream_safetensors(stage / checkpoint.WEIGHTS, job.items, dict(HF.metadata), job.progress)
+        write_json(stage / checkpoint.CONFIG, {**job.source.config.to_hf_config(),
+                                               "dtype": str(job.dtype).removeprefix("torch.")})
+        for f in job.source.tokenizer_files():
             copy_file(f, stage / f.name)
         size = (stage / checkpoint.WEIGHTS).stat().st_size
     return size
+
+
+# How each target layout is written: a new output format is a writer here (and its layout's table in layouts/).
+TARGETS: dict[str, Callable[[Job], int]] = {
+    "gpt2port": _write_checkpoint,
+    "hf": _write_hf_dir,
+}

@@ -17,6 +17,7 @@ from gpt2port.config import GPTConfig, read_json
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import Reader, find_weights, open_weights
 from gpt2port.layouts import GPT2PORT, HF, Layout, canonical
+from gpt2port.layouts import get as get_layout
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
 from gpt2port.layouts.infer import check_config_matches_weights, check_config_values, infer_config
 from gpt2port.tokenizer import TOKENIZER_FILES
@@ -75,7 +76,7 @@ def open_source(path: str | Path) -> Source:
         tag = reader.metadata.get(FORMAT_KEY)
         if tag is not None and tag not in READABLE:
             raise GPT2PortError(f"{weights}: written in gpt2port layout {tag!r}; this version reads {', '.join(READABLE)}")
-        layout = GPT2PORT if tag is not None else HF
+        layout = GPT2PORT if tag is not None else get_layout(reader.layout) if reader.layout else HF
         config, config_path = _config(reader, layout, weights.parent)
         return Source(path, reader, layout, config, config_path)
     except BaseException:
@@ -85,6 +86,10 @@ def open_source(path: str | Path) -> Source:
 
 def _config(reader: Reader, layout: Layout, root: Path) -> tuple[GPTConfig, Path | None]:
     shapes = layout.canonical_shapes({k: t.shape for k, t in reader.tensors.items()})
+    if reader.model_config is not None:  # the file says what model it holds
+        config = GPTConfig.from_hf_config(reader.model_config, str(reader.path))
+        check_config_matches_weights(config, shapes, reader.path)
+        return config, None
     path = root / checkpoint.CONFIG
     if not path.is_file():
         return infer_config(shapes, reader.path), None

@@ -31,7 +31,8 @@ class Reader:
     """One opened weights source. `tensors` lists every tensor in file order; read(name) loads just that one.
 
     Subclasses set path (what was opened), files (every file the tensors come from, in order), index_file (a file
-    that only lists others, or None), tensors and metadata, and implement read().
+    that only lists others, or None), tensors and metadata (and layout, model_config where the format fixes them),
+    and implement read().
     """
 
     path: Path
@@ -39,6 +40,11 @@ class Reader:
     index_file: Path | None = None
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
+    # A format whose files always hold one layout (llm.c's, GGUF's) names it here; None: tell it by the names.
+    layout: str | None = None
+    # A format that carries the model's sizes in the file itself gives them as config.json fields (n_layer, n_head,
+    # n_embd, vocab_size, n_positions, ...); None: they come from a config.json beside the file, or from shapes.
+    model_config: dict | None = None
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor. `into`, a uint8 buffer of at least its nbytes, may receive the bytes (the result is then a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
@@ -56,6 +57,9 @@ class Layout:
     write_prefix: str = ""
     untied_head: str | None = None  # a stored copy of the head, accepted on read only if it equals the embedding
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors metadata this layout writes
+    # A format that fixes where each tensor lies (llm.c: grouped by kind across layers) orders plan_write's list
+    # itself; None lets a conversion write in the order the source's bytes lie.
+    order: Callable[[list[Write]], list[Write]] | None = None
 
     def __post_init__(self):
         by_key: dict[str, list[Row]] = {}
