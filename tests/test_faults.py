@@ -471,7 +471,7 @@ def test_soak_gpt2(tmp_path):
 
 
 # --- download: a failed replacement keeps the old checkpoint and the Hugging Face cache -------------------------------------
-# (the download faults themselves, cut connections and corrupted bodies, are tested in test_download.py)
+# (the download faults themselves, cut connections and corrupted bodies, are tested in test_hub.py)
 
 @pytest.fixture
 def small_hub(tmp_path, tiny_hf_model):
