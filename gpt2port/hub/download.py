@@ -16,6 +16,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.hub.fetch import Fetcher, Snapshot
 from gpt2port.hub.names import resolve_name
 from gpt2port.progress import byte_progress
+from gpt2port.verification import run_verify
 
 
 @dataclass
@@ -33,8 +34,6 @@ class DownloadResult:
     def up_to_date(self) -> bool:
         """The checkpoint was already there, of the same commit and dtype: nothing fetched or written."""
         return self.snapshot is None
-
-
 
 
 def download(name: str, revision: str | None = None, out: str | Path | None = None, dtype=None, force: bool = False,
@@ -79,8 +78,6 @@ def _up_to_date(out: Path, repo: str, commit: str, dtype, force: bool) -> bool:
 
 
 def _run_verify(out: Path, quiet: bool):
-    from gpt2port.verification import run_verify
-
     report = run_verify(out, reference=None, dtype=None, tokens=None, progress=not quiet)
     if not report.passed:
         first = next(iter(report.failures), "see the report")
