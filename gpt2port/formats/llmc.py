@@ -126,7 +126,11 @@ class LlmcReader(Reader):
                                 f"multiple of {VOCAB_MULTIPLE} ({padded_vocab(vocab)})")
         self.model_config = {"model_type": "gpt2", "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
                              "vocab_size": vocab, "n_positions": max_t}
-        # Computed before any allocation, so a header claiming huge sizes fails here, on the file's length.
+        # The blocks' matrices alone (12 C^2 per layer) bound the length from below: a header claiming huge sizes
+        # fails here, on the file's length, before a single tensor is even listed.
+        if n_layer * 12 * n_embd * n_embd * dtype.itemsize > size:
+            raise GPT2PortError(f"{self.path}: truncated: a {n_layer}-layer, {n_embd}-wide model needs more than the "
+                                f"file's {size} bytes")
         shapes = [(w.key, w.shape) for w in LLMC.order(LLMC.plan_write(_config(self.model_config, self.path)))]
         offset, self.tensors = HEADER_BYTES, {}
         for key, shape in shapes:
