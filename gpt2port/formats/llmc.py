@@ -27,7 +27,7 @@ import torch
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.formats.safetensors import WRITE_SLICE, read_tensor
+from gpt2port.formats.safetensors import WRITE_SLICE, PreadReader
 from gpt2port.fsio import close_quietly, os_reason
 from gpt2port.layouts.llmc import LLMC, VOCAB_MULTIPLE
 from gpt2port.tokenizer import files_bytes, vocab_and_merges
@@ -107,7 +107,7 @@ def check_size(path: Path, expected: int, size: int, what: str) -> None:
                             f"file's size)")
 
 
-class LlmcReader(Reader):
+class LlmcReader(PreadReader):
     """An llm.c model file: the config from its header, each tensor read with pread at its place."""
 
     layout = LLMC.name
@@ -140,7 +140,6 @@ class LlmcReader(Reader):
         check_size(self.path, offset, size, f"the {n_layer}-layer model its header describes")
         self.metadata = {}
         self.warnings: list[str] = []
-        self._file = None
         self._tokenizer_dir: tempfile.TemporaryDirectory | None = None
 
     def tokenizer_files(self) -> list[Path]:
@@ -165,15 +164,8 @@ class LlmcReader(Reader):
             (Path(self._tokenizer_dir.name) / name).write_bytes(data)
         return self.tokenizer_files()
 
-    def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
-        if self._file is None:
-            self._file = open(self.path, "rb")
-        return read_tensor(self._file, self.tensors[name], into)
-
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        super().close()
         if self._tokenizer_dir is not None:
             self._tokenizer_dir.cleanup()
             self._tokenizer_dir = None
