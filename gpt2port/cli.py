@@ -113,15 +113,24 @@ def info(ckpt, as_json):
 @click.argument("ckpt")
 @click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
 @click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
-              help="Layout: gpt2port's own, or Hugging Face's (loads with GPT2LMHeadModel.from_pretrained).")
+              help="Layout: gpt2port's own, Hugging Face's (loads with GPT2LMHeadModel.from_pretrained), or "
+                   "llm.c's (gpt2_124M.bin + gpt2_tokenizer.bin; fp32 or bf16).")
 @click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Output dtype (default: the checkpoint's).")
 @click.option("--force", is_flag=True, help="Replace an existing directory at --out.")
+@click.option("--debug-state", is_flag=True,
+              help="With --to llmc: also write gpt2_124M_debug_state.bin (a batch of text, logits, loss and every "
+                   "gradient from gpt2port's model), what llm.c's test_gpt2 checks its C code against.")
 @_handle_errors
-def export(ckpt, out, to, dtype, force):
-    """Re-export a converted checkpoint: another dtype, or back to the Hugging Face layout."""
+def export(ckpt, out, to, dtype, force, debug_state):
+    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, or llm.c's files."""
     from gpt2port.conversion import export as run_export
 
-    result = run_export(ckpt, out, to=to, dtype=dtype, force=force)
+    if debug_state and to != "llmc":
+        raise click.UsageError("--debug-state goes with --to llmc")
+    result = run_export(ckpt, out, to=to, dtype=dtype, force=force,
+                        options={"debug_state": True} if debug_state else None)
+    for w in result.warnings:
+        click.echo(f"warning: {w}", err=True)
     click.echo(f"wrote {result.out} ({to} layout, {_dtype_label(result.dtype)}, {result.bytes_written / 1e9:.2f} GB)")
 
 

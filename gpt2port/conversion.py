@@ -23,6 +23,7 @@ from gpt2port.formats.safetensors import stream_safetensors
 from gpt2port.fsio import BackgroundHasher, copy_file, refuse_hf_cache, refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import GPT2PORT, HF, canonical, get as get_layout
 from gpt2port.layouts.transforms import merge
+from gpt2port.llmc_export import write_llmc
 from gpt2port.sources import Source, open_source
 
 
@@ -72,7 +73,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
         refuse_overlap(out, source.root)
         refuse_hf_cache(out)
         out_dtype = parse_dtype(dtype) or source.dtype()
-        warnings: list[str] = []
+        warnings = source.warnings()
         items, dropped, head = _items(source, target, out_dtype, warnings)
         if out_dtype not in DTYPE_LABELS:
             raise GPT2PortError(f"{source.where}: weights are {out_dtype}; pass --dtype fp32, fp16 or bf16")
@@ -202,4 +203,5 @@ def _write_hf_dir(job: Job) -> int:
 TARGETS: dict[str, Callable[[Job], int]] = {
     "gpt2port": _write_checkpoint,
     "hf": _write_hf_dir,
+    "llmc": write_llmc,
 }

@@ -40,7 +40,13 @@ class Source:
         return ", ".join(str(f) for f in self.reader.files)
 
     def tokenizer_files(self) -> list[Path]:
-        return [self.root / n for n in TOKENIZER_FILES if (self.root / n).is_file()]
+        beside = [self.root / n for n in TOKENIZER_FILES if (self.root / n).is_file()]
+        return beside or self.reader.tokenizer_files()
+
+    def warnings(self) -> list[str]:
+        """What opening the source found that the output should report."""
+        self.tokenizer_files()  # a format that rebuilds its tokenizer says here if it could not
+        return list(self.reader.warnings)
 
     def side_files(self) -> list[Path]:
         """The small files that travel with the weights: index, config, tokenizer."""

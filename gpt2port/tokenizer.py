@@ -155,3 +155,53 @@ class StreamDecoder:
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+
+# --- GPT-2's files from a bare list of token bytes (llm.c's tokenizer file) ------------------------------------
+
+def vocab_and_merges(tokens: list[bytes], eot: int, where: str) -> tuple[dict[str, int], list[str]]:
+    """vocab.json's mapping and merges.txt's lines for a byte-level BPE given only its tokens in id order.
+
+    Ids are merge ranks in GPT-2's BPE, so each token past the 256 byte tokens is the merge of the two pieces that
+    BPE, restricted to lower ranks, leaves of it: the merge list follows from the tokens alone. Refuses tokens that
+    are not such a BPE (the byte tokens out of GPT-2's order, a token no two earlier ones make, the end-of-text
+    token anywhere but last)."""
+    byte_of = _byte_decoder()
+    char_of = {b: c for c, b in byte_of.items()}
+    expected_bytes = [bytes([b]) for b in byte_of.values()]
+    if eot != len(tokens) - 1 or tokens[:256] != expected_bytes or tokens[eot] != ENDOFTEXT.encode():
+        raise GPT2PortError(f"{where}: not GPT-2's byte-level BPE (byte tokens, end-of-text id {eot} or its text "
+                            f"differ)")
+    ranks = {t: i for i, t in enumerate(tokens[:eot])}
+    if len(ranks) != eot:
+        raise GPT2PortError(f"{where}: holds the same token twice")
+
+    def text(b: bytes) -> str:
+        return "".join(char_of[x] for x in b)
+
+    merges = []
+    for rank in range(256, eot):
+        left, right = _split(ranks, tokens[rank], rank, where)
+        merges.append(f"{text(left)} {text(right)}")
+    vocab = {text(t): i for t, i in ranks.items()}
+    vocab[ENDOFTEXT] = eot
+    return vocab, merges
+
+
+def _split(ranks: dict[bytes, int], token: bytes, max_rank: int, where: str) -> tuple[bytes, bytes]:
+    parts = [token[i:i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], max_rank))
+        if ranks.get(parts[best] + parts[best + 1], max_rank) >= max_rank:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    if len(parts) != 2:
+        raise GPT2PortError(f"{where}: token {ranks.get(token, max_rank)} ({token!r}) is not the merge of two "
+                            f"earlier tokens, as byte-level BPE requires")
+    return parts[0], parts[1]
+
+
+def files_bytes(vocab: dict[str, int], merges: list[str]) -> dict[str, bytes]:
+    """vocab.json and merges.txt as GPT-2's own files spell them."""
+    return {VOCAB_MERGES[0][0]: json.dumps(vocab, ensure_ascii=False).encode("utf-8"),
+            VOCAB_MERGES[0][1]: ("#version: 0.2\n" + "\n".join(merges) + "\n").encode("utf-8")}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo
+from gpt2port.formats.llmc import open_bin
 from gpt2port.formats.safetensors import SafetensorsReader
 from gpt2port.formats.shards import INDEX_SUFFIX, ShardedReader
 from gpt2port.formats.torch_pickle import PickleReader
@@ -17,7 +18,7 @@ from gpt2port.formats.torch_pickle import PickleReader
 # How a weights file is read, by the end of its name. The index row opens each shard through this same table.
 READERS = {
     ".safetensors": SafetensorsReader,
-    ".bin": PickleReader,
+    ".bin": lambda path: open_bin(path, PickleReader),  # a pickle, or llm.c's model file (told by its magic)
     ".pt": PickleReader,
     ".pth": PickleReader,
     INDEX_SUFFIX: lambda path: ShardedReader(path, open_weights),

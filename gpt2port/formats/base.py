@@ -45,6 +45,12 @@ class Reader:
     # A format that carries the model's sizes in the file itself gives them as config.json fields (n_layer, n_head,
     # n_embd, vocab_size, n_positions, ...); None: they come from a config.json beside the file, or from shapes.
     model_config: dict | None = None
+    # Findings a conversion should report (e.g. a tokenizer that could not be carried over).
+    warnings: tuple[str, ...] | list[str] = ()
+
+    def tokenizer_files(self) -> list[Path]:
+        """Tokenizer files (vocab.json + merges.txt) the format itself yields, where none lie beside the file."""
+        return []
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor. `into`, a uint8 buffer of at least its nbytes, may receive the bytes (the result is then a

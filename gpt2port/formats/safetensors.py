@@ -152,16 +152,11 @@ def mmap_tensors(header: Header) -> dict[str, torch.Tensor]:
     return out
 
 
-class SafetensorsReader(Reader):
-    """A safetensors file, checked whole at open; tensors read with pread, so the file is never mapped."""
+class PreadReader(Reader):
+    """A reader of one file whose tensors' offsets are known: each read is one pread, the file opened on first use
+    and never mapped. Subclasses set path and tensors."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.header = read_header(self.path)
-        self.files = [self.path]
-        self.tensors = self.header.entries
-        self.metadata = self.header.metadata
-        self._file = None
+    _file = None
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         if self._file is None:
@@ -172,6 +167,17 @@ class SafetensorsReader(Reader):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class SafetensorsReader(PreadReader):
+    """A safetensors file, checked whole at open; tensors read with pread, so the file is never mapped."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.header = read_header(self.path)
+        self.files = [self.path]
+        self.tensors = self.header.entries
+        self.metadata = self.header.metadata
 
 
 class StreamingSafetensorsWriter:

@@ -86,7 +86,8 @@ class Layout:
         for key, shape in shapes.items():
             tpl, idx = template(self.strip(key))
             for row in self.by_key.get(tpl, ()):
-                out[row.canonical.format(*idx)] = row.transform.canonical_shape(tuple(shape))
+                if row.transform.exact_shape:
+                    out[row.canonical.format(*idx)] = row.transform.canonical_shape(tuple(shape))
         return out
 
     def plan_read(self, keys, config: GPTConfig, where: str) -> tuple[list[Read], list[str], str | None]:

@@ -17,6 +17,8 @@ Shape = tuple[int, ...]
 
 class Transform:
     name = "identity"
+    # False where the stored shape hides the canonical one (padding), so the tensor cannot tell a model's size.
+    exact_shape = True
 
     def to_layout(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -87,6 +89,7 @@ class PadRows(Transform):
     def __init__(self, multiple: int):
         self.multiple = multiple
         self.name = f"pad_rows({multiple})"
+        self.exact_shape = False
 
     def layout_shape(self, canonical_shape):
         rows = -(-canonical_shape[0] // self.multiple) * self.multiple
