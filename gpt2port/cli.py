@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from gpt2port.conversion import TARGETS
+from gpt2port.conversion import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
@@ -114,15 +114,22 @@ def info(ckpt, as_json):
 @click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
 @click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
               help="Layout: gpt2port's own, or Hugging Face's (loads with GPT2LMHeadModel.from_pretrained).")
-@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Output dtype (default: the checkpoint's).")
+@click.option("--dtype", type=click.Choice([*DTYPE_CHOICE.choices, *sorted({e for t in ENCODINGS.values() for e in t})]),
+              default=None, help="Output dtype (default: the checkpoint's); q8_0 for --to gguf only.")
+@click.option("--gguf-output-tensor", is_flag=True,
+              help="GGUF: also write the tied head as output.weight (for llama.cpp builds that require it).")
 @click.option("--force", is_flag=True, help="Replace an existing directory at --out.")
 @_handle_errors
-def export(ckpt, out, to, dtype, force):
-    """Re-export a converted checkpoint: another dtype, or back to the Hugging Face layout."""
+def export(ckpt, out, to, dtype, gguf_output_tensor, force):
+    """Re-export a converted checkpoint: another dtype, back to the Hugging Face layout, or llama.cpp's GGUF."""
     from gpt2port.conversion import export as run_export
 
-    result = run_export(ckpt, out, to=to, dtype=dtype, force=force)
-    click.echo(f"wrote {result.out} ({to} layout, {_dtype_label(result.dtype)}, {result.bytes_written / 1e9:.2f} GB)")
+    options = {"output_tensor": True} if gguf_output_tensor else None
+    if options and to != "gguf":
+        raise GPT2PortError("--gguf-output-tensor is for --to gguf only")
+    result = run_export(ckpt, out, to=to, dtype=dtype, force=force, options=options)
+    click.echo(f"wrote {result.out} ({to} layout, {dtype or _dtype_label(result.dtype)}, "
+               f"{result.bytes_written / 1e9:.2f} GB)")
 
 
 def _dtype_label(dtype) -> str:

@@ -40,6 +40,9 @@ class Source:
         return ", ".join(str(f) for f in self.reader.files)
 
     def tokenizer_files(self) -> list[Path]:
+        carried = self.reader.tokenizer_files()
+        if carried is not None:
+            return carried
         return [self.root / n for n in TOKENIZER_FILES if (self.root / n).is_file()]
 
     def side_files(self) -> list[Path]:

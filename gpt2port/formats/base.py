@@ -51,6 +51,11 @@ class Reader:
         view of it, valid until the next read into the same buffer); formats that cannot use it ignore it."""
         raise NotImplementedError
 
+    def tokenizer_files(self) -> list[Path] | None:
+        """A format that carries the tokenizer inside the file (GGUF) gives it here as vocab.json + merges.txt;
+        None: the tokenizer files lie beside the weights."""
+        return None
+
     def largest(self) -> int:
         return max((t.nbytes for t in self.tensors.values()), default=0)
 
