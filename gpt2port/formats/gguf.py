@@ -110,18 +110,21 @@ class GGUFFileReader(Reader):
 
     def _model_config(self) -> dict:
         arch = {"arch": ARCH}
-        embd = self.tensors.get(GGUF.key_for("tok_emb.weight"))
-        if embd is None:
+        table = self.tensors.get(GGUF.key_for("tok_emb.weight"))
+        if table is None:
             raise GPT2PortError(f"{self.path}: no {GGUF.key_for('tok_emb.weight')!r} tensor")
+        embd = int(self._field(_KEYS.LLM.EMBEDDING_LENGTH.format(**arch)))
+        ff = int(self._field(_KEYS.LLM.FEED_FORWARD_LENGTH.format(**arch)))
         return {
             "model_type": "gpt2",
             "n_layer": int(self._field(_KEYS.LLM.BLOCK_COUNT.format(**arch))),
             "n_head": int(self._field(_KEYS.Attention.HEAD_COUNT.format(**arch))),
-            "n_embd": int(self._field(_KEYS.LLM.EMBEDDING_LENGTH.format(**arch))),
+            "n_embd": embd,
             "n_positions": int(self._field(_KEYS.LLM.CONTEXT_LENGTH.format(**arch))),
-            "n_inner": int(self._field(_KEYS.LLM.FEED_FORWARD_LENGTH.format(**arch))),
-            "layer_norm_epsilon": float(self._field(_KEYS.Attention.LAYERNORM_EPS.format(**arch))),
-            "vocab_size": embd.shape[0],
+            "n_inner": None if ff == 4 * embd else ff,  # as config.json says it for every official GPT-2
+            # Stored as float32: its shortest decimal gives back the 1e-5 that was written, not 9.99999974e-06.
+            "layer_norm_epsilon": float(str(np.float32(self._field(_KEYS.Attention.LAYERNORM_EPS.format(**arch))))),
+            "vocab_size": table.shape[0],
         }
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
