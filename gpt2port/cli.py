@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from gpt2port.conversion import TARGETS
+from gpt2port.conversion import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
@@ -113,25 +113,32 @@ def info(ckpt, as_json):
 @click.argument("ckpt")
 @click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
 @click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
-              help="Layout: gpt2port's own, Hugging Face's (loads with GPT2LMHeadModel.from_pretrained), or "
-                   "llm.c's (gpt2_124M.bin + gpt2_tokenizer.bin; fp32 or bf16).")
-@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Output dtype (default: the checkpoint's).")
+              help="Layout: gpt2port's own, Hugging Face's (loads with GPT2LMHeadModel.from_pretrained), "
+                   "llm.c's (gpt2_124M.bin + gpt2_tokenizer.bin; fp32 or bf16), or llama.cpp's GGUF (model.gguf).")
+@click.option("--dtype", type=click.Choice([*DTYPE_CHOICE.choices, *sorted({e for t in ENCODINGS.values() for e in t})]),
+              default=None, help="Output dtype (default: the checkpoint's); q8_0 for --to gguf only.")
+@click.option("--gguf-output-tensor", is_flag=True,
+              help="GGUF: also write the tied head as output.weight (for llama.cpp builds that require it).")
 @click.option("--force", is_flag=True, help="Replace an existing directory at --out.")
 @click.option("--debug-state", is_flag=True,
               help="With --to llmc: also write gpt2_124M_debug_state.bin (a batch of text, logits, loss and every "
                    "gradient from gpt2port's model), what llm.c's test_gpt2 checks its C code against.")
 @_handle_errors
-def export(ckpt, out, to, dtype, force, debug_state):
-    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, or llm.c's files."""
+def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
+    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files or llama.cpp's GGUF."""
     from gpt2port.conversion import export as run_export
 
     if debug_state and to != "llmc":
         raise click.UsageError("--debug-state goes with --to llmc")
+    if gguf_output_tensor and to != "gguf":
+        raise click.UsageError("--gguf-output-tensor goes with --to gguf")
+    options = {"debug_state": debug_state, "output_tensor": gguf_output_tensor}
     result = run_export(ckpt, out, to=to, dtype=dtype, force=force,
-                        options={"debug_state": True} if debug_state else None)
+                        options={k: v for k, v in options.items() if v} or None)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
-    click.echo(f"wrote {result.out} ({to} layout, {_dtype_label(result.dtype)}, {result.bytes_written / 1e9:.2f} GB)")
+    click.echo(f"wrote {result.out} ({to} layout, {dtype or _dtype_label(result.dtype)}, "
+               f"{result.bytes_written / 1e9:.2f} GB)")
 
 
 def _dtype_label(dtype) -> str:

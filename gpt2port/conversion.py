@@ -21,7 +21,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import stream_safetensors
 from gpt2port.fsio import BackgroundHasher, copy_file, refuse_hf_cache, refuse_overlap, staged_directory, write_json
-from gpt2port.layouts import GPT2PORT, HF, canonical, get as get_layout
+from gpt2port.layouts import GGUF, GPT2PORT, HF, canonical, get as get_layout
 from gpt2port.layouts.transforms import merge
 from gpt2port.llmc_export import write_llmc
 from gpt2port.sources import Source, open_source
@@ -59,7 +59,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     """Convert the GPT-2 weights at `src` (a Hugging Face repo directory or weights file, or a gpt2port checkpoint)
     into the directory `out`, in layout `to` ("gpt2port", or "hf" for GPT2LMHeadModel.from_pretrained).
 
-    dtype: fp32/fp16/bf16 (default: the source's). provenance: extra facts for the manifest (the Hub repo and commit
+    dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (ENCODINGS). provenance: extra facts for the manifest (the Hub repo and commit
     a download came from). known_sha256: file name -> sha256 already established (a verified download), so it is
     not hashed again. progress(done_bytes, total_bytes) is called after each tensor. options: switches of the target
     layout's writer (see TARGETS).
@@ -69,6 +69,9 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     if to not in TARGETS:
         raise GPT2PortError(f"unknown output layout {to!r} (known: {', '.join(TARGETS)})")
     target = get_layout(to)
+    encoding = ENCODINGS.get(to, {}).get(dtype.lower()) if isinstance(dtype, str) else None
+    if encoding is not None:  # the tensors are produced in a plain dtype; the writer encodes them
+        options, dtype = {**(options or {}), "encoding": dtype.lower()}, encoding
     with open_source(src) as source:
         refuse_overlap(out, source.root)
         refuse_hf_cache(out)
@@ -199,9 +202,32 @@ def _write_hf_dir(job: Job) -> int:
     return size
 
 
+def _write_gguf(job: Job) -> int:
+    """One self-contained model.gguf (weights, sizes, tokenizer) that llama.cpp loads as it is."""
+    from gpt2port.formats.gguf import FILE_NAME, OPTIONS, stream_gguf  # imported only when used: see its docstring
+
+    unknown = sorted(set(job.options) - OPTIONS - {"encoding"})
+    if unknown:
+        raise GPT2PortError(f"unknown gguf option(s) {', '.join(unknown)} (known: {', '.join(sorted(OPTIONS))})")
+    files = job.source.tokenizer_files()
+    if not files:
+        raise GPT2PortError(f"{job.source.root}: no tokenizer files beside the weights; a GGUF must embed one")
+    items = list(job.items)
+    if job.options.get("output_tensor"):  # the tied head once more, under the name older loaders require
+        _, dtype, shape, produce = next(i for i in items if i[0] == GGUF.key_for(canonical.EMBEDDING))
+        items.append((GGUF.untied_head, dtype, shape, produce))
+    encoding = job.options.get("encoding") or DTYPE_LABELS[job.dtype]
+    with staged_directory(job.out, job.force) as stage:
+        size = stream_gguf(stage / FILE_NAME, items, job.source.config, encoding, files[0].parent, job.progress)
+    return size
+
+
 # How each target layout is written: a new output format is a writer here (and its layout's table in layouts/).
 TARGETS: dict[str, Callable[[Job], int]] = {
     "gpt2port": _write_checkpoint,
     "hf": _write_hf_dir,
     "llmc": write_llmc,
+    "gguf": _write_gguf,
 }
+# Encodings a target takes as `dtype` beyond fp32/fp16/bf16, with the dtype its tensors are produced in.
+ENCODINGS: dict[str, dict[str, torch.dtype]] = {"gguf": {"q8_0": torch.float32}}

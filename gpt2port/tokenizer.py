@@ -62,19 +62,44 @@ def _tokenizer_key(directory: Path) -> tuple:
 @lru_cache(maxsize=8)
 def _cached(files: tuple[Path, ...], _stamp: tuple) -> tiktoken.Encoding:
     # Parsing 50k merges takes a few hundred ms; a process that loads the same checkpoint twice pays it once.
-    if len(files) == 2:
-        vocab_path, merges_path = files
-        vocab = _read_json(vocab_path)
-        merges = _read_merges(merges_path)
-        specials = {ENDOFTEXT: vocab.pop(ENDOFTEXT, None)}
-        where = f"{vocab_path} + {merges_path.name}"
-    else:
-        vocab, merges, specials = _read_tokenizer_json(files[0])
-        where = str(files[0])
+    vocab, merges, specials, where = _parse(files)
     ranks = _mergeable_ranks(vocab, merges, where)
     if specials.get(ENDOFTEXT) is None:
         specials[ENDOFTEXT] = len(ranks)  # the id right after the last merge: 50256 in GPT-2
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def _parse(files: tuple[Path, ...]) -> tuple[dict, list, dict, str]:
+    """(vocab without specials, merges, specials {token: id or None}, a name for messages) of either layout."""
+    if len(files) == 2:
+        vocab_path, merges_path = files
+        vocab = _read_json(vocab_path)
+        merges = _read_merges(merges_path)
+        return vocab, merges, {ENDOFTEXT: vocab.pop(ENDOFTEXT, None)}, f"{vocab_path} + {merges_path.name}"
+    vocab, merges, specials = _read_tokenizer_json(files[0])
+    return vocab, merges, specials, str(files[0])
+
+
+def bpe_tables(directory: str | Path) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """The tokenizer of a directory as plain tables, for formats that embed it (GGUF): every token's byte-level
+    string by id, the merges in priority order, and the special tokens. Checked as from_directory checks it."""
+    files, _ = _tokenizer_key(Path(directory))
+    vocab, merges, specials, where = _parse(files)
+    ranks = _mergeable_ranks(vocab, merges, where)
+    if specials.get(ENDOFTEXT) is None:
+        specials[ENDOFTEXT] = len(ranks)
+    by_id = {**{i: t for t, i in vocab.items()}, **{i: t for t, i in specials.items()}}
+    if sorted(by_id) != list(range(len(by_id))):
+        raise GPT2PortError(f"{where}: token ids are not 0..{len(by_id) - 1} without gaps")
+    return [by_id[i] for i in range(len(by_id))], merges, list(specials)
+
+
+def write_bpe_files(directory: Path, tokens: list[str], merges: list[tuple[str, str]]) -> list[Path]:
+    """vocab.json + merges.txt (Hugging Face's names and formats) in `directory`, from bpe_tables-style tables."""
+    vocab_path, merges_path = (Path(directory) / n for n in VOCAB_MERGES[0])
+    vocab_path.write_text(json.dumps({t: i for i, t in enumerate(tokens)}, ensure_ascii=False), encoding="utf-8")
+    merges_path.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    return [vocab_path, merges_path]
 
 
 def _read_json(path: Path):

@@ -38,7 +38,8 @@ def test_every_reader_lists_then_reads_the_same_tensors(tmp_path):
             for key, want in TENSORS.items():
                 assert torch.equal(reader.read(key, into=buffer).clone(), want), (name, key)
             assert reader.files[0].exists()
-    assert set(READERS) == {".safetensors", ".bin", ".pt", ".pth", ".index.json"}
+    # .gguf holds a whole model (names, sizes, tokenizer), not arbitrary tensors: tests/test_gguf.py covers it.
+    assert set(READERS) == {".safetensors", ".bin", ".pt", ".pth", ".index.json", ".gguf"}
 
 
 def test_the_streaming_writer_writes_what_the_reader_reads(tmp_path):
@@ -62,9 +63,9 @@ def test_shard_index_names_only_files_beside_it(tmp_path):
 
 def test_unknown_empty_and_misplaced_files_are_named(tmp_path):
     _write_all(tmp_path)
-    (tmp_path / "x.gguf").write_bytes(b"GGUF")
-    with pytest.raises(GPT2PortError, match=r"x.gguf: unrecognised weights file"):
-        open_weights(tmp_path / "x.gguf")
+    (tmp_path / "x.onnx").write_bytes(b"ONNX")
+    with pytest.raises(GPT2PortError, match=r"x.onnx: unrecognised weights file"):
+        open_weights(tmp_path / "x.onnx")
     (tmp_path / "empty.safetensors").write_bytes(b"")
     with pytest.raises(GPT2PortError, match="empty.safetensors: file is empty"):
         open_weights(tmp_path / "empty.safetensors")

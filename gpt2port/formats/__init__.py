@@ -15,6 +15,12 @@ from gpt2port.formats.safetensors import SafetensorsReader
 from gpt2port.formats.shards import INDEX_SUFFIX, ShardedReader
 from gpt2port.formats.torch_pickle import PickleReader
 
+def _gguf_reader(path: Path) -> Reader:
+    from gpt2port.formats.gguf import GGUFFileReader  # llama.cpp's package, imported only when a .gguf is read
+
+    return GGUFFileReader(path)
+
+
 # How a weights file is read, by the end of its name. The index row opens each shard through this same table.
 READERS = {
     ".safetensors": SafetensorsReader,
@@ -22,6 +28,7 @@ READERS = {
     ".pt": PickleReader,
     ".pth": PickleReader,
     INDEX_SUFFIX: lambda path: ShardedReader(path, open_weights),
+    ".gguf": _gguf_reader,
 }
 
 # The weights files of a Hugging Face repo, in order of preference: safetensors cannot run code and streams; .bin

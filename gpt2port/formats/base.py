@@ -49,7 +49,8 @@ class Reader:
     warnings: tuple[str, ...] | list[str] = ()
 
     def tokenizer_files(self) -> list[Path]:
-        """Tokenizer files (vocab.json + merges.txt) the format itself yields, where none lie beside the file."""
+        """Tokenizer files (vocab.json + merges.txt) the format itself yields, rebuilt from what it carries (GGUF's
+        embedded tokenizer, llm.c's gpt2_tokenizer.bin), for when none lie beside the weights."""
         return []
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,12 +4,13 @@ Adding a layout is adding a module with one Layout table and a row in LAYOUTS.
 """
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.layouts.gguf import GGUF
 from gpt2port.layouts.gpt2port import GPT2PORT
 from gpt2port.layouts.hf import HF
 from gpt2port.layouts.llmc import LLMC
 from gpt2port.layouts.table import Layout, Read, Row, Write
 
-LAYOUTS = {layout.name: layout for layout in (GPT2PORT, HF, LLMC)}
+LAYOUTS = {layout.name: layout for layout in (GPT2PORT, HF, LLMC, GGUF)}
 
 
 def get(name: str) -> Layout:
@@ -19,4 +20,4 @@ def get(name: str) -> Layout:
         raise GPT2PortError(f"unknown layout {name!r} (known: {', '.join(LAYOUTS)})") from None
 
 
-__all__ = ["GPT2PORT", "HF", "LAYOUTS", "LLMC", "Layout", "Read", "Row", "Write", "get"]
+__all__ = ["GGUF", "GPT2PORT", "HF", "LAYOUTS", "LLMC", "Layout", "Read", "Row", "Write", "get"]

@@ -1,0 +1,233 @@
+"""GGUF, llama.cpp's single-file format: a reader and a streaming writer, both through llama.cpp's own `gguf` package.
+
+A GGUF file is a header, key/value metadata (the model's sizes, its tokenizer), tensor infos, then the aligned tensor
+bytes. The writer declares every tensor first, writes the header, metadata and infos, then each tensor's bytes as it
+is converted, so one tensor is in memory at a time. This module is imported only when a .gguf is read or written:
+`gguf` costs ~0.3 s to import on top of torch, which `import gpt2port` and the CLI's --help should not pay.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from gpt2port.config import GPTConfig
+from gpt2port.errors import GPT2PortError
+from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
+from gpt2port.fsio import os_reason
+from gpt2port.layouts.gguf import GGUF
+from gpt2port.tokenizer import ENDOFTEXT, bpe_tables, write_bpe_files
+
+ARCH = "gpt2"
+FILE_NAME = "model.gguf"  # the one file an export writes into its directory
+Q = gguf.GGMLQuantizationType
+# What --dtype means in a GGUF: the type of every matrix. Norms, biases and the position table stay F32 whatever
+# is chosen, as llama.cpp's own converter keeps them (they are small, and the loader adds them in F32 anyway).
+ENCODINGS = {"fp32": Q.F32, "fp16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
+KEEP_F32 = {GGUF.key_for("pos_emb.weight")}
+FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
+              Q.BF16: gguf.LlamaFileType.MOSTLY_BF16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+OPTIONS = {"output_tensor"}  # output_tensor: also write the tied head as output.weight, for loaders that need it
+_KEYS = gguf.Keys
+
+
+def storage_type(key: str, shape: tuple[int, ...], encoding: str) -> Q:
+    return Q.F32 if len(shape) == 1 or key in KEEP_F32 else ENCODINGS[encoding]
+
+
+def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return math.prod(shape) // block * size
+
+
+# --- reading ------------------------------------------------------------------------------------------------------
+
+class _PackageReader(gguf.GGUFReader):
+    """gguf.GGUFReader over a plain ndarray view of its memory map. Every slice of an np.memmap runs Python code,
+    and a GPT-2 GGUF's metadata is ~250k small slices (50k tokens, 50k merges): ~40 s, against ~5 s this way."""
+
+    @property
+    def data(self):
+        return self._plain
+
+    @data.setter
+    def data(self, value):
+        self._plain = value.view(np.ndarray)  # the view keeps the map alive
+
+class GGUFFileReader(Reader):
+    """A GPT-2 GGUF (f32/f16/bf16 tensors): its tensors, the model's sizes and tokenizer from its metadata."""
+
+    layout = GGUF.name
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.files = [self.path]
+        with open(self.path, "rb") as f:
+            refuse_lfs_pointer(self.path, f.read(64))
+        try:
+            self._gguf = _PackageReader(self.path)
+        except Exception as e:  # the package raises ValueError, KeyError, IndexError... on a damaged file
+            raise GPT2PortError(f"{self.path}: not a readable GGUF file (truncated or corrupt: "
+                                f"{' '.join(str(e).split()) or type(e).__name__})") from None
+        arch = self._string(_KEYS.General.ARCHITECTURE)
+        if arch != ARCH:
+            raise GPT2PortError(f"{self.path}: a GGUF of architecture {arch!r}, not GPT-2 ({ARCH!r})")
+        size = self.path.stat().st_size
+        self.tensors, self._data = {}, {}
+        for t in self._gguf.tensors:
+            if t.tensor_type not in TORCH_TYPES:
+                raise GPT2PortError(f"{self.path}: tensor {t.name!r} is quantized ({t.tensor_type.name}); gpt2port "
+                                    f"imports F32, F16 and BF16 GGUF files only")
+            if t.data_offset + t.n_bytes > size:
+                raise GPT2PortError(f"{self.path}: truncated: tensor {t.name!r} ends at byte "
+                                    f"{t.data_offset + t.n_bytes}, the file has {size}")
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.tensors[t.name] = TensorInfo(t.name, TORCH_TYPES[t.tensor_type], shape, self.path,
+                                              int(t.data_offset), int(t.n_bytes))
+            self._data[t.name] = t.data
+        self.metadata = {}
+        self.model_config = self._model_config()
+        self._tokenizer_dir: Path | None = None
+
+    def _field(self, key: str, required: bool = True):
+        field = self._gguf.fields.get(key)
+        if field is None:
+            if required:
+                raise GPT2PortError(f"{self.path}: GGUF metadata lacks {key!r}")
+            return None
+        return field.contents()
+
+    def _string(self, key: str) -> str:
+        return str(self._field(key))
+
+    def _model_config(self) -> dict:
+        arch = {"arch": ARCH}
+        table = self.tensors.get(GGUF.key_for("tok_emb.weight"))
+        if table is None:
+            raise GPT2PortError(f"{self.path}: no {GGUF.key_for('tok_emb.weight')!r} tensor")
+        embd = int(self._field(_KEYS.LLM.EMBEDDING_LENGTH.format(**arch)))
+        ff = int(self._field(_KEYS.LLM.FEED_FORWARD_LENGTH.format(**arch)))
+        return {
+            "model_type": "gpt2",
+            "n_layer": int(self._field(_KEYS.LLM.BLOCK_COUNT.format(**arch))),
+            "n_head": int(self._field(_KEYS.Attention.HEAD_COUNT.format(**arch))),
+            "n_embd": embd,
+            "n_positions": int(self._field(_KEYS.LLM.CONTEXT_LENGTH.format(**arch))),
+            "n_inner": None if ff == 4 * embd else ff,  # as config.json says it for every official GPT-2
+            # Stored as float32: its shortest decimal gives back the 1e-5 that was written, not 9.99999974e-06.
+            "layer_norm_epsilon": float(str(np.float32(self._field(_KEYS.Attention.LAYERNORM_EPS.format(**arch))))),
+            "vocab_size": table.shape[0],
+        }
+
+    def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        info = self.tensors[name]
+        raw = torch.empty(info.nbytes, dtype=torch.uint8) if into is None else into[: info.nbytes]
+        try:  # a copy out of the package's memory map, so the result outlives the reader
+            raw.numpy()[:] = np.asarray(self._data[name]).reshape(-1).view(np.uint8)
+        except (OSError, ValueError) as e:
+            raise GPT2PortError(f"{self.path}: reading tensor {name!r} failed: {e}") from None
+        return raw.view(info.dtype).reshape(info.shape)
+
+    def tokenizer_files(self) -> list[Path]:
+        """vocab.json + merges.txt rebuilt from the embedded tokenizer, in a private directory removed on close."""
+        if self._tokenizer_dir is None:
+            model = self._field(_KEYS.Tokenizer.MODEL, required=False)
+            if model != "gpt2":
+                raise GPT2PortError(f"{self.path}: embedded tokenizer is {model!r}, not GPT-2's byte-level BPE")
+            tokens = list(self._field(_KEYS.Tokenizer.LIST))
+            merges = [tuple(m.split(" ")) for m in self._field(_KEYS.Tokenizer.MERGES)]
+            if any(len(m) != 2 for m in merges):
+                raise GPT2PortError(f"{self.path}: a tokenizer merge is not an 'a b' pair")
+            self._tokenizer_dir = Path(tempfile.mkdtemp(prefix="gpt2port-gguf-tokenizer-"))
+            write_bpe_files(self._tokenizer_dir, tokens, merges)
+        return sorted(self._tokenizer_dir.iterdir())
+
+    def close(self) -> None:
+        self._data, self._gguf = {}, None  # drop the memory map
+        if getattr(self, "_tokenizer_dir", None) is not None:
+            shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
+            self._tokenizer_dir = None
+
+
+# --- writing ------------------------------------------------------------------------------------------------------
+
+def _describe(writer: gguf.GGUFWriter, config: GPTConfig, encoding: str, tokenizer_dir: Path) -> None:
+    """The metadata llama.cpp's gpt2 loader reads, and the tokenizer as its converter embeds GPT-2's."""
+    writer.add_name("GPT-2")
+    writer.add_block_count(config.n_layer)
+    writer.add_context_length(config.n_positions)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_feed_forward_length(config.mlp_width)
+    writer.add_head_count(config.n_head)
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer.add_file_type(FILE_TYPES[ENCODINGS[encoding]])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    tokens, merges, specials = bpe_tables(tokenizer_dir)
+    if len(tokens) != config.vocab_size:
+        raise GPT2PortError(f"{tokenizer_dir}: the tokenizer has {len(tokens)} tokens, the model {config.vocab_size}")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    special = set(specials)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([f"{a} {b}" for a, b in merges])
+    eot = tokens.index(ENDOFTEXT)
+    writer.add_bos_token_id(eot)  # GPT-2 has one special token, which serves as both
+    writer.add_eos_token_id(eot)
+    writer.add_add_bos_token(False)  # GPT-2 never prepends it to a prompt
+
+
+def _encode(tensor: torch.Tensor, qtype: Q) -> np.ndarray:
+    if qtype == Q.Q8_0:
+        return gguf.quants.quantize(tensor.float().contiguous().numpy(), qtype)
+    t = tensor.to(TORCH_TYPES[qtype]).contiguous()
+    # numpy has no bfloat16: its bytes go as uint16, which the writer takes for raw_dtype=BF16 as they are.
+    return t.view(torch.int16).numpy().view(np.uint16) if qtype == Q.BF16 else t.numpy()
+
+
+def stream_gguf(path: Path, items, config: GPTConfig, encoding: str, tokenizer_dir: Path, progress=None) -> int:
+    """Write `items` [(key, dtype, shape, produce)] as a GPT-2 GGUF at `path`, each produce() called only when its
+    bytes are due. Returns the file's size."""
+    plan = [(key, shape, storage_type(key, shape, encoding), produce) for key, _, shape, produce in items]
+    for key, shape, qtype, _ in plan:
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        if shape[-1] % block:
+            raise GPT2PortError(f"{path.parent}: {encoding} needs rows whose length divides by {block}; "
+                                f"{key} has rows of {shape[-1]}")
+    writer = gguf.GGUFWriter(path, ARCH)
+    try:
+        _describe(writer, config, encoding, tokenizer_dir)
+        for key, shape, qtype, _ in plan:
+            writer.add_tensor_info(key, shape, _numpy_dtype(qtype), _nbytes(shape, qtype), qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        total, done = sum(_nbytes(s, q) for _, s, q, _ in plan), 0
+        for key, shape, qtype, produce in plan:
+            writer.write_tensor_data(_encode(produce(), qtype))
+            done += _nbytes(shape, qtype)
+            if progress:
+                progress(done, total)
+        writer.flush()
+        os.fsync(writer.fout[0].fileno())
+        written = writer.fout[0].tell()
+    except OSError as e:
+        raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
+    finally:
+        writer.close()
+    # Re-parsing the metadata would cost seconds; every byte went through the file object, so its length says all.
+    if path.stat().st_size != written:
+        raise GPT2PortError(f"{path}: post-write check failed: {path.stat().st_size} bytes on disk, {written} written")
+    return written
+
+
+def _numpy_dtype(qtype: Q) -> np.dtype:
+    return np.dtype({Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16, Q.Q8_0: np.float32}[qtype])
