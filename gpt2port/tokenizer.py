@@ -184,8 +184,9 @@ class StreamDecoder:
 
 # --- GPT-2's files from a bare list of token bytes (llm.c's tokenizer file) ------------------------------------
 
-def vocab_and_merges(tokens: list[bytes], eot: int, where: str) -> tuple[dict[str, int], list[str]]:
-    """vocab.json's mapping and merges.txt's lines for a byte-level BPE given only its tokens in id order.
+def vocab_and_merges(tokens: list[bytes], eot: int, where: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """(every token's byte-level string by id, the merges in priority order) for a byte-level BPE given only its
+    tokens' bytes in id order: the tables write_bpe_files takes.
 
     Ids are merge ranks in GPT-2's BPE, so each token past the 256 byte tokens is the merge of the two pieces that
     BPE, restricted to lower ranks, leaves of it: the merge list follows from the tokens alone. Refuses tokens that
@@ -207,10 +208,8 @@ def vocab_and_merges(tokens: list[bytes], eot: int, where: str) -> tuple[dict[st
     merges = []
     for rank in range(256, eot):
         left, right = _split(ranks, tokens[rank], rank, where)
-        merges.append(f"{text(left)} {text(right)}")
-    vocab = {text(t): i for t, i in ranks.items()}
-    vocab[ENDOFTEXT] = eot
-    return vocab, merges
+        merges.append((text(left), text(right)))
+    return [text(t) for t in tokens[:eot]] + [ENDOFTEXT], merges
 
 
 def _split(ranks: dict[bytes, int], token: bytes, max_rank: int, where: str) -> tuple[bytes, bytes]:
@@ -224,9 +223,3 @@ def _split(ranks: dict[bytes, int], token: bytes, max_rank: int, where: str) -> 
         raise GPT2PortError(f"{where}: token {ranks.get(token, max_rank)} ({token!r}) is not the merge of two "
                             f"earlier tokens, as byte-level BPE requires")
     return parts[0], parts[1]
-
-
-def files_bytes(vocab: dict[str, int], merges: list[str]) -> dict[str, bytes]:
-    """vocab.json and merges.txt as GPT-2's own files spell them."""
-    return {VOCAB_MERGES[0][0]: json.dumps(vocab, ensure_ascii=False).encode("utf-8"),
-            VOCAB_MERGES[0][1]: ("#version: 0.2\n" + "\n".join(merges) + "\n").encode("utf-8")}

@@ -30,7 +30,7 @@ from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
 from gpt2port.formats.safetensors import WRITE_SLICE, PreadReader
 from gpt2port.fsio import close_quietly, os_reason
 from gpt2port.layouts.llmc import LLMC, VOCAB_MULTIPLE
-from gpt2port.tokenizer import files_bytes, vocab_and_merges
+from gpt2port.tokenizer import vocab_and_merges, write_bpe_files
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -154,14 +154,13 @@ class LlmcReader(PreadReader):
                                      f"merges.txt); converted without tokenizer files")
             return []
         try:
-            files = files_bytes(*vocab_and_merges(*read_tokenizer(path), str(path)))
+            tokens, merges = vocab_and_merges(*read_tokenizer(path), str(path))
         except GPT2PortError as e:
             if not self.warnings:
                 self.warnings.append(f"{e}; converted without tokenizer files")
             return []
         self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="gpt2port-llmc-tokenizer-")
-        for name, data in files.items():
-            (Path(self._tokenizer_dir.name) / name).write_bytes(data)
+        write_bpe_files(Path(self._tokenizer_dir.name), tokens, merges)
         return self.tokenizer_files()
 
     def close(self) -> None:
