@@ -56,11 +56,12 @@ class Job:
 def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, to: str = "gpt2port",
             provenance: dict | None = None, known_sha256: dict[str, str] | None = None,
             progress: Callable[[int, int], None] | None = None, options: dict | None = None) -> ConvertResult:
-    """Convert the GPT-2 weights at `src` (a Hugging Face repo directory or weights file, or a gpt2port checkpoint)
-    into the directory `out`, in layout `to` ("gpt2port", or "hf" for GPT2LMHeadModel.from_pretrained).
+    """Convert the GPT-2 weights at `src` (a Hugging Face repo directory or weights file, a gpt2port checkpoint, an
+    llm.c model file or a GGUF file) into the directory `out`, in layout `to` (a key of TARGETS: "gpt2port", "hf"
+    for GPT2LMHeadModel.from_pretrained, "llmc", "gguf").
 
-    dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (ENCODINGS). provenance: extra facts for the manifest (the Hub repo and commit
-    a download came from). known_sha256: file name -> sha256 already established (a verified download), so it is
+    dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (ENCODINGS). provenance: extra
+    facts for the manifest (the Hub repo and commit a download came from). known_sha256: file name -> sha256 already established (a verified download), so it is
     not hashed again. progress(done_bytes, total_bytes) is called after each tensor. options: switches of the target
     layout's writer (see TARGETS).
     """
