@@ -21,7 +21,7 @@ import torch
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.fsio import os_reason
+from gpt2port.fsio import BackgroundFlusher, os_reason, write_in_slices
 from gpt2port.layouts.gguf import GGUF
 from gpt2port.tokenizer import ENDOFTEXT, bpe_tables, write_bpe_files
 
@@ -203,6 +203,7 @@ def stream_gguf(path: Path, items, config: GPTConfig, encoding: str, tokenizer_d
             raise GPT2PortError(f"{path.parent}: {encoding} needs rows whose length divides by {block}; "
                                 f"{key} has rows of {shape[-1]}")
     writer = gguf.GGUFWriter(path, ARCH)
+    flusher = None
     try:
         _describe(writer, config, encoding, tokenizer_dir)
         for key, shape, qtype, _ in plan:
@@ -210,23 +211,43 @@ def stream_gguf(path: Path, items, config: GPTConfig, encoding: str, tokenizer_d
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        flusher = BackgroundFlusher(writer.fout[0].fileno())
         total, done = sum(_nbytes(s, q) for _, s, q, _ in plan), 0
         for key, shape, qtype, produce in plan:
-            writer.write_tensor_data(_encode(produce(), qtype))
+            writer.write_tensor_data(_Sliced.of(_encode(produce(), qtype), flusher))
             done += _nbytes(shape, qtype)
             if progress:
                 progress(done, total)
         writer.flush()
+        flusher.finish()
         os.fsync(writer.fout[0].fileno())
         written = writer.fout[0].tell()
     except OSError as e:
         raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
     finally:
+        if flusher is not None:
+            flusher.abort()  # after finish() above this does nothing; on a failure it stops the thread
         writer.close()
     # Re-parsing the metadata would cost seconds; every byte went through the file object, so its length says all.
     if path.stat().st_size != written:
         raise GPT2PortError(f"{path}: post-write check failed: {path.stat().st_size} bytes on disk, {written} written")
     return written
+
+
+class _Sliced(np.ndarray):
+    """A tensor's bytes for the gguf writer, which hands each tensor to ndarray.tofile in one call: written in slices
+    instead, with the disk flushed on a second thread as they go (fsio.write_in_slices, the safetensors writer's way)."""
+
+    flusher: BackgroundFlusher | None = None
+
+    @classmethod
+    def of(cls, array: np.ndarray, flusher: BackgroundFlusher) -> "_Sliced":
+        view = np.ascontiguousarray(array).view(cls)
+        view.flusher = flusher
+        return view
+
+    def tofile(self, fid, *args, **kwargs) -> None:
+        write_in_slices(fid, self.view(np.ndarray), self.flusher)
 
 
 def _numpy_dtype(qtype: Q) -> np.dtype:

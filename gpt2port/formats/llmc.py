@@ -27,8 +27,8 @@ import torch
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.formats.safetensors import WRITE_SLICE, PreadReader
-from gpt2port.fsio import close_quietly, os_reason
+from gpt2port.formats.safetensors import PreadReader
+from gpt2port.fsio import BackgroundFlusher, close_quietly, os_reason, write_in_slices
 from gpt2port.layouts.llmc import LLMC, VOCAB_MULTIPLE
 from gpt2port.tokenizer import vocab_and_merges, write_bpe_files
 
@@ -184,6 +184,7 @@ def write_raw(path: Path, head: bytes, items, progress=None) -> int:
         f = open(path, "xb")
     except OSError as e:
         raise GPT2PortError(f"{path}: cannot create: {os_reason(e)}") from None
+    flusher = BackgroundFlusher(f.fileno())
     try:
         f.write(head)
         for key, dtype, shape, produce in items:
@@ -192,18 +193,20 @@ def write_raw(path: Path, head: bytes, items, progress=None) -> int:
                 raise GPT2PortError(f"{path}: internal error: {key} has shape {tuple(t.shape)}, declared {shape}")
             # Raw bytes whatever the dtype (numpy has no bfloat16): reinterpret as uint8 without a copy.
             view = memoryview(t.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
-            for start in range(0, len(view), WRITE_SLICE):
-                f.write(view[start:start + WRITE_SLICE])
+            write_in_slices(f, view, flusher)
             done += math.prod(shape) * dtype.itemsize
             if progress:
                 progress(done, total)
         f.flush()
+        flusher.finish()
         os.fsync(f.fileno())
         f.close()
     except OSError as e:
+        flusher.abort()
         close_quietly(f)
         raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
     except BaseException:
+        flusher.abort()
         close_quietly(f)
         raise
     return len(head) + total

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import struct
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.fsio import close_quietly, os_reason
+from gpt2port.fsio import BackgroundFlusher, close_quietly, os_reason, write_in_slices
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -29,7 +28,6 @@ DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
-WRITE_SLICE = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -193,7 +191,7 @@ class StreamingSafetensorsWriter:
         self._staging: torch.Tensor | None = None
         self._next = 0
         self._file = open(self.path, "xb")
-        self._flusher = _BackgroundFlusher(self._file.fileno())
+        self._flusher = BackgroundFlusher(self._file.fileno())
         self._write(header)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -221,11 +219,7 @@ class StreamingSafetensorsWriter:
     def _write(self, data) -> None:
         view = memoryview(data).cast("B")
         try:
-            # In slices: one write() of a whole 300 MB tensor runs several times slower than the same bytes in a few MB
-            # per call, as the kernel throttles a process that dirties many pages at once (README, performance).
-            for start in range(0, len(view), WRITE_SLICE):
-                self._file.write(view[start:start + WRITE_SLICE])
-            self._flusher.wrote(len(view))
+            write_in_slices(self._file, view, self._flusher)
         except OSError as e:
             raise GPT2PortError(f"{self.path}: write failed: {os_reason(e)}") from None
 
@@ -243,10 +237,7 @@ class StreamingSafetensorsWriter:
         check_written(self.path, self.entries, self.metadata)
 
     def abort(self) -> None:
-        try:
-            self._flusher.finish()
-        except OSError:
-            pass  # already failing; the file is about to be deleted
+        self._flusher.abort()
         close_quietly(self._file)
 
     def __enter__(self):
@@ -257,51 +248,6 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self.abort()
-
-
-class _BackgroundFlusher:
-    """fdatasync on a second thread every FLUSH_EVERY bytes, so the disk writes while we convert and the final
-    fsync has little left to wait for. Errors surface at finish()."""
-
-    FLUSH_EVERY = 256 << 20
-
-    def __init__(self, fd: int):
-        self._fd = fd
-        self._pending = 0
-        self._wake = threading.Event()
-        self._done = False
-        self._error: OSError | None = None
-        self._thread: threading.Thread | None = None
-
-    def wrote(self, n: int) -> None:
-        self._pending += n
-        if self._pending >= self.FLUSH_EVERY:
-            self._pending = 0
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True)
-                self._thread.start()
-            self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._done:
-                return
-            try:
-                os.fdatasync(self._fd)
-            except OSError as e:
-                self._error = e
-                return
-
-    def finish(self) -> None:
-        if self._thread is not None:
-            self._done = True
-            self._wake.set()
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            raise self._error
 
 
 def stream_safetensors(path: Path, items, metadata: dict[str, str], progress=None) -> None:
