@@ -16,8 +16,8 @@ from gpt2port import checkpoint
 from gpt2port.config import GPTConfig, read_json
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import Reader, find_weights, open_weights
-from gpt2port.layouts import GPT2PORT, HF, Layout, canonical
-from gpt2port.layouts import get as get_layout
+from gpt2port.layouts import GPT2PORT, Layout, canonical
+from gpt2port.layouts import get as get_layout, recognise
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
 from gpt2port.layouts.infer import check_config_matches_weights, check_config_values, infer_config
 from gpt2port.tokenizer import TOKENIZER_FILES
@@ -82,7 +82,8 @@ def open_source(path: str | Path) -> Source:
         tag = reader.metadata.get(FORMAT_KEY)
         if tag is not None and tag not in READABLE:
             raise GPT2PortError(f"{weights}: written in gpt2port layout {tag!r}; this version reads {', '.join(READABLE)}")
-        layout = GPT2PORT if tag is not None else get_layout(reader.layout) if reader.layout else HF
+        layout = GPT2PORT if tag is not None else get_layout(reader.layout) if reader.layout else \
+            recognise({k: t.shape for k, t in reader.tensors.items()})
         config, config_path = _config(reader, layout, weights.parent)
         return Source(path, reader, layout, config, config_path)
     except BaseException:

@@ -18,13 +18,14 @@ from gpt2port.formats.base import LFS_POINTER_PREFIX, Reader, TensorInfo, refuse
 
 
 class PickleReader(Reader):
-    """A flat state dict of tensors. Memory-mapped where the file allows it (zip format), so reading a tensor
-    touches only its pages."""
+    """A state dict of tensors: flat (pytorch_model.bin, a .pth of model.state_dict()), or a training checkpoint
+    that keeps it under "model" beside the optimizer's state (nanoGPT's ckpt.pt; its "model_args" then give the
+    model's sizes). Memory-mapped where the file allows it (zip format), so reading a tensor touches only its pages."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.files = [self.path]
-        self._state = load_state_dict(self.path)
+        self._state, self.model_config = _unwrap(load_state_dict(self.path), self.path)
         self.tensors = {k: TensorInfo(k, v.dtype, tuple(v.shape), self.path, n, v.numel() * v.element_size())
                         for n, (k, v) in enumerate(self._state.items())}
         self.metadata = {}
@@ -59,6 +60,31 @@ def load_state_dict(file: Path) -> dict[str, torch.Tensor]:
     except Exception as e:  # noqa: BLE001 - torch raises many types for bad pickles; all mean "unreadable"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise GPT2PortError(f"{file}: cannot be loaded as weights ({first})") from None
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
-        raise GPT2PortError(f"{file}: is not a flat state dict of tensors")
+    if not isinstance(sd, dict):
+        raise GPT2PortError(f"{file}: is not a state dict of tensors")
     return sd
+
+
+def _flat(sd) -> bool:
+    return isinstance(sd, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items())
+
+
+def _unwrap(sd: dict, file: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """(the tensors, config.json-style sizes or None) of a loaded pickle: a flat state dict as it is, or a training
+    checkpoint's "model" with its "model_args" (block_size is the context length)."""
+    if _flat(sd):
+        return sd, None
+    if not _flat(sd.get("model")):
+        raise GPT2PortError(f"{file}: is neither a flat state dict of tensors nor a training checkpoint holding one "
+                            f"under \"model\" (it has {', '.join(map(str, list(sd)[:6]))})")
+    args = sd.get("model_args")
+    if not isinstance(args, dict):
+        return sd["model"], None
+    if args.get("bias") is False:
+        raise GPT2PortError(f"{file}: model_args say bias=False; GPT-2 has a bias in every linear layer and "
+                            f"LayerNorm, so this model cannot be held as GPT-2 (train with bias=True)")
+    sizes = {"n_layer": args.get("n_layer"), "n_head": args.get("n_head"), "n_embd": args.get("n_embd"),
+             "vocab_size": args.get("vocab_size"), "n_positions": args.get("block_size", args.get("n_positions"))}
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    complete = {"n_layer", "n_head", "n_embd", "vocab_size"} <= set(sizes)
+    return sd["model"], sizes if complete else None

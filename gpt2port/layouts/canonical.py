@@ -14,12 +14,13 @@ EMBEDDING = "tok_emb.weight"
 POSITIONS = "pos_emb.weight"
 HEAD = "lm_head.weight"  # the model's name for the tied head; never stored
 MLP_IN = "blocks.{}.mlp.fc.weight"  # its rows are the MLP width
+QKV = "blocks.{}.attn.qkv.weight"
 
 # (name, shape) per kind of tensor; `{}` is the layer index. C width, F MLP width, V vocabulary, P positions.
 _TOP_BEFORE = [(EMBEDDING, "V C"), (POSITIONS, "P C")]
 _PER_BLOCK = [
     ("blocks.{}.ln1.weight", "C"), ("blocks.{}.ln1.bias", "C"),
-    ("blocks.{}.attn.qkv.weight", "3C C"), ("blocks.{}.attn.qkv.bias", "3C"),  # q, k, v stacked in that order
+    (QKV, "3C C"), ("blocks.{}.attn.qkv.bias", "3C"),  # q, k, v stacked in that order
     ("blocks.{}.attn.proj.weight", "C C"), ("blocks.{}.attn.proj.bias", "C"),
     ("blocks.{}.ln2.weight", "C"), ("blocks.{}.ln2.bias", "C"),
     (MLP_IN, "F C"), ("blocks.{}.mlp.fc.bias", "F"),

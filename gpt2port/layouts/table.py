@@ -43,9 +43,12 @@ class Write:
 
 
 def template(key: str) -> tuple[str, tuple[int, ...]]:
-    """'h.7.attn.c_attn.weight' -> ('h.{}.attn.c_attn.weight', (7,))."""
-    indices = tuple(int(m) for m in _INDEX.findall(key))
-    return _INDEX.sub("{}", key), indices
+    """'h.7.attn.c_attn.weight' -> ('h.{}.attn.c_attn.weight', (7,)). Only the first number is the layer: later ones
+    are part of the name (a Sequential's 'ff.layers.0.weight')."""
+    m = _INDEX.search(key)
+    if m is None:
+        return key, ()
+    return key[:m.start()] + "{}" + key[m.end():], (int(m.group()),)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,19 @@ class Layout:
                 if row.transform.exact_shape:
                     out[row.canonical.format(*idx)] = row.transform.canonical_shape(tuple(shape))
         return out
+
+    def explains(self, shapes: dict[str, tuple[int, ...]]) -> bool:
+        """Whether every name is in this table (a row, dropped on purpose, or the untied head), and the fused q|k|v
+        projection comes out (3 x width, width): the shape tells an (out, in) table from an (in, out) one with the
+        same names."""
+        for key in shapes:
+            bare = self.strip(key)
+            tpl, _ = template(bare)
+            if bare != self.untied_head and tpl not in self.by_key and tpl not in self.dropped:
+                return False
+        canon = self.canonical_shapes(shapes)
+        emb, qkv = canon.get(canonical.EMBEDDING), canon.get(canonical.QKV.format(0))
+        return emb is not None and len(emb) == 2 and (qkv is None or tuple(qkv) == (3 * emb[1], emb[1]))
 
     def plan_read(self, keys, config: GPTConfig, where: str) -> tuple[list[Read], list[str], str | None]:
         """Decide the fate of every key of a file: mapped, dropped, or (an untied head) to be checked.
