@@ -141,6 +141,11 @@ def test_foreign_files_that_cannot_be_gpt2_are_refused(tiny_hf_model, tmp_path):
     (src / "config.json").write_text(json.dumps(tiny_hf_model.config.to_dict()))
     with pytest.raises(GPT2PortError, match="'out_head.weight' differs from tok_emb.weight"):
         convert(src / "untied.pth", tmp_path / "b")
+    del sd["trf_blocks.1.att.W_key.bias"]  # one third of a fused tensor missing is named, not merged wrongly
+    sd["out_head.weight"] = sd["tok_emb.weight"]
+    torch.save(sd, src / "partial.pth")
+    with pytest.raises(GPT2PortError, match=r"partial.pth: missing keys: trf_blocks.1.att.W_key.bias$"):
+        convert(src / "partial.pth", tmp_path / "d")
     torch.save({"optimizer": {}, "step": 3}, src / "odd.pt")
     with pytest.raises(GPT2PortError, match="odd.pt: is neither a flat state dict"):
         convert(src / "odd.pt", tmp_path / "c")

@@ -135,11 +135,17 @@ class Layout:
                 unknown.append(key)
         if unknown:
             raise GPT2PortError(f"{where}: unexpected keys: {short_list(unknown)}")
-        held = {target for target, _ in seen}
-        missing = [name for name in canonical.shapes(config) if name not in held]
+        missing = [key for name in canonical.shapes(config) for key in self._missing(name, seen)]
         if missing:
-            raise GPT2PortError(f"{where}: missing keys: {short_list([self.key_for(m) for m in missing])}")
+            raise GPT2PortError(f"{where}: missing keys: {short_list(missing)}")
         return reads, dropped, head
+
+    def _missing(self, name: str, seen: dict) -> list[str]:
+        """The layout's keys for canonical tensor `name` that a file lacks: all of its rows' keys are needed (a
+        tensor stored as q, k and v parts needs all three)."""
+        tpl, idx = template(name)
+        rows = [r for r in self.rows if r.canonical == tpl]
+        return [r.key.format(*idx) for r in rows if (name, r.transform.name) not in seen]
 
     def plan_write(self, config: GPTConfig) -> list[Write]:
         """Every tensor this layout stores for a model of `config`, in canonical order."""
