@@ -79,9 +79,10 @@ def debug_state(ckpt_dir, dtype: torch.dtype, encoding):
     from gpt2port.model import GPT  # the model only for this option: plain exports never build one
 
     model = GPT.from_pretrained(ckpt_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(dtype))
+    if dtype != torch.float32:  # fp32 weights are the file's already: rounding them would only copy every page
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype))
     model.requires_grad_(True)
     x, y = batch(encoding)
     logits, loss = model(x, y)
