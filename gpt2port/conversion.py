@@ -148,6 +148,12 @@ def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str]) 
     return [(w.key, out_dtype, w.shape, produce_write(w)) for w in writes], dropped, head
 
 
+def canonical_items(source: Source, dtype=None) -> list:
+    """A source's canonical tensors as [(name, dtype, shape, produce)], in the order its bytes lie; produce() reads
+    and returns one (possibly into a buffer the next call reuses: copy what you keep)."""
+    return _items(source, GPT2PORT, parse_dtype(dtype) or source.dtype(), [])[0]
+
+
 def _check_head_is_tied(source: Source, head: str, wte: torch.Tensor) -> None:
     lm_head = source.reader.read(head)
     if lm_head.shape != wte.shape or not torch.equal(lm_head, wte):

@@ -1,0 +1,13 @@
+"""Users' own GPT classes: GPT-2's weights into any nn.Module shaped as GPT-2 (load_into), the layout read from the
+class itself (layout_of), its stages for verify (ModelStages), and its weights back out as a checkpoint
+(save_from).
+
+Modules: names (the words for GPT-2's parts), observe (the module tree, tied parameters, a traced forward), layout
+(the table), block and roles (reading a class as GPT-2), settle (ambiguity decided by numbers), load, stages, save.
+"""
+
+from gpt2port.userclass.load import LoadRefused, LoadReport, load_into
+from gpt2port.userclass.observe import init_empty
+from gpt2port.userclass.roles import layout_of
+
+__all__ = ["LoadRefused", "LoadReport", "init_empty", "layout_of", "load_into"]

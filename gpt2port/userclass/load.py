@@ -1,0 +1,220 @@
+"""load_into: GPT-2's weights, from anything gpt2port reads, into a user's own model class.
+
+The class is read as GPT-2 (roles.py); a class that cannot hold GPT-2 is refused before any weight is touched, one
+line per reason. The source's canonical tensors stream by one at a time and each is copied into every parameter
+that holds it (or part of it): into the existing Parameters of an allocated model (optimizers made before stay
+valid), or into fresh tensors assigned to a model built on the meta device (peak memory: the model and one tensor).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gpt2port.checkpoint import resolve
+from gpt2port.config import GPTConfig
+from gpt2port.conversion import canonical_items
+from gpt2port.errors import GPT2PortError
+from gpt2port.layouts import canonical
+from gpt2port.sources import open_source
+from gpt2port.userclass.layout import Assignment, UserLayout
+from gpt2port.userclass.observe import Trace, probe_ids, trace
+from gpt2port.userclass.roles import infer
+from gpt2port.userclass.settle import bias_cost, context, reference_gpt, settle
+
+
+class LoadRefused(GPT2PortError):
+    """The class cannot hold GPT-2 as it is; `reasons` has one line each."""
+
+    def __init__(self, model_name: str, reasons: list[str]):
+        self.reasons = reasons
+        super().__init__(f"{model_name} cannot hold these GPT-2 weights:\n" + "\n".join(f"  {r}" for r in reasons))
+
+
+@dataclass
+class LoadReport:
+    source: str
+    layout: UserLayout
+    config: GPTConfig
+    notes: list[str] = field(default_factory=list)
+    cost: dict | None = None  # what dropping GPT-2's biases costs, measured (drop_biases=True)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        lines = [f"loaded {self.source} into {self.layout.model_name} in {self.seconds:.2f} s", str(self.layout)]
+        lines += [f"note: {n}" for n in self.notes if n not in self.layout.notes]
+        if self.cost:
+            c = self.cost
+            lines.append(f"cost of the dropped biases vs GPT-2: max rel logit error {c['max_rel']:.3g}, "
+                         f"KL {c['kl_mean']:.3g}, top-1 agreement {c['top1']:.1%}, greedy agreement "
+                         f"{c['greedy_agreement']:.1%} over {c['greedy_tokens']} tokens")
+        return "\n".join(lines)
+
+
+def source_path(source) -> Path:
+    """A path as it is; a model NAME as its converted checkpoint under ./checkpoints."""
+    path = Path(source)
+    return path if path.exists() else resolve(source)
+
+
+def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positions: bool = False,
+              drop_biases: bool = False) -> LoadReport:
+    """Fill `model` (any nn.Module shaped as a GPT-2) with the weights at `source` (a gpt2port checkpoint directory
+    or NAME, a Hugging Face directory or weights file, or any other source `gpt2port convert` reads).
+
+    tie: None keeps the class's head as it is (tied, or an untied copy of the token embedding); True makes an
+    untied head the embedding's own Parameter. crop_positions: a class with a shorter context keeps the first rows
+    of the position table. drop_biases: a class without some of GPT-2's biases loads the rest, and the report
+    measures what the missing biases cost against GPT-2.
+    """
+    t0 = time.perf_counter()
+    path = source_path(source)
+    with open_source(path) as src:
+        config = src.config
+        lay, pk, tr = _read_class(model, config, crop_positions)
+        untied_source = not getattr(config, "tie_word_embeddings", True)
+        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie)
+        if lay.missing_biases and not drop_biases:
+            reasons.append(_bias_reason(lay, src))
+        reasons += [f"{name}: a buffer on the meta device has no values; build the class under "
+                    f"gpt2port.init_empty() (parameters on meta, buffers real) or on the CPU"
+                    for name, b in model.named_buffers() if b.is_meta]
+        if reasons:
+            raise LoadRefused(lay.model_name, reasons)
+        lay = _retarget(lay, untied_source)
+        candidates = pk.combinations()
+        keep = len(candidates) > 1 or drop_biases
+        kept = fill(model, lay.assignments, canonical_items(src, dtype=None), keep)
+    ref = reference_gpt(config, kept) if keep else None
+    if len(candidates) > 1:
+        def build(opts):
+            cand, cpk = infer(model, config, tr, opts, crop=crop_positions)
+            return _retarget(cand, untied_source), cpk
+
+        lay = settle(model, lay, candidates, build, ref, kept, config, fill)
+    notes = list(lay.notes)
+    if tie and not lay.tied:
+        _tie(model, lay)
+        notes.append(f"{lay.head_param}: tied to the token embedding on request (tie=True)")
+    elif not lay.tied:
+        notes.append(f"{lay.head_param}: untied; " + ("holds the checkpoint's own head" if untied_source else
+                                                      "holds a copy of the token embedding"))
+    if drop_biases and lay.missing_biases:
+        notes.append("GPT-2's biases dropped on request (drop_biases=True): " + ", ".join(lay.missing_biases))
+    cost = bias_cost(model, ref, config, lay) if drop_biases and lay.missing_biases else None
+    return LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0)
+
+
+def _read_class(model: nn.Module, config: GPTConfig, crop: bool):
+    """(layout, its open choices, the trace): read once without running the class, for the context it takes,
+    then again with the order its modules run in on an input that fits."""
+    lay, _ = infer(model, config, Trace(error="not run"), crop=crop)
+    tr = trace(model, probe_ids(model, config.vocab_size, min(8, context(model, lay, config))))
+    lay, pk = infer(model, config, tr, crop=crop)
+    return lay, pk, tr
+
+
+def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
+    """An untied class loaded from a checkpoint with its own head takes that head, not the embedding."""
+    if untied_source and not lay.tied:
+        lay.assignments = [a if a.param != lay.head_param else Assignment(a.param, canonical.HEAD, a.transform)
+                           for a in lay.assignments]
+    return lay
+
+
+def _head_reasons(lay: UserLayout, untied_source: bool, tie) -> list[str]:
+    head = lay.modules.head or "the head"
+    if untied_source and (lay.tied or tie):
+        return [f"{head}: the checkpoint's head is not tied to its token embedding; a tied head would change the "
+                f"model: give the class its own head Parameter"]
+    if tie is False and lay.tied:
+        return [f"{head}: tie=False, but the class ties its head to the token embedding (one Parameter)"]
+    return []
+
+
+def _bias_reason(lay: UserLayout, src) -> str:
+    """Which modules lack GPT-2's biases, and how large those biases are in this checkpoint."""
+    wanted = {f"blocks.0.{t}.bias" for t in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    sizes = []
+    for key, _, _, produce in canonical_items(src, dtype=None):
+        if key in wanted:
+            b = produce().float()
+            sizes.append(f"{key.removeprefix('blocks.0.').removesuffix('.bias')} mean |b| {b.abs().mean():.3g}, "
+                         f"max {b.abs().max():.3g}")
+    shown = ", ".join(lay.missing_biases[:6]) + (" ..." if len(lay.missing_biases) > 6 else "")
+    return (f"{shown}: no bias, but GPT-2 has one there (in block 0 of this checkpoint: {'; '.join(sizes)}); build "
+            f"those layers with bias=True (every block), or pass drop_biases=True to load the rest and measure the "
+            f"cost")
+
+
+def _param(model: nn.Module, name: str) -> nn.Parameter:
+    module, _, local = name.rpartition(".")
+    return getattr(model.get_submodule(module) if module else model, local)
+
+
+def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(parameter) -> every (module, attribute) holding it: a tied parameter is replaced everywhere at once."""
+    out: dict[int, list] = {}
+    for m in model.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((m, k))
+    return out
+
+
+@torch.no_grad()
+def fill(model: nn.Module, assignments: list[Assignment], items, keep: bool) -> dict[str, torch.Tensor]:
+    """Copy each canonical tensor, as it streams by, into every parameter that holds it. Returns the canonical
+    tensors when `keep` (to compare candidates against gpt2port's own GPT), else {}."""
+    by_target: dict[str | None, list[Assignment]] = {}
+    for a in assignments:
+        by_target.setdefault(a.target, []).append(a)
+    owners = _owners(model)
+    kept = {}
+    for key, _, _, produce in items:
+        rows = by_target.get(key, [])
+        if not rows and not keep:
+            continue
+        t = produce()
+        for a in rows:
+            put(model, owners, a.param, a.transform.to_layout(t))
+        if keep:
+            kept[key] = t.clone()
+    for a in by_target.get(None, []):
+        p = _param(model, a.param)
+        put(model, owners, a.param, torch.zeros(p.shape, dtype=p.dtype))
+    return kept
+
+
+def put(model: nn.Module, owners: dict, name: str, value: torch.Tensor) -> None:
+    p = _param(model, name)
+    if tuple(p.shape) != tuple(value.shape):
+        raise GPT2PortError(f"{name}: the class's parameter is {tuple(p.shape)}, GPT-2's tensor for it is "
+                            f"{tuple(value.shape)}")
+    if not p.is_meta:
+        p.copy_(value)
+        return
+    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype).copy_(value), requires_grad=p.requires_grad)
+    for module, attr in owners.pop(id(p)):
+        module._parameters[attr] = new
+    owners[id(new)] = [(m, a) for m, a in _owners_of(model, new)]
+
+
+def _owners_of(model: nn.Module, p) -> list[tuple[nn.Module, str]]:
+    return [(m, k) for m in model.modules() for k, q in m._parameters.items() if q is p]
+
+
+def _tie(model: nn.Module, lay: UserLayout) -> None:
+    wte = _param(model, next(a.param for a in lay.assignments if a.target == canonical.EMBEDDING))
+    head = _param(model, lay.head_param)
+    if head.shape != wte.shape:
+        raise GPT2PortError(f"{lay.head_param}: stored {tuple(head.shape)}, the token embedding is "
+                            f"{tuple(wte.shape)}; tie=True needs the same shape")
+    for module, attr in _owners_of(model, head):
+        module._parameters[attr] = wte
+    lay.tied = True
+    lay.assignments = [a for a in lay.assignments if a.param != lay.head_param]

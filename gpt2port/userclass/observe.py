@@ -1,0 +1,175 @@
+"""What a user's model class shows about itself: the modules that own parameters, which parameters are one and the
+same (a tied head), and the order in which modules actually run on a short input (forward hooks).
+
+Nothing here knows GPT-2; roles.py reads these facts as GPT-2 tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gpt2port.errors import GPT2PortError
+
+
+@dataclass
+class Unit:
+    """A module that owns parameters directly (not through children)."""
+    name: str  # dotted module name, "" for the root
+    module: nn.Module
+    params: dict[str, nn.Parameter]  # local name -> parameter
+
+    def full(self, local: str) -> str:
+        return f"{self.name}.{local}" if self.name else local
+
+
+@dataclass
+class Trace:
+    """What one forward pass showed: the order modules were first called in, and the last dimension of the first
+    tensor each received and returned. `error` says why there is no trace (the forward could not run)."""
+    order: dict[str, int] = field(default_factory=dict)
+    in_dim: dict[str, int] = field(default_factory=dict)
+    out_dim: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    def rank(self, name: str, fallback: int) -> tuple[int, int]:
+        return (self.order.get(name, 1 << 30), fallback)
+
+
+def units(model: nn.Module) -> list[Unit]:
+    """Every module that owns parameters, in registration order."""
+    out = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        own = {k: p for k, p in module.named_parameters(recurse=False, remove_duplicate=False) if p is not None}
+        if own:
+            out.append(Unit(name, module, own))
+    return out
+
+
+def aliases(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every full name it is reachable under (two or more: a tied parameter)."""
+    out: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(name)
+    return out
+
+
+def device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def first_tensor(x):
+    """The first tensor in a module's input or output (a tensor, or a tuple/list/dict holding one)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (tuple, list)):
+        for item in x:
+            t = first_tensor(item)
+            if t is not None:
+                return t
+    logits = getattr(x, "logits", None)  # a ModelOutput-style object
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def call_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits for every position of ids, whatever its forward returns: logits, (logits, loss), a dict
+    or an object with .logits. A forward that returns only the last position unless given targets (nanoGPT at
+    inference) is called again with targets=ids."""
+    out = first_tensor(model(ids))
+    if out is None:
+        raise GPT2PortError(f"{type(model).__name__}.forward returned no tensor")
+    if out.dim() == 3 and out.shape[1] == 1 and ids.shape[1] > 1:
+        params = inspect.signature(model.forward).parameters
+        key = next((k for k in ("targets", "labels", "target", "y") if k in params), None)
+        if key is None:
+            raise GPT2PortError(f"{type(model).__name__}.forward returns only the last position's logits; "
+                                f"gpt2port needs every position's")
+        out = first_tensor(model(ids, **{key: ids}))
+    return out
+
+
+def probe_ids(model: nn.Module, vocab: int, length: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, length), generator=g).to(device_of(model))
+
+
+def trace(model: nn.Module, ids: torch.Tensor) -> Trace:
+    """Run the model once on ids with a forward hook on every module; the model's mode and RNG are left as found."""
+    t = Trace()
+    hooks = []
+
+    def hook(name):
+        def record(mod, args, out):
+            if name not in t.order:
+                t.order[name] = len(t.order)
+                a, o = first_tensor(args), first_tensor(out)
+                if a is not None and a.dim() and a.is_floating_point():
+                    t.in_dim[name] = a.shape[-1]
+                if o is not None and o.dim():
+                    t.out_dim[name] = o.shape[-1]
+        return record
+
+    for name, module in model.named_modules():
+        if name:
+            hooks.append(module.register_forward_hook(hook(name)))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), evaluating(model):
+            call_logits(model, ids)
+    except Exception as e:  # the order is then the registration order; roles.py says so
+        t.order.clear()
+        t.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    finally:
+        for h in hooks:
+            h.remove()
+    return t
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module):
+    """The model in eval mode for the duration, its own mode (per module) restored afterwards."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+@contextlib.contextmanager
+def init_empty():
+    """Build a model with its parameters on the meta device and its buffers (causal masks) real:
+
+        with gpt2port.init_empty():
+            model = MyGPT(cfg)
+        gpt2port.load_into(model, "gpt2-xl")   # weights allocated once, as they are loaded
+
+    Parameters are created uninitialised (the init functions do nothing inside this block) and moved to the meta
+    device as they are registered, so a 1.5B class costs no memory until load_into fills it. A model built under
+    plain `torch.device("meta")` works too, unless it keeps its mask in a buffer: that buffer has no values."""
+    register = nn.Module.register_parameter
+    inits = {n: getattr(nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_",
+                                               "xavier_uniform_", "xavier_normal_", "trunc_normal_", "zeros_",
+                                               "ones_", "constant_", "orthogonal_")}
+
+    def to_meta(self, name, param):
+        register(self, name, param)
+        if param is not None and param.device.type != "meta":
+            self._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = to_meta
+    for n in inits:
+        setattr(nn.init, n, lambda tensor, *a, **k: tensor)
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+        for n, f in inits.items():
+            setattr(nn.init, n, f)
