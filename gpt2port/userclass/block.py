@@ -60,6 +60,9 @@ class Lin:
     def words(self) -> tuple[str, ...]:
         return (self.unit.name.rsplit(".", 1)[-1], stem(self.weight))
 
+    def label(self) -> str:
+        return self.weight if len(self.unit.params) > 2 else self.unit.name.rsplit(".", 1)[-1]
+
 
 def norm_assignments(pk: Picker, what: str, u: Unit, prefix: str) -> list[Assignment]:
     """A LayerNorm's two (C,) parameters: which scales and which shifts, by name, or else a choice."""
@@ -145,14 +148,26 @@ def _pair(lay: UserLayout, u: Unit, mats: dict, vecs: dict, tr: Trace) -> list[L
         if len(mats) == 1:
             bias = next(iter(free), None) if len(free) == 1 else None
         else:
-            bias = next((b for b in free if stem(b) == stem(k) and stem(k)), None)
+            bias = next((b for b in free if _bias_of(b, k)), None)
         if bias is not None and free[bias].shape[0] not in p.shape:
             bias = None
-        if bias is not None:
-            free.pop(bias)
-        out.append(Lin(u, k, bias, tuple(p.shape), _style(u, k, tuple(p.shape), tr, len(mats) == 1)))
+        free_size = free.pop(bias).shape[0] if bias is not None else None
+        style = _style(u, k, tuple(p.shape), tr, len(mats) == 1)
+        if style is None and bias is not None and p.shape[0] != p.shape[1]:  # a bias is as long as the output
+            style = "linear" if free_size == p.shape[0] else "conv"
+        out.append(Lin(u, k, bias, tuple(p.shape), style))
     lay.reasons += [f"{u.full(k)}: a vector of {tuple(p.shape)} that belongs to no weight" for k, p in free.items()]
     return out
+
+
+def _bias_of(b: str, w: str) -> bool:
+    """Whether vector `b` is named as the bias of matrix `w`: 'W_query'/'b_query', 'w1'/'b1', 'c_attn_w'/'c_attn_b',
+    'proj'/'proj_bias'."""
+    if stem(b) and stem(b) == stem(w):
+        return True
+    if b in (w + "_b", w + "_bias", w + "b", w.replace("weight", "bias")):
+        return True
+    return w[:1] in "wW" and b[:1] in "bB" and b[1:] == w[1:]
 
 
 def _style(u: Unit, local: str, shape, tr: Trace, alone: bool) -> str | None:
@@ -227,7 +242,7 @@ def _roles(pk: Picker, what: str, groups: list[list[Lin]], rank) -> list[list[in
         first[i] = j
     perms.remove(tuple(first))
     perms.insert(0, tuple(first))
-    labels = [", ".join(f"{x.words()[0]}={QKV[j]}" for x, j in zip(groups[0], p)) for p in perms]
+    labels = [", ".join(f"{x.label()}={QKV[j]}" for x, j in zip(groups[0], p)) for p in perms]
     p = perms[pk.pick(what, labels)]
     return [list(p) for _ in groups]
 
@@ -240,6 +255,7 @@ def _rows(lay: UserLayout, x: Lin, prefix: str, part) -> list[Assignment]:
         rows.append(Assignment(x.unit.full(x.bias), f"{prefix}.bias", part))
     else:
         lay.missing_biases.append(x.unit.name if len(x.unit.params) == 1 else x.name)
+        lay.missing_bias_targets.add(f"{prefix}.bias")
     return rows
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import torch
-
 from gpt2port.config import GPTConfig
 from gpt2port.layouts.transforms import IDENTITY, Transform
 
@@ -67,6 +65,7 @@ class UserLayout:
     notes: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # why it cannot hold GPT-2 (refusals), one line each
     missing_biases: list[str] = field(default_factory=list)  # modules without the bias GPT-2 has
+    missing_bias_targets: set[str] = field(default_factory=set)  # GPT-2's biases they would hold ('{}': layer)
 
     def __str__(self) -> str:
         return self.table()
@@ -98,7 +97,3 @@ class UserLayout:
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"cannot hold GPT-2: {r}" for r in self.reasons]
         return "\n".join(lines)
-
-
-def zeros_like_target(shape, dtype) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype)

@@ -138,7 +138,7 @@ def _head_reasons(lay: UserLayout, untied_source: bool, tie) -> list[str]:
 
 def _bias_reason(lay: UserLayout, src) -> str:
     """Which modules lack GPT-2's biases, and how large those biases are in this checkpoint."""
-    wanted = {f"blocks.0.{t}.bias" for t in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    wanted = {t.format(0) for t in lay.missing_bias_targets}
     sizes = []
     for key, _, _, produce in canonical_items(src, dtype=None):
         if key in wanted:

@@ -117,8 +117,8 @@ def _top(outside: list[Unit], same: dict, rank):
     if head is not None and isinstance(head[0].module, nn.Embedding) and not isinstance(tok[0].module, nn.Embedding):
         tok, head = head, tok
     rest = [x for x in rest if x is not head]
-    pos = next((x for x in rest if x[2].shape[-1] == C and (x[2].dim() == 2 or (x[2].dim() == 3 and x[2].shape[0] == 1))
-                and x[2].shape[-2] != C), None)
+    table = [x for x in rest if x[2].shape[-1] == C and (x[2].dim() == 2 or (x[2].dim() == 3 and x[2].shape[0] == 1))]
+    pos = next((x for x in table if isinstance(x[0].module, nn.Embedding)), table[0] if table else None)
     rest = [x for x in rest if x is not pos]
     head_bias = next((x for x in rest if x[2].dim() == 1 and x[2].shape[0] == V), None)
     rest = [x for x in rest if x is not head_bias]

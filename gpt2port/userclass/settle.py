@@ -59,12 +59,16 @@ def settle(model: nn.Module, lay: UserLayout, candidates: list[dict], build: Cal
     tried = []
     for opts in candidates:
         cand, pk = build(opts)
+        if cand.reasons:  # this reading does not even fit the shapes
+            continue
         fill(model, cand.assignments, items, False)
         got = run(model, ids)
         rel = float((got - want).abs().max() / want.abs().max()) if got.shape == want.shape else float("inf")
         tried.append((rel, opts, cand, pk))
         if rel <= tol:
             break
+    if not tried:
+        raise GPT2PortError(f"{lay.model_name}: no reading of the class fits GPT-2's shapes")
     rel, opts, best, pk = min(tried, key=lambda x: x[0])
     if best is not tried[-1][2]:
         fill(model, best.assignments, items, False)
