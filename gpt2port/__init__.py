@@ -7,6 +7,13 @@ One function per command, importable from here (the CLI calls the same ones):
     gpt2port.export(ckpt, out, to="gpt2port" | "hf", dtype=None, force=False)               # checkpoint -> elsewhere
     gpt2port.verify(ckpt, reference=None, dtype=None, tokens=None, hf=True)                 # -> report.passed
     gpt2port.save(model, out, dtype=None, force=False)                                      # model in memory -> checkpoint
+
+Your own GPT class (gpt2port.userclass):
+
+    gpt2port.load_into(model, src, tie=None, crop_positions=False, drop_biases=False)       # GPT-2 -> your class
+    gpt2port.layout_of(model)                                                               # how it is read
+    gpt2port.verify_model(model, reference)                                                 # does it compute GPT-2?
+    gpt2port.save_from(model, out)                                                          # your class -> checkpoint
 """
 
 from gpt2port.checkpoint import load_tokenizer, save
@@ -15,9 +22,10 @@ from gpt2port.conversion import convert, export
 from gpt2port.errors import GPT2PortError
 from gpt2port.hub import download
 from gpt2port.model import GPT, KVCache
+from gpt2port.userclass import init_empty, layout_of, load_into, save_from
 from gpt2port.verification import run_verify as verify
 from gpt2port.verification import verify_model
 from gpt2port.version import __version__
 
 __all__ = ["GPT", "GPTConfig", "GPT2PortError", "KVCache", "__version__", "convert", "download", "export",
-           "load_tokenizer", "save", "verify", "verify_model"]
+           "init_empty", "layout_of", "load_into", "load_tokenizer", "save", "save_from", "verify", "verify_model"]

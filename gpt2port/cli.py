@@ -210,6 +210,28 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, quiet):
 
 
 @main.command()
+@click.argument("factory", metavar="FILE.py:FACTORY")
+@click.argument("ckpt", default="gpt2")
+@click.option("--reference", default=None, type=click.Path(path_type=str),
+              help="Hugging Face directory to verify against (default: CKPT's recorded source, or CKPT itself).")
+@click.option("--tokens", type=click.IntRange(min=2), default=64, show_default=True,
+              help="Length of the random-token inputs of the check.")
+@click.option("--no-hf", is_flag=True, help="Skip transformers (float64 reference only).")
+@_handle_errors
+def check(factory, ckpt, reference, tokens, no_hf):
+    """Build your own GPT class with FACTORY from FILE.py, load CKPT (default: gpt2) into it, and verify it.
+
+    Prints how each of its parameters was read as GPT-2, then the verdict: whether its logits match GPT-2's, and if
+    not, the first stage that differs and the known mistake that explains it. FACTORY is called with a config that
+    answers to the usual names (vocab_size, block_size, n_layer, n_head, n_embd, emb_dim, context_length, ...).
+    Exit code 0 when the class computes GPT-2.
+    """
+    from gpt2port.userclass.check import run_check
+
+    sys.exit(0 if run_check(factory, ckpt, reference, tokens, not no_hf, click.echo) else EXIT_FAILURE)
+
+
+@main.command()
 @click.argument("ckpt")
 @click.argument("prompt")
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=0), default=100, show_default=True,

@@ -9,5 +9,6 @@ Modules: names (the words for GPT-2's parts), observe (the module tree, tied par
 from gpt2port.userclass.load import LoadRefused, LoadReport, load_into
 from gpt2port.userclass.observe import init_empty
 from gpt2port.userclass.roles import layout_of
+from gpt2port.userclass.save import save_from
 
-__all__ = ["LoadRefused", "LoadReport", "init_empty", "layout_of", "load_into"]
+__all__ = ["LoadRefused", "LoadReport", "init_empty", "layout_of", "load_into", "save_from"]

@@ -9,6 +9,7 @@ valid), or into fresh tensors assigned to a model built on the meta device (peak
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,14 @@ from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.observe import Trace, probe_ids, trace
 from gpt2port.userclass.roles import infer
 from gpt2port.userclass.settle import bias_cost, context, reference_gpt, settle
+
+
+# model -> the report of the load that filled it: its settled layout serves verify_model and save_from later
+_LOADED: "weakref.WeakKeyDictionary[nn.Module, LoadReport]" = weakref.WeakKeyDictionary()
+
+
+def loaded(model: nn.Module) -> "LoadReport | None":
+    return _LOADED.get(model)
 
 
 class LoadRefused(GPT2PortError):
@@ -80,9 +89,11 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie)
         if lay.missing_biases and not drop_biases:
             reasons.append(_bias_reason(lay, src))
-        reasons += [f"{name}: a buffer on the meta device has no values; build the class under "
-                    f"gpt2port.init_empty() (parameters on meta, buffers real) or on the CPU"
-                    for name, b in model.named_buffers() if b.is_meta]
+        empty = [name for name, b in model.named_buffers() if b.is_meta]
+        if empty:
+            more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+            reasons.append(f"{empty[0]}{more}: a buffer on the meta device has no values; build the class under "
+                           f"gpt2port.init_empty() (parameters on meta, buffers real) or on the CPU")
         if reasons:
             raise LoadRefused(lay.model_name, reasons)
         lay = _retarget(lay, untied_source)
@@ -106,7 +117,9 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     if drop_biases and lay.missing_biases:
         notes.append("GPT-2's biases dropped on request (drop_biases=True): " + ", ".join(lay.missing_biases))
     cost = bias_cost(model, ref, config, lay) if drop_biases and lay.missing_biases else None
-    return LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0)
+    report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0)
+    _LOADED[model] = report
+    return report
 
 
 def _read_class(model: nn.Module, config: GPTConfig, crop: bool):

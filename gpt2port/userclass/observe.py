@@ -120,8 +120,8 @@ def trace(model: nn.Module, ids: torch.Tensor) -> Trace:
         if name:
             hooks.append(module.register_forward_hook(hook(name)))
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), evaluating(model):
-            call_logits(model, ids)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), evaluating(model), all_meta(model) as meta:
+            call_logits(model, ids.to("meta") if meta else ids)
     except Exception as e:  # the order is then the registration order; roles.py says so
         t.order.clear()
         t.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -129,6 +129,26 @@ def trace(model: nn.Module, ids: torch.Tensor) -> Trace:
         for h in hooks:
             h.remove()
     return t
+
+
+@contextlib.contextmanager
+def all_meta(model: nn.Module):
+    """A model whose parameters are on the meta device (built under init_empty) is traced on the meta device:
+    its real buffers are swapped for meta copies for the duration. Yields whether it is."""
+    if not any(p.is_meta for p in model.parameters()):
+        yield False
+        return
+    swapped = []
+    for m in model.modules():
+        for k, b in m._buffers.items():
+            if b is not None and not b.is_meta:
+                swapped.append((m, k, b))
+                m._buffers[k] = b.to("meta")
+    try:
+        yield True
+    finally:
+        for m, k, b in swapped:
+            m._buffers[k] = b
 
 
 @contextlib.contextmanager

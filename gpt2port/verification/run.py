@@ -76,9 +76,15 @@ def verify_model(model, reference, tokens: int | None = None, progress: bool = F
                  tokenizer_dir=None, hf: bool = True) -> VerifyReport:
     """Verify an in-memory model (computing in whatever dtype it has) against an HF checkpoint.
 
-    model: gpt2port's GPT, or any model behind a Stages adapter (verification/stages.py). reference: as for
-    run_verify.
+    model: gpt2port's GPT, a user's own GPT class (read as load_into filled it, see gpt2port.userclass), or any
+    model behind a Stages adapter (verification/stages.py). reference: as for run_verify.
     """
+    from gpt2port.model import GPT
+
+    if isinstance(model, torch.nn.Module) and not isinstance(model, GPT):  # a user's own class
+        from gpt2port.userclass.stages import stages_for
+
+        model = stages_for(model, reference)
     dirs = [Path(tokenizer_dir)] if tokenizer_dir else []
     return _verify(lambda: model, "<in-memory model>", reference, tokenizer_dirs=dirs, tokens=tokens,
                    progress=progress, known_answer=known_answer, use_hf=hf)

@@ -1,0 +1,140 @@
+"""A user's class as verify's Stages: each stage run through the class's own modules, found by its layout.
+
+Every stage is computed by the user's code, not re-implemented: the embeddings are what reaches block 0 in a
+forward pass (stopped there); a block's attention is its attention module's output when the block runs on the
+given input; its MLP is the MLP module's output when the block runs with the attention's output replaced by zeros
+(so the MLP's LayerNorm sees exactly the given residual stream); the final norm and head are their modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpt2port.errors import GPT2PortError
+from gpt2port.userclass.layout import UserLayout
+from gpt2port.userclass.observe import call_logits, first_tensor
+from gpt2port.verification.stages import Stages
+
+
+class _Stop(Exception):
+    """Raised from a hook once the wanted value is captured: the rest of the forward is not needed."""
+
+
+class ModelStages(Stages):
+    def __init__(self, model: nn.Module, layout: UserLayout):
+        cfg = layout.config
+        self.model, self.layout, self.mods = model, layout, layout.modules
+        self.module = model
+        self.n_layer, self.n_head, self.n_embd = cfg.n_layer, cfg.n_head, cfg.n_embd
+        self.vocab_size = cfg.vocab_size
+        pos = [a for a in layout.assignments if a.target == "pos_emb.weight"]
+        self.n_positions = self._param(pos[0].param).shape[-2] if pos else cfg.n_positions
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
+        self.n_params = sum(p.numel() for p in model.parameters())
+
+    def _param(self, name: str):
+        module, _, local = name.rpartition(".")
+        return getattr(self.model.get_submodule(module) if module else self.model, local)
+
+    def _sub(self, name: str | None) -> nn.Module | None:
+        return self.model.get_submodule(name) if name else None
+
+    def _block(self, i: int) -> nn.Module:
+        return self.model.get_submodule(self.mods.block(i))
+
+    def _inner(self, i: int, rel: str | None) -> nn.Module | None:
+        return self._sub(f"{self.mods.block(i)}.{rel}") if rel else None
+
+    def logits(self, ids, keep=None):
+        if keep is None:
+            return call_logits(self.model, ids)
+        blocks = [self._block(i) for i in range(self.n_layer)]
+        hooks = [blocks[0].register_forward_pre_hook(lambda m, args: keep(first_tensor(args).detach()))]
+        hooks += [b.register_forward_hook(lambda m, args, out: keep(first_tensor(out).detach())) for b in blocks]
+        try:
+            return call_logits(self.model, ids)
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _capture(self, run, module: nn.Module, replace: dict | None = None) -> torch.Tensor:
+        """What `module` returns while run() executes (stopped right there); `replace` maps modules to a function
+        of their output that replaces it."""
+        got = []
+
+        def grab(m, args, out):
+            got.append(first_tensor(out))
+            raise _Stop
+
+        hooks = [module.register_forward_hook(grab)]
+        hooks += [m.register_forward_hook(lambda mod, args, out, f=f: f(out)) for m, f in (replace or {}).items()]
+        try:
+            run()
+        except _Stop:
+            pass
+        finally:
+            for h in hooks:
+                h.remove()
+        if not got:
+            raise GPT2PortError(f"{type(module).__name__}: did not run during the stage")
+        return got[0]
+
+    def embeddings(self, ids):
+        got = []
+
+        def grab(m, args):
+            got.append(first_tensor(args))
+            raise _Stop
+
+        h = self._block(0).register_forward_pre_hook(grab)
+        try:
+            call_logits(self.model, ids)
+        except _Stop:
+            pass
+        finally:
+            h.remove()
+        return got[0]
+
+    def attention(self, layer, x):
+        block, attn = self._block(layer), self._inner(layer, self.mods.attn)
+        if attn is not None:
+            return self._capture(lambda: block(x), attn)
+        mlp = self._needed(self._inner(layer, self.mods.mlp), layer, "attention")
+        return self._capture(lambda: block(x), block, {mlp: torch.zeros_like}) - x
+
+    def mlp(self, layer, x):
+        block, mlp = self._block(layer), self._inner(layer, self.mods.mlp)
+        attn = self._needed(self._inner(layer, self.mods.attn), layer, "MLP")
+        if mlp is not None:
+            return self._capture(lambda: block(x), mlp, {attn: torch.zeros_like})
+        return self._capture(lambda: block(x), block, {attn: torch.zeros_like}) - x
+
+    def _needed(self, module, layer: int, what: str) -> nn.Module:
+        if module is None:
+            raise GPT2PortError(f"{self.mods.block(layer)}: attention and MLP are not modules of their own; its "
+                                f"{what} cannot be checked apart from the whole block")
+        return module
+
+    def final_norm(self, x):
+        return self._sub(self.mods.final_norm)(x)
+
+    def head(self, x):
+        head = self._sub(self.mods.head)
+        if head is not None:
+            return head(x)
+        wte = self._param(next(a.param for a in self.layout.assignments if a.target == "tok_emb.weight"))
+        return x @ wte.t()  # a head written inline as the tied embedding's transpose
+
+
+def stages_for(model: nn.Module, reference=None) -> ModelStages:
+    """A user's class as Stages: read the way load_into filled it, or else as the GPT-2 at `reference` is shaped."""
+    from gpt2port.userclass.load import loaded
+    from gpt2port.userclass.roles import layout_of
+
+    report = loaded(model)
+    lay = report.layout if report is not None else layout_of(model, None if hasattr(reference, "forward") else reference)
+    if lay.reasons:
+        raise GPT2PortError(f"{lay.model_name}: cannot be verified as GPT-2: {lay.reasons[0]}")
+    return ModelStages(model, lay)
