@@ -133,6 +133,8 @@ def block_template(lay: UserLayout, pk: Picker, us: list[Unit], prefix: str, tr:
         rows += _rows(lay, fc, "blocks.{}.mlp.fc", IDENTITY)
         rows += _rows(lay, proj, "blocks.{}.mlp.proj", IDENTITY)
         lay.modules.mlp = _common(prefix, [fc.unit.name, proj.unit.name])
+        if fc.unit.name != proj.unit.name:
+            lay.modules.mlp_in, lay.modules.mlp_out = _rel(prefix, fc.unit.name), _rel(prefix, proj.unit.name)
     else:
         lay.reasons.append(f"{prefix}: the MLP needs one ({F}, {C}) and one ({C}, {F}) weight; found "
                            f"{len(kinds['fc'])} and {len(kinds['proj'])}")

@@ -22,6 +22,8 @@ from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import canonical
 from gpt2port.sources import open_source
+from gpt2port.userclass import activation
+from gpt2port.userclass.activation import measure
 from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.observe import Trace, probe_ids, trace
 from gpt2port.userclass.roles import infer
@@ -86,7 +88,7 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         config = src.config
         lay, pk, tr = _read_class(model, config, crop_positions)
         untied_source = not getattr(config, "tie_word_embeddings", True)
-        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie)
+        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay, config)
         if lay.missing_biases and not drop_biases:
             reasons.append(_bias_reason(lay, src))
         empty = [name for name, b in model.named_buffers() if b.is_meta]
@@ -137,6 +139,20 @@ def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
         lay.assignments = [a if a.param != lay.head_param else Assignment(a.param, canonical.HEAD, a.transform)
                            for a in lay.assignments]
     return lay
+
+
+def _activation(model: nn.Module, lay: UserLayout, config: GPTConfig) -> list[str]:
+    """A refusal for an MLP activation that is not GELU; a note for the exact GELU in place of GPT-2's tanh one."""
+    found = measure(model, lay.modules, probe_ids(model, lay.config.vocab_size, min(8, context(model, lay, config))))
+    if found is None or found[0] == activation.GPT2:
+        return []
+    where = f"{lay.modules.block(0)}.{lay.modules.mlp or lay.modules.mlp_in}"
+    if found[0] == activation.ERF:
+        lay.notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
+                         f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
+        return []
+    return [f"{where}: the activation between the MLP's layers measures as {found[0]} (to {found[1]:.1g}); GPT-2 "
+            f"uses the tanh-approximated GELU"]
 
 
 def _head_reasons(lay: UserLayout, untied_source: bool, tie) -> list[str]:

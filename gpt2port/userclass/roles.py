@@ -46,6 +46,11 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
     if tuple(tok[2].shape) != (V, C) or C != cfg.n_embd:
         lay.reasons.append(f"{tok[0].full(tok[1])}: token embedding is {tuple(tok[2].shape)}, GPT-2 needs ({V}, "
                            f"{cfg.n_embd}); build the class with {_config_words(cfg)}")
+        # and whatever else keeps it from being a GPT-2 of any size, read at its own size
+        own, _ = infer(model, _own_config(model, tok, pos, kids, inner, C), tr, options, crop)
+        lay.reasons += own.reasons
+        lay.modules, lay.missing_biases, lay.missing_bias_targets = own.modules, own.missing_biases, \
+            own.missing_bias_targets
         return lay, pk
     lay.modules.embedding = tok[0].name
     lay.assignments.append(Assignment(tok[0].full(tok[1]), canonical.EMBEDDING))
