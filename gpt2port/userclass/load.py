@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gpt2port.checkpoint import resolve
+from gpt2port.checkpoint import is_checkpoint, load_state, resolve
+from gpt2port.layouts import GPT2PORT
 from gpt2port.config import GPTConfig
 from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
@@ -101,7 +102,8 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         lay = _retarget(lay, untied_source)
         candidates = pk.combinations()
         keep = len(candidates) > 1 or drop_biases
-        kept = fill(model, lay.assignments, canonical_items(src, dtype=None), keep)
+        items, shared = _items(model, src)
+        kept = fill(model, lay.assignments, items, keep, shared)
     ref = reference_gpt(config, kept) if keep else None
     if len(candidates) > 1:
         def build(opts):
@@ -122,6 +124,16 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0)
     _LOADED[model] = report
     return report
+
+
+def _items(model: nn.Module, src) -> tuple[list, bool]:
+    """The source's canonical tensors, streamed; or, for a model built on the meta device from a gpt2port
+    checkpoint, the checkpoint's own memory-mapped tensors, which parameters can then share instead of copying
+    (copy-on-write, as GPT.from_pretrained loads: changing them never writes to the file)."""
+    if src.layout is GPT2PORT and is_checkpoint(src.root) and any(p.is_meta for p in model.parameters()):
+        _, _, mapped = load_state(src.root)
+        return [(k, t.dtype, tuple(t.shape), (lambda t=t: t)) for k, t in mapped.items()], True
+    return canonical_items(src, dtype=None), False
 
 
 def _read_class(model: nn.Module, config: GPTConfig, crop: bool):
@@ -196,9 +208,11 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 
 @torch.no_grad()
-def fill(model: nn.Module, assignments: list[Assignment], items, keep: bool) -> dict[str, torch.Tensor]:
-    """Copy each canonical tensor, as it streams by, into every parameter that holds it. Returns the canonical
-    tensors when `keep` (to compare candidates against gpt2port's own GPT), else {}."""
+def fill(model: nn.Module, assignments: list[Assignment], items, keep: bool,
+         shared: bool = False) -> dict[str, torch.Tensor]:
+    """Copy each canonical tensor, as it streams by, into every parameter that holds it (`shared`: the tensors are
+    the checkpoint's own mapped ones, which a parameter on the meta device may take as they are). Returns the
+    canonical tensors when `keep` (to compare candidates against gpt2port's own GPT), else {}."""
     by_target: dict[str | None, list[Assignment]] = {}
     for a in assignments:
         by_target.setdefault(a.target, []).append(a)
@@ -210,7 +224,7 @@ def fill(model: nn.Module, assignments: list[Assignment], items, keep: bool) -> 
             continue
         t = produce()
         for a in rows:
-            put(model, owners, a.param, a.transform.to_layout(t))
+            put(model, owners, a.param, a.transform.to_layout(t), shared and len(rows) == 1)
         if keep:
             kept[key] = t.clone()
     for a in by_target.get(None, []):
@@ -219,7 +233,9 @@ def fill(model: nn.Module, assignments: list[Assignment], items, keep: bool) -> 
     return kept
 
 
-def put(model: nn.Module, owners: dict, name: str, value: torch.Tensor) -> None:
+def put(model: nn.Module, owners: dict, name: str, value: torch.Tensor, shared: bool = False) -> None:
+    """Copy `value` into the parameter `name`; a parameter on the meta device gets a tensor of its own (or, when
+    `shared`, `value` itself where it already has the right dtype and memory layout)."""
     p = _param(model, name)
     if tuple(p.shape) != tuple(value.shape):
         raise GPT2PortError(f"{name}: the class's parameter is {tuple(p.shape)}, GPT-2's tensor for it is "
@@ -227,7 +243,9 @@ def put(model: nn.Module, owners: dict, name: str, value: torch.Tensor) -> None:
     if not p.is_meta:
         p.copy_(value)
         return
-    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype).copy_(value), requires_grad=p.requires_grad)
+    if not (shared and value.dtype == p.dtype and value.is_contiguous()):
+        value = torch.empty(p.shape, dtype=p.dtype).copy_(value)
+    new = nn.Parameter(value, requires_grad=p.requires_grad)
     for module, attr in owners.pop(id(p)):
         module._parameters[attr] = new
     owners[id(new)] = [(m, a) for m, a in _owners_of(model, new)]
