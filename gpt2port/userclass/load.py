@@ -87,7 +87,8 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     path = source_path(source)
     with open_source(path) as src:
         config = src.config
-        lay, pk, tr = _read_class(model, config, crop_positions)
+        meta = any(p.is_meta for p in model.parameters())
+        lay, pk, tr = _read_class(model, config, crop_positions, run=not meta)
         untied_source = not getattr(config, "tie_word_embeddings", True)
         reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay, config)
         if lay.missing_biases and not drop_biases:
@@ -104,6 +105,13 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         keep = len(candidates) > 1 or drop_biases
         items, shared = _items(model, src)
         kept = fill(model, lay.assignments, items, keep, shared)
+        if meta:  # it can run now: read it again with the order its modules run in, and refill if that differs
+            tr = trace(model, probe_ids(model, config.vocab_size, min(8, context(model, lay, config))))
+            again = _retarget(infer(model, config, tr, crop=crop_positions)[0], untied_source)
+            if not again.reasons:
+                if again.assignments != lay.assignments:
+                    kept = fill(model, again.assignments, canonical_items(src, dtype=None), keep)
+                lay = again
     ref = reference_gpt(config, kept) if keep else None
     if len(candidates) > 1:
         def build(opts):
@@ -136,10 +144,13 @@ def _items(model: nn.Module, src) -> tuple[list, bool]:
     return canonical_items(src, dtype=None), False
 
 
-def _read_class(model: nn.Module, config: GPTConfig, crop: bool):
+def _read_class(model: nn.Module, config: GPTConfig, crop: bool, run: bool):
     """(layout, its open choices, the trace): read once without running the class, for the context it takes,
-    then again with the order its modules run in on an input that fits."""
-    lay, _ = infer(model, config, Trace(error="not run"), crop=crop)
+    then again with the order its modules run in on an input that fits. A class on the meta device is not run
+    (on meta tensors PyTorch decomposes every op: seconds at 1.5B); load_into reads it again once filled."""
+    lay, pk = infer(model, config, Trace(error="not run yet"), crop=crop)
+    if not run:
+        return lay, pk, None
     tr = trace(model, probe_ids(model, config.vocab_size, min(8, context(model, lay, config))))
     lay, pk = infer(model, config, tr, crop=crop)
     return lay, pk, tr
@@ -246,9 +257,10 @@ def put(model: nn.Module, owners: dict, name: str, value: torch.Tensor, shared: 
     if not (shared and value.dtype == p.dtype and value.is_contiguous()):
         value = torch.empty(p.shape, dtype=p.dtype).copy_(value)
     new = nn.Parameter(value, requires_grad=p.requires_grad)
-    for module, attr in owners.pop(id(p)):
+    pairs = owners.pop(id(p))
+    for module, attr in pairs:
         module._parameters[attr] = new
-    owners[id(new)] = [(m, a) for m, a in _owners_of(model, new)]
+    owners[id(new)] = pairs
 
 
 def _owners_of(model: nn.Module, p) -> list[tuple[nn.Module, str]]:
