@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gpt2port.userclass.layout import Modules
+from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.observe import call_logits, evaluating, first_tensor
 
 GPT2 = "tanh-approximated GELU"
@@ -26,29 +26,53 @@ ACTIVATIONS = {
 
 
 @torch.no_grad()
-def measure(model: nn.Module, mods: Modules, ids: torch.Tensor) -> tuple[str, float] | None:
-    """(the activation that explains block 0's MLP best, its relative error), or None where it cannot be measured
-    (no separate MLP layers, or weights without values on the meta device)."""
-    if not (mods.mlp_in and mods.mlp_out) or any(p.is_meta for p in model.parameters()):
+def measure(model: nn.Module, lay: UserLayout, ids: torch.Tensor) -> dict[str, float] | None:
+    """How far each known activation is from explaining block 0's MLP (relative error), or None where it cannot
+    be measured
+    (the MLP is not a module of its own, or the weights have no values on the meta device).
+
+    The MLP module's input and output are captured on one forward pass; its output is then recomputed from its
+    own weights (as the layout reads them) with each candidate activation."""
+    mods = lay.modules
+    if not mods.mlp or any(p.is_meta for p in model.parameters()):
         return None
-    block = mods.block(0)
-    first, second = (model.get_submodule(f"{block}.{n}") for n in (mods.mlp_in, mods.mlp_out))
+    weights = _mlp_weights(model, lay)
+    if weights is None:
+        return None
+    module = model.get_submodule(f"{mods.block(0)}.{mods.mlp}")
     got: dict[str, torch.Tensor] = {}
-    hooks = [first.register_forward_hook(lambda m, a, out: got.setdefault("pre", first_tensor(out))),
-             second.register_forward_pre_hook(lambda m, a: got.setdefault("post", first_tensor(a)))]
+    def keep(m, args, out):  # returns None: a forward hook that returns a value replaces the output
+        got.setdefault("io", (first_tensor(args), first_tensor(out)))
+
+    hook = module.register_forward_hook(keep)
     try:
         with torch.random.fork_rng(devices=[]), evaluating(model):
             call_logits(model, ids)
     except Exception:  # noqa: BLE001 - a class that cannot run here is judged on its shapes alone
         return None
     finally:
-        for h in hooks:
-            h.remove()
-    pre, post = got.get("pre"), got.get("post")
-    if pre is None or post is None or pre.shape != post.shape:
+        hook.remove()
+    if "io" not in got or got["io"][0] is None or got["io"][1] is None:
         return None
-    pre, post = pre.double(), post.double()
-    scale = float(post.abs().max()) or 1.0
-    errors = {name: float((f(pre) - post).abs().max()) / scale for name, f in ACTIVATIONS.items()}
-    best = min(errors, key=errors.get)
-    return best, errors[best]
+    x, y = (t.double() for t in got["io"])
+    w1, b1, w2, b2 = weights
+    scale = float(y.abs().max()) or 1.0
+    return {name: float(((f(x @ w1.t() + b1) @ w2.t() + b2) - y).abs().max()) / scale
+            for name, f in ACTIVATIONS.items()}
+
+
+def _mlp_weights(model: nn.Module, lay: UserLayout):
+    """Block 0's MLP weights (out, in) and biases (zeros where the class has none), in float64."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    found = {a.target: a for a in lay.assignments if a.target and a.target.startswith("blocks.0.mlp.")}
+    out = []
+    for layer in ("fc", "proj"):
+        w = found.get(f"blocks.0.mlp.{layer}.weight")
+        if w is None:
+            return None
+        weight = params[w.param].detach().double()
+        weight = weight.t() if w.transform.name == "transpose" else weight
+        b = found.get(f"blocks.0.mlp.{layer}.bias")
+        bias = params[b.param].detach().double() if b else weight.new_zeros(weight.shape[0])
+        out += [weight, bias]
+    return out

@@ -61,7 +61,11 @@ class Lin:
         return (self.unit.name.rsplit(".", 1)[-1], stem(self.weight))
 
     def label(self) -> str:
-        return self.weight if len(self.unit.params) > 2 else self.unit.name.rsplit(".", 1)[-1]
+        if len(self.unit.params) > 2:
+            return self.weight
+        bits = self.unit.name.split(".")
+        return ".".join(bits[-2:]) if bits[-1].isdigit() else bits[-1]  # 'lin.0' rather than '0'
+
 
 
 def norm_assignments(pk: Picker, what: str, u: Unit, prefix: str) -> list[Assignment]:
@@ -133,8 +137,6 @@ def block_template(lay: UserLayout, pk: Picker, us: list[Unit], prefix: str, tr:
         rows += _rows(lay, fc, "blocks.{}.mlp.fc", IDENTITY)
         rows += _rows(lay, proj, "blocks.{}.mlp.proj", IDENTITY)
         lay.modules.mlp = _common(prefix, [fc.unit.name, proj.unit.name])
-        if fc.unit.name != proj.unit.name:
-            lay.modules.mlp_in, lay.modules.mlp_out = _rel(prefix, fc.unit.name), _rel(prefix, proj.unit.name)
     else:
         lay.reasons.append(f"{prefix}: the MLP needs one ({F}, {C}) and one ({C}, {F}) weight; found "
                            f"{len(kinds['fc'])} and {len(kinds['proj'])}")

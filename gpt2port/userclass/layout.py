@@ -44,8 +44,6 @@ class Modules:
     embedding: str | None = None
     attn: str | None = None
     mlp: str | None = None
-    mlp_in: str | None = None  # the MLP's two layers (when apart), for measuring the activation between them
-    mlp_out: str | None = None
     ln1: str | None = None
     ln2: str | None = None
     final_norm: str | None = None

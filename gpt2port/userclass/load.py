@@ -165,17 +165,22 @@ def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
 
 
 def _activation(model: nn.Module, lay: UserLayout, config: GPTConfig) -> list[str]:
-    """A refusal for an MLP activation that is not GELU; a note for the exact GELU in place of GPT-2's tanh one."""
-    found = measure(model, lay.modules, probe_ids(model, lay.config.vocab_size, min(8, context(model, lay, config))))
-    if found is None or found[0] == activation.GPT2:
+    """A refusal for an MLP whose activation is not GELU; a note for the exact GELU in place of GPT-2's tanh one."""
+    found = measure(model, lay, probe_ids(model, lay.config.vocab_size, min(8, context(model, lay, config))))
+    if found is None:
         return []
-    where = f"{lay.modules.block(0)}.{lay.modules.mlp or lay.modules.mlp_in}"
-    if found[0] == activation.ERF:
+    errors, tol = found, 2e-2 if next(model.parameters()).dtype in (torch.float16, torch.bfloat16) else 1e-4
+    best = min(errors, key=errors.get)
+    if errors[activation.GPT2] <= tol:
+        return []
+    where = f"{lay.modules.block(0)}.{lay.modules.mlp}"
+    if best == activation.ERF and errors[best] <= tol:
         lay.notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
                          f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
         return []
-    return [f"{where}: the activation between the MLP's layers measures as {found[0]} (to {found[1]:.1g}); GPT-2 "
-            f"uses the tanh-approximated GELU"]
+    said = f"measures as {best} (to {errors[best]:.1g})" if errors[best] <= tol else \
+        f"matches no known activation (closest: {best}, off by {errors[best]:.2g})"
+    return [f"{where}: the activation between the MLP's layers {said}; GPT-2 uses the tanh-approximated GELU"]
 
 
 def _head_reasons(lay: UserLayout, untied_source: bool, tie) -> list[str]:

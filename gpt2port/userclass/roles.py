@@ -51,6 +51,7 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
         lay.reasons += own.reasons
         lay.modules, lay.missing_biases, lay.missing_bias_targets = own.modules, own.missing_biases, \
             own.missing_bias_targets
+        lay.assignments = own.assignments  # never loaded (refused); read for measuring its activation
         return lay, pk
     lay.modules.embedding = tok[0].name
     lay.assignments.append(Assignment(tok[0].full(tok[1]), canonical.EMBEDDING))
