@@ -69,6 +69,12 @@ class Source:
         self.close()
 
 
+def source_path(source) -> Path:
+    """A path as it is; a model NAME as its converted checkpoint under ./checkpoints."""
+    path = Path(source)
+    return path if path.exists() else checkpoint.resolve(source)
+
+
 def open_source(path: str | Path) -> Source:
     path = Path(path)
     if path.is_dir():

@@ -105,8 +105,8 @@ def build(factory, config: GPTConfig, size_name: str | None) -> nn.Module:
 def run_check(spec: str, ckpt: str, reference=None, tokens: int = 64, hf: bool = True, say=print) -> bool:
     """The whole check, printed through `say`; True when the class computes GPT-2."""
     from gpt2port.checkpoint import is_checkpoint, read_manifest
-    from gpt2port.sources import open_source
-    from gpt2port.userclass.load import LoadRefused, load_into, source_path
+    from gpt2port.sources import open_source, source_path
+    from gpt2port.userclass.load import LoadRefused, load_into
     from gpt2port.userclass.roles import layout_of
     from gpt2port.verification.run import verify_model
 

@@ -11,18 +11,17 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from gpt2port.checkpoint import is_checkpoint, load_state, resolve
+from gpt2port.checkpoint import is_checkpoint, load_state
 from gpt2port.layouts import GPT2PORT
 from gpt2port.config import GPTConfig
 from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import canonical
-from gpt2port.sources import open_source
+from gpt2port.sources import open_source, source_path
 from gpt2port.userclass import activation
 from gpt2port.userclass.activation import measure
 from gpt2port.userclass.layout import Assignment, UserLayout
@@ -65,12 +64,6 @@ class LoadReport:
                          f"KL {c['kl_mean']:.3g}, top-1 agreement {c['top1']:.1%}, greedy agreement "
                          f"{c['greedy_agreement']:.1%} over {c['greedy_tokens']} tokens")
         return "\n".join(lines)
-
-
-def source_path(source) -> Path:
-    """A path as it is; a model NAME as its converted checkpoint under ./checkpoints."""
-    path = Path(source)
-    return path if path.exists() else resolve(source)
 
 
 def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positions: bool = False,

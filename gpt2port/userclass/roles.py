@@ -216,8 +216,7 @@ def layout_of(model: nn.Module, config: GPTConfig | str | None = None) -> UserLa
     if isinstance(config, str) and is_known_name(config):
         config = GPTConfig.preset(config)
     elif config is not None and not isinstance(config, GPTConfig):
-        from gpt2port.sources import open_source
-        from gpt2port.userclass.load import source_path
+        from gpt2port.sources import open_source, source_path
 
         with open_source(source_path(config)) as src:
             config = src.config
