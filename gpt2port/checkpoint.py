@@ -1,6 +1,7 @@
 """A gpt2port checkpoint directory: where it is, what it holds, reading its tensors mapped, writing one whole.
 
-Layout: model.safetensors (canonical names, the tied head stored once, metadata tagging the format version),
+Layout: model.safetensors (canonical names, the tied head stored once (an untied one as lm_head.weight), metadata
+tagging the format version: see layouts/gpt2port.py),
 config.json (GPTConfig fields plus a format tag), the tokenizer files, manifest.json (provenance).
 This module knows nothing of the model class: it hands out a config and tensors, and takes any module whose
 state_dict holds the canonical names.
@@ -22,8 +23,8 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
 from gpt2port.fsio import copy_file, refuse_overlap, staged_directory, write_json
-from gpt2port.layouts import GPT2PORT, canonical
-from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
+from gpt2port.layouts import canonical
+from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE, metadata_for
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
 from gpt2port.version import __version__
 
@@ -87,7 +88,10 @@ def read_config(ckpt_dir: Path) -> GPTConfig:
 
 
 def config_json(config: GPTConfig) -> dict:
-    return {"format": CONFIG_FORMAT, "format_version": 1, "model": config.to_dict()}
+    model = config.to_dict()
+    if model.pop("tie_word_embeddings"):  # said only when false (v2): a tied model's config.json is as v1 wrote it
+        return {"format": CONFIG_FORMAT, "format_version": 1, "model": model}
+    return {"format": CONFIG_FORMAT, "format_version": 2, "model": {**model, "tie_word_embeddings": False}}
 
 
 def read_manifest(ckpt_dir: Path) -> dict:
@@ -140,7 +144,7 @@ def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict], t
     meanwhile). Returns the size of the weights file.
     """
     with staged_directory(out, force) as stage:
-        stream_safetensors(stage / WEIGHTS, items, dict(GPT2PORT.metadata), progress)
+        stream_safetensors(stage / WEIGHTS, items, metadata_for(config), progress)
         write_json(stage / CONFIG, config_json(config))
         for f in tokenizer_files:
             copy_file(f, stage / f.name)
@@ -180,32 +184,43 @@ def _now() -> str:
 def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from: str | Path | None = None) -> Path:
     """Write a model in memory (gpt2port's GPT, or any module whose state_dict has the canonical names and a
     `config`) as a checkpoint. A model loaded with from_pretrained and saved unchanged gives the same weights
-    file, byte for byte; its provenance and tokenizer files are carried over."""
-    out = Path(out)
+    file, byte for byte; its provenance and tokenizer files are carried over. A model with its own head
+    (tie_word_embeddings False) keeps it (format gpt2port/v2)."""
     config = model.config
     state = model.state_dict()
-    shapes = canonical.shapes(config)
-    missing = [k for k in shapes if k not in state]
+    missing = [k for k in canonical.shapes(config) if k not in state]
     if missing:
         raise GPT2PortError(f"{type(model).__name__}: has no {', '.join(missing[:5])}; save() writes gpt2port's "
-                            f"own model (for another class, use its layout)")
-    head = state.get(canonical.HEAD)
-    if head is not None and head is not state[canonical.EMBEDDING] and not torch.equal(head, state[canonical.EMBEDDING]):
-        raise GPT2PortError(f"{type(model).__name__}: lm_head is no longer tied to the token embedding; a gpt2port "
-                            f"checkpoint stores the head as the embedding, so saving would change the model")
+                            f"own model (for another class, use gpt2port.save_from)")
+    if config.tie_word_embeddings:
+        head = state.get(canonical.HEAD)
+        if head is not None and head is not state[canonical.EMBEDDING] and \
+                not torch.equal(head, state[canonical.EMBEDDING]):
+            raise GPT2PortError(f"{type(model).__name__}: lm_head is no longer tied to the token embedding, but its "
+                                f"config says tied; set config.tie_word_embeddings = False to keep the head apart")
+    return save_state(state, config, out, dtype=dtype, force=force, origin=getattr(model, "checkpoint_dir", None),
+                      tokenizer_from=tokenizer_from, kind=f"in-memory {type(model).__name__}")
+
+
+def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Path, *, dtype=None,
+               force: bool = False, origin: Path | None = None, tokenizer_from: str | Path | None = None,
+               kind: str = "in-memory model") -> Path:
+    """Write canonical tensors as a checkpoint. origin: the checkpoint they were loaded from (its provenance and
+    tokenizer carry over, its tensor order is kept); tokenizer_from: where the tokenizer files are otherwise."""
+    out = Path(out)
+    shapes = canonical.shapes(config)
     out_dtype = parse_dtype(dtype) or state[canonical.EMBEDDING].dtype
     if out_dtype not in DTYPE_LABELS:
-        raise GPT2PortError(f"{type(model).__name__}: parameters are {out_dtype}; pass dtype fp32, fp16 or bf16")
-    origin = getattr(model, "checkpoint_dir", None)
+        raise GPT2PortError(f"{kind}: parameters are {out_dtype}; pass dtype fp32, fp16 or bf16")
     tok_dir = Path(tokenizer_from) if tokenizer_from is not None else origin
     tokenizer_files = [tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()] if tok_dir else []
     if origin is not None and (Path(origin) / MANIFEST).is_file():
         prov = derived_manifest(read_manifest(Path(origin)), out_dtype, "saves", str(Path(origin).resolve()))
     else:
-        prov = manifest(out_dtype, config, {"path": None, "kind": f"in-memory {type(model).__name__}"})
+        prov = manifest(out_dtype, config, {"path": None, "kind": kind})
     # Saving over the checkpoint a model was loaded from (with force) is safe: its tensors map a file that stays
     # readable until the new one is in place. Inside or around it is not.
-    if origin is not None and Path(out).resolve() != Path(origin).resolve():
+    if origin is not None and out.resolve() != Path(origin).resolve():
         refuse_overlap(out, Path(origin), "the checkpoint the model was loaded from")
     order = _stored_order(origin, shapes)
     items = [(name, out_dtype, shapes[name], (lambda t=state[name]: t)) for name in order]

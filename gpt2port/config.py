@@ -23,6 +23,9 @@ class GPTConfig:
     activation: str = "gelu_new"  # GPT-2 uses the tanh approximation of GELU, not the exact erf form
     scale_attn_weights: bool = True  # divide attention scores by sqrt(head_dim), as GPT-2 does
     dropout: float = 0.0  # for fine-tuning only; pretrained inference is deterministic with 0
+    # GPT-2 ties its head to the token embedding; a model fine-tuned with its own head (a user's untied class) is
+    # kept as it is: False stores lm_head.weight apart (checkpoint format gpt2port/v2).
+    tie_word_embeddings: bool = True
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -77,6 +80,7 @@ class GPTConfig:
                 layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
                 activation=activation,
                 scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
             )
         except KeyError as e:
             raise GPT2PortError(f"{source}: missing required field {e.args[0]!r}") from None
@@ -101,7 +105,7 @@ class GPTConfig:
             "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False,
             "add_cross_attention": False,
-            "tie_word_embeddings": True,
+            "tie_word_embeddings": self.tie_word_embeddings,
             "attn_pdrop": 0.1,
             "embd_pdrop": 0.1,
             "resid_pdrop": 0.1,

@@ -220,7 +220,8 @@ def _write_gguf(job: Job) -> int:
     if not files:
         raise GPT2PortError(f"{job.source.root}: no tokenizer files beside the weights; a GGUF must embed one")
     items = list(job.items)
-    if job.options.get("output_tensor"):  # the tied head once more, under the name older loaders require
+    if job.options.get("output_tensor") and job.source.config.tie_word_embeddings:
+        # the tied head once more, under the name older loaders require (an untied head is written anyway)
         _, dtype, shape, produce = next(i for i in items if i[0] == GGUF.key_for(canonical.EMBEDDING))
         items.append((GGUF.untied_head, dtype, shape, produce))
     encoding = job.options.get("encoding") or DTYPE_LABELS[job.dtype]

@@ -39,7 +39,7 @@ def checkpoint_info(ckpt) -> dict:
 
 
 def parameter_ledger(shapes: dict[str, tuple[int, ...]], n_layer: int) -> list[dict]:
-    """Rows of (part, params), the way from-scratch GPT write-ups count them by hand; the tied head counts 0
+    """Rows of (part, params), the way from-scratch GPT write-ups count them by hand; a tied head counts 0
     because it is wte itself."""
     numel = {name: math.prod(shape) for name, shape in shapes.items()}
     ledger = [{"part": label, "params": sum(numel[k] for k in keys)} for label, keys in TOP_ROWS_BEFORE]
@@ -48,7 +48,9 @@ def parameter_ledger(shapes: dict[str, tuple[int, ...]], n_layer: int) -> list[d
     ledger.append({"part": f"{n_layer} blocks", "params": block_total, "per_block": per_block,
                    "per_block_total": sum(r["params"] for r in per_block)})
     ledger += [{"part": label, "params": sum(numel[k] for k in keys)} for label, keys in TOP_ROWS_AFTER]
-    ledger.append({"part": "lm_head (tied to wte)", "params": 0})
+    head = numel.get("lm_head.weight")  # present only when the head is untied
+    ledger.append({"part": "lm_head (tied to wte)", "params": 0} if head is None else
+                  {"part": "lm_head (untied)", "params": head})
     return ledger
 
 

@@ -135,7 +135,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.tok_emb.weight  # tied: one Parameter, stored and counted once
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.tok_emb.weight  # tied: one Parameter, stored and counted once
         if self.tok_emb.weight.device.type != "meta":
             self._init_weights()
 
@@ -153,7 +154,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def num_params(self) -> int:
-        """Parameters counted once each: the tied head adds nothing to the token embedding."""
+        """Parameters counted once each: a tied head adds nothing to the token embedding."""
         return sum(p.numel() for p in self.parameters())
 
     def embed(self, idx: torch.Tensor, start_pos: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,9 +196,12 @@ class GPT(nn.Module):
         ckpt_dir, config, state = load_state(path, dtype=dtype, device=device)
         with torch.device("meta"):
             model = cls(config)
-        state["lm_head.weight"] = state["tok_emb.weight"]
+        tied = config.tie_word_embeddings
+        if tied:
+            state["lm_head.weight"] = state["tok_emb.weight"]
         model.load_state_dict(state, assign=True, strict=True)
-        model.lm_head.weight = model.tok_emb.weight  # assign made two Parameters of one tensor; make them one
+        if tied:
+            model.lm_head.weight = model.tok_emb.weight  # assign made two Parameters of one tensor; make them one
         model.checkpoint_dir = ckpt_dir
         return model.eval()
 

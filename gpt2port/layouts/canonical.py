@@ -1,7 +1,8 @@
 """The canonical GPT-2 tensor set: every tensor a GPT-2 has, once, with its shape, in nn.Linear (out, in) layout.
 
 Canonical names are gpt2port's own parameter names (so gpt2port's layout is the identity table); every other layout
-is a table over these. The head is tied to the token embedding: it is one tensor, stored once, as tok_emb.weight.
+is a table over these. GPT-2's head is tied to the token embedding: one tensor, stored once, as tok_emb.weight; a
+model with its own head (tie_word_embeddings False) has HEAD as one more tensor, last.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from gpt2port.config import GPTConfig
 
 EMBEDDING = "tok_emb.weight"
 POSITIONS = "pos_emb.weight"
-HEAD = "lm_head.weight"  # the model's name for the tied head; never stored
+HEAD = "lm_head.weight"  # the head: stored only when untied (tie_word_embeddings False), after everything else
 MLP_IN = "blocks.{}.mlp.fc.weight"  # its rows are the MLP width
 QKV = "blocks.{}.attn.qkv.weight"
 
@@ -48,6 +49,8 @@ def shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.n_layer):
         out.update({name.format(i): shape(spec) for name, spec in _PER_BLOCK})
     out.update({name: shape(spec) for name, spec in _TOP_AFTER})
+    if not config.tie_word_embeddings:
+        out[HEAD] = shape("V C")
     return out
 
 

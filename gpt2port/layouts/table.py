@@ -58,7 +58,9 @@ class Layout:
     dropped: frozenset[str] = frozenset()  # templates of keys that carry nothing (e.g. causal-mask buffers)
     read_prefixes: tuple[str, ...] = ()  # prefixes a file may put before every key; stripped on read
     write_prefix: str = ""
-    untied_head: str | None = None  # a stored copy of the head, accepted on read only if it equals the embedding
+    # The head's key when a file stores it: for a tied model (GPT-2) a copy, accepted on read only if it equals the
+    # embedding; for an untied one (tie_word_embeddings False) the head itself, read and written under this key.
+    untied_head: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)  # safetensors metadata this layout writes
     # A format that fixes where each tensor lies (llm.c: grouped by kind across layers) orders plan_write's list
     # itself; None lets a conversion write in the order the source's bytes lie.
@@ -116,7 +118,11 @@ class Layout:
         for key in keys:
             bare = self.strip(key)
             if bare == self.untied_head:
-                head = key
+                if config.tie_word_embeddings:  # GPT-2's tied head, stored once more: checked equal to the embedding
+                    head = key
+                else:  # a head of its own
+                    seen[(canonical.HEAD, IDENTITY.name)] = key
+                    reads.append(Read(key, canonical.HEAD, IDENTITY))
                 continue
             tpl, idx = template(bare)
             if any(i >= config.n_layer for i in idx[:1]):
@@ -136,6 +142,8 @@ class Layout:
         if unknown:
             raise GPT2PortError(f"{where}: unexpected keys: {short_list(unknown)}")
         missing = [key for name in canonical.shapes(config) for key in self._missing(name, seen)]
+        if not config.tie_word_embeddings and (canonical.HEAD, IDENTITY.name) not in seen:
+            missing.append(self.untied_head or canonical.HEAD)
         if missing:
             raise GPT2PortError(f"{where}: missing keys: {short_list(missing)}")
         return reads, dropped, head
@@ -156,6 +164,11 @@ class Layout:
                 if row.canonical == tpl:
                     out.append(Write(self.write_prefix + row.key.format(*idx), name, row.transform,
                                      row.transform.layout_shape(shape)))
+        if not config.tie_word_embeddings:
+            if self.untied_head is None:
+                raise GPT2PortError(f"the {self.name} layout has no place for a head apart from the token embedding "
+                                    f"(this model's head is untied); it cannot be written without changing the model")
+            out.append(Write(self.untied_head, canonical.HEAD, IDENTITY, canonical.shapes(config)[canonical.HEAD]))
         return out
 
 
