@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from gpt2port.verification.diagnose import describe, diagnose, eval_mode
 from gpt2port.verification.metrics import CHUNK, absmax, max_errors, ratio
 from gpt2port.verification.reference import Stage
 from gpt2port.verification.stages import Stages
@@ -15,17 +16,30 @@ class Localizer:
     """Observer of Float64GPT2.forward: records the error of every stage of ours, and of ours' own residual stream.
 
     streams[k] is ours' residual stream on input k as Stages.logits captured it (after the embeddings, then after
-    each block); head() judges the head once the reference's logits exist.
+    each block); head() judges the head once the reference's logits exist. The first stage that differs is
+    diagnosed (diagnose.py) while its inputs and weights are at hand.
     """
 
-    def __init__(self, stages: Stages, inputs, streams: list[list[torch.Tensor]], tol: float):
-        self.ours, self.inputs, self.streams, self.tol = stages, inputs, streams, tol
+    def __init__(self, stages: Stages, inputs, streams: list[list[torch.Tensor]], tol: float, ref=None):
+        self.ours, self.inputs, self.streams, self.tol, self.ref = stages, inputs, streams, tol, ref
         self.stages: list[dict] = []
         self.stream: list[dict] = []
         self.finals: list[torch.Tensor] = []
+        self.diagnosis: dict | None = None
 
-    def _record(self, stage: str, block, part, pairs) -> None:
-        self._store(stage, block, part, *max_errors(pairs))
+    def _judge(self, st: Stage, stage: str, block, part: str, run, xs, refs) -> None:
+        """Run ours' stage on each reference input, record its error; diagnose the first one that fails."""
+        dt = self.ours.dtype
+        outs = [run(x.to(dt) if x.is_floating_point() else x) for x in xs]
+        self._store(stage, block, part, *max_errors(list(zip(outs, refs))))
+        if self.stages[-1]["passed"] or self.diagnosis is not None or self.ref is None:
+            return
+        module = getattr(self.ours, "module", None)
+        def in_eval():
+            with torch.random.fork_rng(devices=[]), eval_mode(module):
+                return [run(x.to(dt) if x.is_floating_point() else x) for x in xs]
+        rerun = in_eval if module is not None and module.training else None
+        self.diagnosis = diagnose(self.ref, st, part, xs, outs, self.tol, [i.ids for i in self.inputs], rerun)
 
     def _store(self, stage: str, block, part, max_abs: float, rel: float) -> None:
         self.stages.append({"stage": stage, "block": block, "part": part, "max_abs": max_abs, "rel": rel,
@@ -37,20 +51,17 @@ class Localizer:
 
     @torch.no_grad()
     def observe(self, st: Stage) -> None:
-        ours, v, dt = self.ours, st.values, self.ours.dtype
+        ours, v = self.ours, st.values
         if st.kind == "embeddings":
-            self._record("embeddings", None, "embeddings",
-                         [(ours.embeddings(i.ids), r) for i, r in zip(self.inputs, v["out"])])
+            self._judge(st, "embeddings", None, "embeddings", ours.embeddings, [i.ids for i in self.inputs], v["out"])
             self._drift(None, 0, v["out"])
         elif st.kind == "block":
             i = st.layer
-            self._record(f"block {i} attention", i, "attention",
-                         [(ours.attention(i, x.to(dt)), r) for x, r in zip(v["in"], v["attn"])])
-            self._record(f"block {i} MLP", i, "mlp", [(ours.mlp(i, x.to(dt)), r) for x, r in zip(v["mid"], v["mlp"])])
+            self._judge(st, f"block {i} attention", i, "attention", lambda x: ours.attention(i, x), v["in"], v["attn"])
+            self._judge(st, f"block {i} MLP", i, "mlp", lambda x: ours.mlp(i, x), v["mid"], v["mlp"])
             self._drift(i, i + 1, v["out"])
         else:
-            self._record("final norm", None, "final_norm",
-                         [(ours.final_norm(x.to(dt)), r) for x, r in zip(v["in"], v["out"])])
+            self._judge(st, "final norm", None, "final_norm", ours.final_norm, v["in"], v["out"])
             self.finals = v["out"]
 
     @torch.no_grad()
@@ -69,8 +80,11 @@ class Localizer:
 
     def result(self) -> dict:
         first = next((s for s in self.stages if not s["passed"]), None)
-        return {"first_divergence": _divergence_message(first) if first else None,
-                "stages": self.stages, "stream": self.stream}
+        message = _divergence_message(first) if first else None
+        if message and self.diagnosis is not None:
+            message += "; " + describe(self.diagnosis)
+        return {"first_divergence": message, "stages": self.stages, "stream": self.stream,
+                "diagnosis": self.diagnosis}
 
 
 _PART_WORDS = {"embeddings": "embeddings differ", "attention": "attention output differs",

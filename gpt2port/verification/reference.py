@@ -102,6 +102,8 @@ class Stage:
     kind: str
     layer: int | None
     values: dict[str, list[torch.Tensor]]
+    # the weights the stage used (a block's, as _block gives them; wte/wpe; ln_f), for re-running it with a change
+    weights: dict[str, torch.Tensor] | None = None
 
 
 class HFFiles:
@@ -242,9 +244,12 @@ def read_config(files: HFFiles) -> RefConfig:
     )
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               unbiased: bool = False) -> torch.Tensor:
+    """unbiased=True is a known mistake (torch.var's default), kept here so diagnosis can re-run it."""
     mean = x.mean(dim=-1, keepdim=True)
-    var = (x - mean).pow(2).mean(dim=-1, keepdim=True)  # biased variance, as LayerNorm defines it
+    n = x.shape[-1] - 1 if unbiased else x.shape[-1]
+    var = (x - mean).pow(2).sum(dim=-1, keepdim=True) / n  # biased variance, as LayerNorm defines it
     return (x - mean) / torch.sqrt(var + eps) * weight + bias
 
 
@@ -275,27 +280,33 @@ class Float64GPT2:
                  "mlp.c_proj.weight", "mlp.c_proj.bias")
         return {n: self.files.get64(f"h.{i}.{n}") for n in names}
 
-    def _embed(self, inputs, wte, wpe) -> list[torch.Tensor]:
+    def _embed(self, inputs, wte, wpe, first_position: int = 0) -> list[torch.Tensor]:
         out = []
         for ids in inputs:
             T = ids.shape[-1]
-            if T > self.config.n_positions:
+            if first_position + T > self.config.n_positions:
                 raise GPT2PortError(f"input of {T} tokens exceeds the reference's {self.config.n_positions} positions")
-            out.append(wte[ids].to(torch.float64) + wpe[:T].to(torch.float64))
+            out.append(wte[ids].to(torch.float64) + wpe[first_position:first_position + T].to(torch.float64))
         return out
 
-    def attention(self, x: torch.Tensor, w: dict[str, torch.Tensor], layer: int) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, scale: float | None = None,
+                  mask_shift: int = 0, swap_qk: bool = False) -> torch.Tensor:
+        """GPT-2's attention. The keywords re-run it with a known mistake, for diagnosis: another score scale, a
+        causal mask shifted by mask_shift diagonals, q and k swapped."""
         B, T, C = x.shape
         H = self.config.n_head
         D = C // H
         qkv = x @ w["attn.c_attn.weight"] + w["attn.c_attn.bias"]  # Conv1D: x @ W with W stored (in, out)
         q, k, v = (t.reshape(B, T, H, D).transpose(1, 2) for t in qkv.split(C, dim=-1))
-        scale = 1.0
-        if self.config.scale_attn:
-            scale /= math.sqrt(D)
-        if self.config.inverse_layer_scale:
-            scale /= layer + 1
-        future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)
+        if swap_qk:
+            q, k = k, q
+        if scale is None:
+            scale = 1.0
+            if self.config.scale_attn:
+                scale /= math.sqrt(D)
+            if self.config.inverse_layer_scale:
+                scale /= layer + 1
+        future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1 + mask_shift)
         y = torch.empty_like(q)
         for b in range(B):  # one sequence at a time: the (H, T, T) scores are the largest temporary
             scores = (q[b] @ k[b].transpose(-1, -2)) * scale
@@ -305,8 +316,8 @@ class Float64GPT2:
         y = y.transpose(1, 2).reshape(B, T, C)
         return y @ w["attn.c_proj.weight"] + w["attn.c_proj.bias"]
 
-    def mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        act = ACTIVATIONS[self.config.activation]
+    def mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor], activation: str | None = None) -> torch.Tensor:
+        act = ACTIVATIONS[activation or self.config.activation]
         return act(x @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]) @ w["mlp.c_proj.weight"] + w["mlp.c_proj.bias"]
 
     def forward(self, inputs: list[torch.Tensor], observe: Callable[[Stage], None] | None = None,
@@ -319,8 +330,10 @@ class Float64GPT2:
         cfg = self.config
         observe = observe or (lambda stage: None)
         wte = self.files.get("wte.weight")
-        hs = self._embed(inputs, wte, self.files.get("wpe.weight"))
-        observe(Stage("embeddings", None, {"out": hs}))
+        wpe = self.files.get("wpe.weight")
+        hs = self._embed(inputs, wte, wpe)
+        observe(Stage("embeddings", None, {"out": hs}, {"wte": wte, "wpe": wpe}))
+        del wpe
         for i in range(cfg.n_layer):
             w = self._block(i)
             vals: dict[str, list[torch.Tensor]] = {"in": hs, "attn": [], "mid": [], "mlp": [], "out": []}
@@ -330,15 +343,15 @@ class Float64GPT2:
                 m = self.mlp(layer_norm(mid, w["ln_2.weight"], w["ln_2.bias"], cfg.eps), w)
                 for name, t in (("attn", a), ("mid", mid), ("mlp", m), ("out", mid + m)):
                     vals[name].append(t)
+            observe(Stage("block", i, vals, w))
             del w
-            observe(Stage("block", i, vals))
             hs = vals["out"]
             del vals
             if progress:
                 progress(i + 1, cfg.n_layer)
         ln_w, ln_b = self.files.get64("ln_f.weight"), self.files.get64("ln_f.bias")
         finals = [layer_norm(h, ln_w, ln_b, cfg.eps) for h in hs]
-        observe(Stage("final", None, {"in": hs, "out": finals}))
+        observe(Stage("final", None, {"in": hs, "out": finals}, {"ln_f.weight": ln_w, "ln_f.bias": ln_b}))
         del hs
         head = (wte if cfg.tied else self.files.get("lm_head.weight")).to(torch.float64)
         del wte

@@ -169,7 +169,7 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
 
     # 2. float64 reference, with ours' stages teacher-forced alongside
     t0 = time.perf_counter()
-    local = Localizer(ours, inputs, streams, tol.local_rel)
+    local = Localizer(ours, inputs, streams, tol.local_rel, ref)
     with torch.no_grad():
         ref_logits = ref.forward([i.ids for i in inputs], observe=local.observe,
                                  progress=lambda d, n: say(f"float64 reference: block {d}/{n}"))

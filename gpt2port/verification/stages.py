@@ -33,6 +33,9 @@ class Stages:
     n_params: int
     # Whether greedy() decodes through a KV cache (True) or recomputes the whole sequence for every step.
     kv_cached: bool = False
+    # The nn.Module behind the stages, where there is one: a diagnosis re-runs a stage in eval mode with it when the
+    # model was left in training mode.
+    module = None
 
     def logits(self, ids: torch.Tensor, keep: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """The model's forward as users call it. keep(x), when given, receives the residual stream after the
@@ -79,6 +82,7 @@ class GPTStages(Stages):
         weight = model.tok_emb.weight  # a local only: a kept parameter would outlive `del model` (and its mapping)
         self.dtype, self.device = weight.dtype, weight.device
         self.n_params = model.num_params()
+        self.module = model  # diagnosis re-runs a stage in eval mode when the model was left training
 
     def logits(self, ids, keep=None):
         if keep is None:

@@ -1,0 +1,149 @@
+"""Why a stage differs: the usual from-scratch mistakes, each confirmed by measurement, never guessed.
+
+When localization finds the first stage of a model that differs from the float64 reference, that stage is re-run
+in the reference with each known mistake made on purpose (exact-erf GELU, another LayerNorm eps, unbiased
+variance, no 1/sqrt(d) scaling, a causal mask off by one, positions counted from 1, q and k swapped) on the same
+input; the model is also re-run in eval mode when it was left in training mode. A mistake is named only when the
+model's output then matches, to the stage's own tolerance: the report shows the error without it and with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from gpt2port.verification.metrics import max_errors
+from gpt2port.verification.reference import Float64GPT2, Stage, layer_norm
+
+LN_EPS = (1e-6, 1e-12, 1e-8, 1e-3, 0.0)  # eps values seen in the wild (and none at all)
+
+
+@dataclass(frozen=True)
+class Suspect:
+    name: str
+    part: str  # the stage it shows in: embeddings, attention, mlp, final_norm
+    advice: str
+    # (reference, the stage's weights, its input, the layer, the input's ids) -> the stage's output with the mistake
+    run: Callable
+
+
+def _ln(ln: str, eps=None, unbiased=False):
+    """A LayerNorm of block/final weights `ln` with a changed eps or variance."""
+    def norm(ref: Float64GPT2, w: dict, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, w[f"{ln}.weight"], w[f"{ln}.bias"], ref.config.eps if eps is None else eps, unbiased)
+    return norm
+
+
+def _attention(norm=_ln("ln_1"), **change):
+    return lambda ref, w, x, layer, ids: ref.attention(norm(ref, w, x), w, layer, **change)
+
+
+def _mlp(norm=_ln("ln_2"), activation=None):
+    return lambda ref, w, x, layer, ids: ref.mlp(norm(ref, w, x), w, activation)
+
+
+def _final(norm):
+    return lambda ref, w, x, layer, ids: norm(ref, w, x)
+
+
+def _suspects() -> list[Suspect]:
+    eps_advice = "set the LayerNorm's eps to 1e-5, as GPT-2 (nn.LayerNorm(C, eps=1e-5))"
+    var_advice = "use the biased variance in LayerNorm: x.var(dim=-1, keepdim=True, unbiased=False)"
+    out = [
+        Suspect("exact (erf) GELU instead of GPT-2's tanh approximation", "mlp",
+                "use nn.GELU(approximate='tanh') (GPT-2's GELU is 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))))",
+                _mlp(activation="gelu")),
+        Suspect("attention scores not divided by sqrt(head_dim)", "attention",
+                "divide q @ k^T by sqrt(head_dim) before the softmax", _attention(scale=1.0)),
+        Suspect("causal mask off by one: each position also sees the next", "attention",
+                "mask with torch.tril(torch.ones(T, T)): position t attends to 0..t", _attention(mask_shift=1)),
+        Suspect("causal mask off by one: a position does not see itself", "attention",
+                "mask with torch.tril(torch.ones(T, T)) (diagonal kept): position t attends to 0..t",
+                _attention(mask_shift=-1)),
+        Suspect("q and k swapped", "attention",
+                "q is the first third of GPT-2's c_attn (W_query), k the second (W_key)", _attention(swap_qk=True)),
+        Suspect("positions counted from 1", "embeddings", "position ids are torch.arange(0, T)",
+                lambda ref, w, x, layer, ids: ref._embed([ids], w["wte"], w["wpe"], first_position=1)[0]),
+    ]
+    for part, ln, wrap in (("attention", "ln_1", _attention), ("mlp", "ln_2", _mlp), ("final_norm", "ln_f", _final)):
+        out.append(Suspect("LayerNorm with unbiased variance", part, var_advice, wrap(_ln(ln, unbiased=True))))
+        out += [Suspect(f"LayerNorm eps {eps:g} instead of GPT-2's 1e-5", part, eps_advice, wrap(_ln(ln, eps=eps)))
+                for eps in LN_EPS]
+    return out
+
+
+SUSPECTS = _suspects()
+
+
+def _scaled_attention_by_width(ref: Float64GPT2, w, x, layer, ids):
+    return ref.attention(_ln("ln_1")(ref, w, x), w, layer, scale=1.0 / math.sqrt(ref.config.n_embd))
+
+
+SUSPECTS.append(Suspect("attention scores divided by sqrt(n_embd) instead of sqrt(head_dim)", "attention",
+                        "divide by sqrt(head_dim) = sqrt(n_embd / n_head)", _scaled_attention_by_width))
+
+
+def _error(pairs) -> float:
+    """Relative error over inputs; positions where both sides are NaN (a fully masked row) agree."""
+    clean = []
+    for o, r in pairs:
+        o = o.to(torch.float64)
+        if bool((torch.isnan(o) ^ torch.isnan(r)).any()):
+            return float("inf")
+        both = torch.isnan(o) & torch.isnan(r)
+        clean.append((torch.where(both, 0.0, o), torch.where(both, 0.0, r)))
+    rel = max_errors(clean)[1]
+    return float("inf") if math.isnan(rel) else rel
+
+
+@torch.no_grad()
+def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: float, ids: list,
+             rerun_in_eval: Callable[[], list] | None = None) -> dict:
+    """The known mistake that explains the first differing stage, measured.
+
+    xs: the reference's input of that stage per input (ids for the embeddings); ours: the model's output on them;
+    rerun_in_eval: the model's outputs again with the model in eval mode, when it was training."""
+    refs = st.values["out"] if part == "embeddings" else st.values.get({"attention": "attn", "mlp": "mlp",
+                                                                         "final_norm": "out"}[part])
+    before = _error(list(zip(ours, refs)))
+    tried = []
+    if rerun_in_eval is not None:
+        tried.append(("dropout active: the model was left in training mode", "call model.eval() before checking or "
+                      "generating", _error(list(zip(rerun_in_eval(), refs))), "with the model re-run in eval mode"))
+    for s in SUSPECTS:
+        if s.part != part:
+            continue
+        alt = [s.run(ref, st.weights, x, st.layer, i) for x, i in zip(xs, ids)]
+        tried.append((s.name, s.advice, _error(list(zip(ours, alt))), "against the reference making that mistake"))
+    tried.sort(key=lambda t: t[2])
+    best = tried[0] if tried else None
+    explained = best is not None and best[2] <= tol
+    return {"stage": part, "rel_before": before, "tolerance": tol,
+            "explained_by": best[0] if explained else None, "advice": best[1] if explained else None,
+            "rel_with": best[2] if best else None, "closest": best[0] if best else None,
+            "measured_against": best[3] if best else None,
+            "tried": [{"mistake": name, "rel": rel} for name, _, rel, _ in tried]}
+
+
+def describe(d: dict) -> str:
+    if d["explained_by"]:
+        return (f"explained by: {d['explained_by']} (rel {d['rel_before']:.2e} against GPT-2; {d['rel_with']:.2e} "
+                f"{d['measured_against']}); fix: {d['advice']}")
+    closest = f"; closest: {d['closest']} ({d['rel_with']:.2e})" if d["closest"] else ""
+    return f"no known mistake explains it ({len(d['tried'])} tried{closest})"
+
+
+@contextlib.contextmanager
+def eval_mode(module):
+    """The module in eval mode for the duration; each submodule's own mode restored afterwards."""
+    modes = {m: m.training for m in module.modules()}
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
