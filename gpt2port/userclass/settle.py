@@ -52,7 +52,7 @@ def settle(model: nn.Module, lay: UserLayout, candidates: list[dict], build: Cal
            kept: dict, config: GPTConfig, fill) -> UserLayout:
     """Try every candidate reading; keep (and leave loaded) the one whose logits match gpt2port's GPT."""
     ids = probe_ids(model, config.vocab_size, min(16, context(model, lay, config)), seed=1)
-    want = run(ref, ids)
+    want = run(ref, ids.cpu())  # gpt2port's GPT over the canonical tensors lives on the CPU
     items = [(k, None, None, (lambda t=t: t)) for k, t in kept.items()]
     dtype = next(model.parameters()).dtype
     tol = MATCH_REL.get(dtype, 3e-2)
@@ -89,10 +89,10 @@ def bias_cost(model: nn.Module, ref, config: GPTConfig, lay: UserLayout, greedy_
 
     T = min(64, context(model, lay, config))
     ids = probe_ids(model, config.vocab_size, T, seed=2)
-    m = compare_logits(run(model, ids), run(ref, ids), 1e-4)
+    m = compare_logits(run(model, ids), run(ref, ids.cpu()), 1e-4)
     prompt = ids[:, : max(1, T // 4)]
     n = min(greedy_tokens, T - prompt.shape[1])
-    a, b = _greedy(model, prompt, n), _greedy(ref, prompt, n)
+    a, b = _greedy(model, prompt, n), _greedy(ref, prompt.cpu(), n)
     return {"max_rel": m["max_rel"], "kl_mean": m["kl_mean"], "top1": m["top1"],
             "greedy_agreement": float((a == b).float().mean()) if n else 1.0, "greedy_tokens": n}
 
