@@ -182,13 +182,27 @@ def test_meta_class_shares_the_mapped_checkpoint_and_never_writes_it(user_file, 
         assert not torch.allclose(model(ids)[0], fresh(ids))
 
 
-def test_meta_buffers_are_refused_with_what_to_do(tiny_ckpt):
+@pytest.mark.parametrize("style", ["syds", "opaque", "anonymous"])  # masks kept either way round
+def test_plain_meta_build_gets_its_causal_masks_back(style, tiny_ckpt):
+    from gpt2port.checkpoint import read_config
+    from tests.userclasses import Case
+
+    case = Case(style)
+    with torch.device("meta"):
+        model = case.build(read_config(tiny_ckpt))
+    report = gpt2port.load_into(model, tiny_ckpt)
+    assert any("causal-mask buffers" in d for d in report.layout.decided)
+    ids = torch.randint(0, 50257, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(case.logits(model, ids), GPT.from_pretrained(tiny_ckpt)(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_meta_buffer_that_is_no_mask_is_refused(tiny_ckpt):
     from gpt2port.checkpoint import read_config
 
-    with torch.device("meta"):  # plain meta: the mask buffers have no values
+    with torch.device("meta"):
         model = GPT(read_config(tiny_ckpt))
-        for b in model.blocks:
-            b.attn.register_buffer("mask", torch.tril(torch.ones(4, 4)))
-    with pytest.raises(gpt2port.GPT2PortError, match="blocks.0.attn.mask .and 1 more.: a buffer on the meta "
-                                                     "device has no values.*init_empty"):
+        model.blocks[0].attn.register_buffer("table", torch.zeros(4, 3))
+    with pytest.raises(gpt2port.GPT2PortError, match="blocks.0.attn.table: a buffer on the meta device .* no causal "
+                                                     "mask to rebuild.*init_empty"):
         gpt2port.load_into(model, tiny_ckpt)

@@ -148,10 +148,11 @@ def test_a_correct_model_gets_no_diagnosis(repo_and_ckpt):
 
 def test_a_users_class_is_diagnosed_through_its_own_modules(repo_and_ckpt):
     """nanoGPT's own class uses nn.GELU() (exact erf): verify names it, via hooks on the class's modules."""
-    from tests import userclasses as U
+    from gpt2port.config import GPTConfig
+    from tests.userclasses import NANOGPT_ERF
 
     hf, ckpt = repo_and_ckpt
-    model = U.nanogpt(TINY["vocab_size"], TINY["n_positions"], TINY["n_layer"], TINY["n_head"], TINY["n_embd"])
+    model = NANOGPT_ERF.build(GPTConfig(**TINY))
     gpt2port.load_into(model, ckpt)
     report = gpt2port.verify_model(model, hf, tokens=16, hf=False)
     assert not report.passed

@@ -17,12 +17,14 @@ import gpt2port
 from gpt2port import GPT
 from gpt2port.checkpoint import load_state
 from scripts import hf_fixtures
-from tests import userclasses as U
+from gpt2port.config import GPTConfig
 from tests.conftest import TINY
+from tests.userclasses import Case
 from tests.support import assert_clean_failure, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures"
-V, P, L, H, C = TINY["vocab_size"], TINY["n_positions"], TINY["n_layer"], TINY["n_head"], TINY["n_embd"]
+V = TINY["vocab_size"]
+CONFIG = GPTConfig(**TINY)
 
 
 def tag(ckpt: Path) -> str:
@@ -107,11 +109,12 @@ def test_previous_version_checkpoint_still_loads_with_its_logits():
 
 # --- save_from ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("style", ["syds", "llms", "mingpt", "opaque", "lecture"])
-def test_checkpoint_to_class_to_save_from_is_bit_exact(style, tiny_ckpt, tmp_path):
-    build = {"syds": U.syds, "llms": lambda *a: U.llms(*a, qkv_bias=True), "mingpt": U.mingpt,
-             "opaque": U.opaque, "lecture": lambda *a: U.lecture(*a, bias=True, act="gelu_tanh")}[style]
-    model = build(V, P, L, H, C)
+@pytest.mark.parametrize("case", [Case("lecture", {"bias": True, "act": "gelu_tanh"}), Case("anonymous"),
+                                  Case("conv1d_style")], ids=lambda c: c.id)
+def test_checkpoint_to_class_to_save_from_is_bit_exact(case, tiny_ckpt, tmp_path):
+    """Per-head parts, names settled by numbers, raw (in, out) weights: each goes back through its inverse.
+    (syds, llms, mingpt, opaque: test_load_into.py.)"""
+    model = case.build(CONFIG)
     gpt2port.load_into(model, tiny_ckpt)
     out = gpt2port.save_from(model, tmp_path / "back")
     assert tag(out) == "gpt2port/v1"  # the untied heads still equal the embedding: stored once, as GPT-2 does
@@ -123,7 +126,7 @@ def test_checkpoint_to_class_to_save_from_is_bit_exact(style, tiny_ckpt, tmp_pat
 
 
 def test_a_fine_tuned_untied_head_is_kept_not_retied(tiny_ckpt, tmp_path):
-    model = U.syds(V, P, L, H, C)
+    model = Case("syds").build(CONFIG)
     gpt2port.load_into(model, tiny_ckpt)
     with torch.no_grad():
         model.output_projection.weight[7] += 1.0
@@ -143,7 +146,7 @@ def test_a_fine_tuned_untied_head_is_kept_not_retied(tiny_ckpt, tmp_path):
 
 
 def test_a_trained_head_bias_is_refused(tiny_ckpt, tmp_path):
-    model = U.opaque(V, P, L, H, C)
+    model = Case("opaque").build(CONFIG)
     gpt2port.load_into(model, tiny_ckpt)
     with torch.no_grad():
         model.lm_head.bias[0] = 0.5
@@ -153,7 +156,7 @@ def test_a_trained_head_bias_is_refused(tiny_ckpt, tmp_path):
 
 
 def test_save_from_a_cropped_class_is_the_gpt2_it_is(tiny_ckpt, tmp_path):
-    model = U.syds(V, 32, L, H, C)
+    model = Case("syds").build(CONFIG, block_size=32)
     gpt2port.load_into(model, tiny_ckpt, crop_positions=True)
     out = gpt2port.save_from(model, tmp_path / "short")
     assert json.loads((out / "config.json").read_text())["model"]["n_positions"] == 32

@@ -86,15 +86,19 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay, config)
         if lay.missing_biases and not drop_biases:
             reasons.append(_bias_reason(lay, src))
-        empty = [name for name, b in model.named_buffers() if b.is_meta]
-        if empty:
-            more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
-            reasons.append(f"{empty[0]}{more}: a buffer on the meta device has no values; build the class under "
-                           f"gpt2port.init_empty() (parameters on meta, buffers real) or on the CPU")
+        masks = empty_buffers(model)
+        odd = [name for name, (m, k, b) in masks.items() if b.dim() < 2 or b.shape[-1] != b.shape[-2]]
+        if odd:
+            more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+            reasons.append(f"{odd[0]}{more}: a buffer on the meta device has no values, and is no causal mask to "
+                           f"rebuild; build the class under gpt2port.init_empty() (parameters on meta, buffers real)")
         if reasons:
             raise LoadRefused(lay.model_name, reasons)
         lay = _retarget(lay, untied_source)
         candidates = pk.combinations()
+        if masks:  # which way round the class keeps its causal masks is one more thing to settle by numbers
+            candidates = [{**c, MASK: i} for c in candidates for i in range(len(MASK_FILLS))]
+            fill_masks(masks, 0)
         keep = len(candidates) > 1 or drop_biases
         items, shared = _items(model, src)
         kept = fill(model, lay.assignments, items, keep, shared)
@@ -109,6 +113,9 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     if len(candidates) > 1:
         def build(opts):
             cand, cpk = infer(model, config, tr, opts, crop=crop_positions)
+            if masks:
+                fill_masks(masks, opts.get(MASK, 0))
+                cpk.choices[MASK] = list(MASK_FILLS)
             return _retarget(cand, untied_source), cpk
 
         lay = settle(model, lay, candidates, build, ref, kept, config, fill)
@@ -125,6 +132,26 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0)
     _LOADED[model] = report
     return report
+
+
+MASK = "causal-mask buffers built on the meta device"
+MASK_FILLS = ("ones on and below the diagonal (attend where 1)", "ones above the diagonal (masked where 1)")
+
+
+def empty_buffers(model: nn.Module) -> dict[str, tuple[nn.Module, str, torch.Tensor]]:
+    """Buffers without values (a class built under torch.device('meta')), by name."""
+    return {f"{name}.{k}" if name else k: (m, k, b) for name, m in model.named_modules()
+            for k, b in m._buffers.items() if b is not None and b.is_meta}
+
+
+def fill_masks(masks: dict, kind: int) -> None:
+    """Give meta-device square buffers the values of a causal mask: GPT-2's only buffers are its masks, kept either
+    as ones where a position may attend (tril) or as ones where it may not (triu above the diagonal); which of the
+    two a class uses is settled by running it."""
+    for m, k, b in masks.values():
+        n = b.shape[-1]
+        base = torch.ones(n, n).tril() if kind == 0 else torch.ones(n, n).triu(1)
+        m._buffers[k] = base.to(b.dtype).expand(b.shape).clone()
 
 
 def _items(model: nn.Module, src) -> tuple[list, bool]:

@@ -192,9 +192,12 @@ def _own_config(model, tok, pos, kids, us, C) -> GPTConfig:
                 break
         if H:
             break
+    mats = [tuple(p.shape) for u in us for p in u.params.values() if p.dim() == 2 and C in p.shape]
+    per_head = [min(s) for s in mats if max(s) == C and min(s) < C and C % min(s) == 0]
+    if (H is None or C % H) and per_head:  # one module per head: (C/H, C) weights tell H
+        H = C // per_head[0]
     if H is None or C % H:
         H = next((p["n_head"] for p in PRESETS.values() if p["n_embd"] == C), 1)
-    mats = [tuple(p.shape) for u in us for p in u.params.values() if p.dim() == 2 and C in p.shape]
     F = next((max(s) for s in mats if min(s) == C and max(s) not in (C, 3 * C)), 4 * C)
     return GPTConfig(n_layer=max(len(kids), 1), n_head=H, n_embd=C, vocab_size=V, n_positions=P,
                      n_inner=None if F == 4 * C else F)

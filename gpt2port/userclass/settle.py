@@ -64,6 +64,7 @@ def settle(model: nn.Module, lay: UserLayout, candidates: list[dict], build: Cal
         fill(model, cand.assignments, items, False)
         got = run(model, ids)
         rel = float((got - want).abs().max() / want.abs().max()) if got.shape == want.shape else float("inf")
+        rel = float("inf") if rel != rel else rel  # NaN logits (a fully masked row) match nothing
         tried.append((rel, opts, cand, pk))
         if rel <= tol:
             break
@@ -71,6 +72,7 @@ def settle(model: nn.Module, lay: UserLayout, candidates: list[dict], build: Cal
         raise GPT2PortError(f"{lay.model_name}: no reading of the class fits GPT-2's shapes")
     rel, opts, best, pk = min(tried, key=lambda x: x[0])
     if best is not tried[-1][2]:
+        best, pk = build(opts)  # again: building may set more than parameters (mask buffers)
         fill(model, best.assignments, items, False)
     words = "; ".join(pk.describe(opts)) or "as read"
     if rel > tol:
