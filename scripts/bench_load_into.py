@@ -5,6 +5,7 @@ Builds a random-weight checkpoint at --size (default gpt2-xl) in the hub layout,
 fresh processes, one after the other in the same run, each up to the first logits of a 4-token prompt:
   (a) load_into: the class below built under gpt2port.init_empty() (parameters on meta), filled from the
       gpt2port checkpoint
+  (a') load_into the same class from the Hugging Face directory (transposes: every tensor copied, streamed)
   (b) GPT.from_pretrained(checkpoint): gpt2port's own class, memory-mapped
   (c) by hand, as tutorials do: the class built normally (random init), transformers' GPT2LMHeadModel loaded,
       each tensor copied over with its transpose (skipped with --skip-baseline; needs two models of memory)
@@ -92,6 +93,17 @@ def step_load_into(ckpt: Path, hf: Path) -> dict:
     return _first_logits(model)
 
 
+def step_load_into_hf(ckpt: Path, hf: Path) -> dict:
+    """The same, from the Hugging Face directory: every tensor transposed or copied, streamed one at a time."""
+    import gpt2port
+    from gpt2port.checkpoint import read_config
+
+    with gpt2port.init_empty():
+        model = MyGPT(read_config(ckpt))
+    gpt2port.load_into(model, hf)
+    return _first_logits(model)
+
+
 def step_from_pretrained(ckpt: Path, hf: Path) -> dict:
     from gpt2port import GPT
 
@@ -127,7 +139,8 @@ def _first_logits(model) -> dict:
     return {"weights_gb": n / 1e9, "checksum": float(logits[0, -1, :5].double().sum())}
 
 
-STEPS = {"load_into": step_load_into, "from_pretrained": step_from_pretrained, "by_hand": step_by_hand}
+STEPS = {"load_into": step_load_into, "load_into_hf": step_load_into_hf, "from_pretrained": step_from_pretrained,
+         "by_hand": step_by_hand}
 
 
 def run_step(name: str, ckpt: Path, hf: Path) -> dict:
@@ -166,12 +179,12 @@ def main() -> None:
     if not (ckpt / "model.safetensors").exists():
         subprocess.run([sys.executable, "-m", "gpt2port", "convert", str(hf), "--out", str(ckpt), "-q"], cwd=ROOT,
                        check=True)
-    steps = ["load_into", "from_pretrained"] + ([] if args.skip_baseline else ["by_hand"])
+    steps = ["load_into", "load_into_hf", "from_pretrained"] + ([] if args.skip_baseline else ["by_hand"])
     results = {}
     for _ in range(args.repeat):
         for name in steps:
             warm(ckpt / "model.safetensors")
-            if name == "by_hand":
+            if name in ("by_hand", "load_into_hf"):
                 warm(hf / "model.safetensors")
             r = run_step(name, ckpt, hf)
             if name not in results or r["wall_s"] < results[name]["wall_s"]:

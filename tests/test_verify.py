@@ -91,15 +91,20 @@ class ReplayReference:
             recorded: list[Stage] = []
             logits = self.ref.forward(fresh, observe=recorded.append)
             for j, ids in enumerate(fresh):
-                mine = [Stage(st.kind, st.layer, {n: v[j] for n, v in st.values.items()}) for st in recorded]
+                mine = [Stage(st.kind, st.layer, {n: v[j] for n, v in st.values.items()}, st.weights)
+                        for st in recorded]
                 self.seen[_ids_key(ids)] = (mine, logits[j])
         runs = [self.seen[_ids_key(ids)] for ids in inputs]
         for k, st in enumerate(runs[0][0]):
             if observe:
-                observe(Stage(st.kind, st.layer, {n: [r[0][k].values[n] for r in runs] for n in st.values}))
+                observe(Stage(st.kind, st.layer, {n: [r[0][k].values[n] for r in runs] for n in st.values},
+                              st.weights))
             if progress and st.kind == "block":
                 progress(st.layer + 1, self.config.n_layer)
         return [r[1] for r in runs]
+
+    def __getattr__(self, name):  # its stage functions (a diagnosis re-runs one with a mistake made)
+        return getattr(self.ref, name)
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +345,7 @@ def _check_schema(d: dict) -> None:
         assert d["metrics"]["overall"][key] is None or metric_keys <= set(d["metrics"]["overall"][key])
     assert set(d["metrics"]["per_input"]) == {i["name"] for i in d["inputs"]}
     loc = d["localization"]
-    assert set(loc) == {"first_divergence", "stages", "stream"}
+    assert set(loc) == {"first_divergence", "stages", "stream", "diagnosis"}
     for s in loc["stages"]:
         assert set(s) == {"stage", "block", "part", "max_abs", "rel", "tolerance", "passed"}
     for c in d["checks"]:

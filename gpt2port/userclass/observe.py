@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.verification.diagnose import eval_mode as evaluating  # the model in eval mode, its modes restored
 
 
 @dataclass
@@ -149,18 +150,6 @@ def all_meta(model: nn.Module):
     finally:
         for m, k, b in swapped:
             m._buffers[k] = b
-
-
-@contextlib.contextmanager
-def evaluating(model: nn.Module):
-    """The model in eval mode for the duration, its own mode (per module) restored afterwards."""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        yield model
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
 
 
 @contextlib.contextmanager

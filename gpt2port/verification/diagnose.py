@@ -50,6 +50,13 @@ def _final(norm):
     return lambda ref, w, x, layer, ids: norm(ref, w, x)
 
 
+def _positions_from_1(ref: Float64GPT2, w, x, layer, ids):
+    """wte[ids] + wpe[1:T+1]; an input filling the whole context has no row for its last position, which gets the
+    last row (a model counting from 1 could not run it at all)."""
+    wpe = torch.cat([w["wpe"], w["wpe"][-1:]]).to(torch.float64)
+    return w["wte"][ids].to(torch.float64) + wpe[1:ids.shape[-1] + 1]
+
+
 def _suspects() -> list[Suspect]:
     eps_advice = "set the LayerNorm's eps to 1e-5, as GPT-2 (nn.LayerNorm(C, eps=1e-5))"
     var_advice = "use the biased variance in LayerNorm: x.var(dim=-1, keepdim=True, unbiased=False)"
@@ -66,8 +73,7 @@ def _suspects() -> list[Suspect]:
                 _attention(mask_shift=-1)),
         Suspect("q and k swapped", "attention",
                 "q is the first third of GPT-2's c_attn (W_query), k the second (W_key)", _attention(swap_qk=True)),
-        Suspect("positions counted from 1", "embeddings", "position ids are torch.arange(0, T)",
-                lambda ref, w, x, layer, ids: ref._embed([ids], w["wte"], w["wpe"], first_position=1)[0]),
+        Suspect("positions counted from 1", "embeddings", "position ids are torch.arange(0, T)", _positions_from_1),
     ]
     for part, ln, wrap in (("attention", "ln_1", _attention), ("mlp", "ln_2", _mlp), ("final_norm", "ln_f", _final)):
         out.append(Suspect("LayerNorm with unbiased variance", part, var_advice, wrap(_ln(ln, unbiased=True))))

@@ -280,13 +280,13 @@ class Float64GPT2:
                  "mlp.c_proj.weight", "mlp.c_proj.bias")
         return {n: self.files.get64(f"h.{i}.{n}") for n in names}
 
-    def _embed(self, inputs, wte, wpe, first_position: int = 0) -> list[torch.Tensor]:
+    def _embed(self, inputs, wte, wpe) -> list[torch.Tensor]:
         out = []
         for ids in inputs:
             T = ids.shape[-1]
-            if first_position + T > self.config.n_positions:
+            if T > self.config.n_positions:
                 raise GPT2PortError(f"input of {T} tokens exceeds the reference's {self.config.n_positions} positions")
-            out.append(wte[ids].to(torch.float64) + wpe[first_position:first_position + T].to(torch.float64))
+            out.append(wte[ids].to(torch.float64) + wpe[:T].to(torch.float64))
         return out
 
     def attention(self, x: torch.Tensor, w: dict[str, torch.Tensor], layer: int, scale: float | None = None,

@@ -14,7 +14,9 @@ JSON schema "gpt2port.verify/1" (keys are only ever added, never renamed or remo
                   each comparison: {"positions", "max_abs", "max_rel", "kl_mean", "top1", "top1_unexplained",
                   "top5"} or null when HF is absent; per_input adds "loss" and "greedy" for prompts
     localization  {"first_divergence": str|null, "stages": [{"stage", "block", "part", "max_abs", "rel",
-                  "tolerance", "passed"}], "stream": [{"block", "max_abs", "rel"}]}
+                  "tolerance", "passed"}], "stream": [{"block", "max_abs", "rel"}], "diagnosis": null|{"stage",
+                  "rel_before", "tolerance", "explained_by": str|null, "advice", "rel_with", "closest",
+                  "measured_against", "tried": [{"mistake", "rel"}]} (diagnose.py)}
     checks        [{"name", "passed", "value", "tolerance", "detail"}]
     notes         [str]; timings {"ours", "reference", "hf", "total"} in seconds (null: phase not run)
 
@@ -49,7 +51,8 @@ class VerifyReport:
     tolerances: dict
     inputs: list[dict] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
-    localization: dict = field(default_factory=lambda: {"first_divergence": None, "stages": [], "stream": []})
+    localization: dict = field(default_factory=lambda: {"first_divergence": None, "stages": [], "stream": [],
+                                                        "diagnosis": None})
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
