@@ -276,7 +276,11 @@ def test_124m_shape_meta_built(gpt2_ckpt):
 # --- what else a person who wrote their own GPT expects --------------------------------------------------------------
 
 def test_a_relu_mlp_is_not_gpt2(tiny_ckpt, config):
-    model = Case("lecture", {"bias": True, "act": "relu"}).build(config)
+    case = Case("lecture", {"bias": True, "act": "relu"})
+    with pytest.raises(GPT2PortError, match=r"blocks.0.ffwd.*: the activation .* measures as ReLU"):
+        load_into(case.build(config), tiny_ckpt)
+    with gpt2port.init_empty():  # built without values, it is measured once filled
+        model = case.build(config)
     with pytest.raises(GPT2PortError, match=r"blocks.0.ffwd.*: the activation .* measures as ReLU"):
         load_into(model, tiny_ckpt)
 

@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 from gpt2port.checkpoint import is_checkpoint, load_state
-from gpt2port.layouts import GPT2PORT
 from gpt2port.config import GPTConfig
 from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
-from gpt2port.layouts import canonical
+from gpt2port.layouts import GPT2PORT, canonical
 from gpt2port.sources import open_source, source_path
 from gpt2port.userclass import activation
 from gpt2port.userclass.activation import measure
@@ -109,6 +108,9 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
                 if again.assignments != lay.assignments:
                     kept = fill(model, again.assignments, canonical_items(src, dtype=None), keep)
                 lay = again
+            late = _activation(model, lay, config)  # measurable only now that the weights have values
+            if late:
+                raise LoadRefused(lay.model_name, late)
     ref = reference_gpt(config, kept) if keep else None
     if len(candidates) > 1:
         def build(opts):
