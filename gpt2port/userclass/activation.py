@@ -55,6 +55,8 @@ def measure(model: nn.Module, lay: UserLayout, ids: torch.Tensor) -> dict[str, f
     if "io" not in got or got["io"][0] is None or got["io"][1] is None:
         return None
     x, y = (t.double() for t in got["io"])
+    if not bool(torch.isfinite(x).all() and torch.isfinite(y).all()):
+        return None  # nothing to measure on (a class not yet fully set up)
     w1, b1, w2, b2 = weights
     scale = float(y.abs().max()) or 1.0
     return {name: float(((f(x @ w1.t() + b1) @ w2.t() + b2) - y).abs().max()) / scale

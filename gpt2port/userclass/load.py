@@ -108,9 +108,6 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
                 if again.assignments != lay.assignments:
                     kept = fill(model, again.assignments, canonical_items(src, dtype=None), keep)
                 lay = again
-            late = _activation(model, lay, config)  # measurable only now that the weights have values
-            if late:
-                raise LoadRefused(lay.model_name, late)
     ref = reference_gpt(config, kept) if keep else None
     if len(candidates) > 1:
         def build(opts):
@@ -121,6 +118,9 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
             return _retarget(cand, untied_source), cpk
 
         lay = settle(model, lay, candidates, build, ref, kept, config, fill)
+    late = _activation(model, lay, config) if meta else []  # measurable only now that the weights have values
+    if late:
+        raise LoadRefused(lay.model_name, late)
     notes = list(lay.notes)
     if tie and not lay.tied:
         _tie(model, lay)
