@@ -302,3 +302,12 @@ def test_verify_model_judges_a_users_class_stage_by_stage(tiny_ckpt, make_hf_rep
 def test_layout_of_reads_split_qkv_as_parts_of_the_fused_projection(config):
     text = str(layout_of(Case("llms", {"qkv_bias": True}).build(config)))
     assert "trf_blocks.{i}.att.W_key.weight     blocks.{i}.attn.qkv.weight   part(1/3)" in text
+
+
+def test_a_head_count_that_differs_is_refused(tiny_ckpt, config):
+    """Every shape fits a class built with 2 heads instead of 4; its attention module's n_head says otherwise."""
+    import dataclasses
+
+    model = Case("kader", {"bias": True}).build(dataclasses.replace(config, n_head=2))
+    with pytest.raises(GPT2PortError, match=r"blocks.0.attn.n_head = 2; GPT-2 has 4 heads"):
+        load_into(model, tiny_ckpt)

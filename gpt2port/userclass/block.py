@@ -81,7 +81,7 @@ def norm_assignments(pk: Picker, what: str, u: Unit, prefix: str) -> list[Assign
 
 
 def block_template(lay: UserLayout, pk: Picker, us: list[Unit], prefix: str, tr: Trace, rank, C: int, H: int,
-                   F: int) -> list[Assignment]:
+                   F: int, block: nn.Module) -> list[Assignment]:
     """Block 0's rows (targets with '{}' for the layer)."""
     norms, lins = [], []
     for u in us:
@@ -140,7 +140,7 @@ def block_template(lay: UserLayout, pk: Picker, us: list[Unit], prefix: str, tr:
     else:
         lay.reasons.append(f"{prefix}: the MLP needs one ({F}, {C}) and one ({C}, {F}) weight; found "
                            f"{len(kinds['fc'])} and {len(kinds['proj'])}")
-    _check_heads(lay, us, H, prefix)
+    _check_heads(lay, block, H, prefix)
     return rows
 
 
@@ -263,14 +263,15 @@ def _rows(lay: UserLayout, x: Lin, prefix: str, part) -> list[Assignment]:
     return rows
 
 
-def _check_heads(lay: UserLayout, us: list[Unit], H: int, prefix: str) -> None:
-    for u in us:
+def _check_heads(lay: UserLayout, block: nn.Module, H: int, prefix: str) -> None:
+    """A head count the class keeps (on its attention module, usually) that differs from the checkpoint's: every
+    shape fits, but the heads would be cut in the wrong places."""
+    for name, m in block.named_modules():
         for attr in HEAD_COUNT_ATTRS:
-            n = getattr(u.module, attr, None)
+            n = getattr(m, attr, None)
             if isinstance(n, int) and not isinstance(n, bool) and n != H:
-                lay.reasons.append(f"{u.name}.{attr} = {n}; GPT-2 has {H} heads: build the class with n_head={H}")
-    # a module without parameters of its own (the attention wrapper) may hold the count too
-    return None
+                where = f"{prefix}.{name}" if name else prefix
+                lay.reasons.append(f"{where}.{attr} = {n}; GPT-2 has {H} heads: build the class with n_head={H}")
 
 
 def _index(name: str) -> int:

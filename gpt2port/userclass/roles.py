@@ -21,6 +21,7 @@ from gpt2port.userclass.layout import Assignment, CropRows, Modules, UserLayout
 from gpt2port.userclass.names import HEAD_COUNT_ATTRS
 from gpt2port.userclass.observe import Trace, Unit, aliases, units
 
+
 def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[str, int] | None = None,
           crop: bool = False) -> tuple[UserLayout, Picker]:
     """The class's layout (with reasons it cannot hold GPT-2, if any) under the given choices."""
@@ -72,7 +73,8 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
         lay.reasons.append(f"{blocks}: {len(kids)} blocks, GPT-2 has {L}; build the class with {_config_words(cfg)}")
         return lay, pk
     block_units = [u for u in us if u.name.startswith(f"{blocks}.{kids[0]}.") or u.name == f"{blocks}.{kids[0]}"]
-    template = block_template(lay, pk, block_units, f"{blocks}.{kids[0]}", tr, rank, C, H, F)
+    first = f"{blocks}.{kids[0]}"
+    template = block_template(lay, pk, block_units, first, tr, rank, C, H, F, model.get_submodule(first))
     params = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     for i, kid in enumerate(kids):
         lay.assignments += for_block(lay, template, f"{blocks}.{kids[0]}", f"{blocks}.{kid}", i, params)
