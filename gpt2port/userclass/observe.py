@@ -162,7 +162,8 @@ def init_empty():
 
     Parameters are created uninitialised (the init functions do nothing inside this block) and moved to the meta
     device as they are registered, so a 1.5B class costs no memory until load_into fills it. A model built under
-    plain `torch.device("meta")` works too, unless it keeps its mask in a buffer: that buffer has no values."""
+    plain `torch.device("meta")` works too: its causal-mask buffers have no values, and load_into gives them back
+    (which way round is settled by running the class), at the cost of a comparison model in memory."""
     register = nn.Module.register_parameter
     inits = {n: getattr(nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_",
                                                "xavier_uniform_", "xavier_normal_", "trunc_normal_", "zeros_",
