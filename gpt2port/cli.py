@@ -185,9 +185,11 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
               help="Length of the random-id inputs (default: the full context, e.g. 1024); shorter is faster.")
 @click.option("--no-hf", "no_hf", is_flag=True, help="Skip transformers; judge against the float64 reference alone.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout (schema gpt2port.verify/1).")
+@click.option("--grads", is_flag=True,
+              help="Also compare the loss and every parameter's gradient with transformers' (fp32, needs transformers).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the verdict line.")
 @_handle_errors
-def verify(ckpt, reference, dtype, tokens, no_hf, as_json, quiet):
+def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):
     """Prove in numbers that CKPT computes what the reference computes; exit 1 on FAIL.
 
     Runs the converted model, an independent float64 GPT-2 over the original HF files, and (when installed)
@@ -197,7 +199,7 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, quiet):
     from gpt2port.verification import run_verify
 
     report = run_verify(ckpt, reference=reference, dtype=dtype, tokens=tokens, progress=not quiet and not as_json,
-                        hf=not no_hf)
+                        hf=not no_hf, grads=grads)
     if as_json:
         import json
 

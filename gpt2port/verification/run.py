@@ -15,6 +15,7 @@ Phases, ordered so that at most one model is in memory at a time (gpt2-xl fits a
 
 from __future__ import annotations
 
+import copy
 import gc
 import time
 from dataclasses import asdict
@@ -44,13 +45,14 @@ OFFICIAL_HUB = "https://huggingface.co"
 # --- entry points ------------------------------------------------------------------------------------------------
 
 def run_verify(ckpt, reference=None, dtype=None, tokens: int | None = None, progress: bool = False,
-               hf: bool = True) -> VerifyReport:
+               hf: bool = True, grads: bool = False) -> VerifyReport:
     """Verify a converted checkpoint (directory or NAME) against the HF files it was converted from.
 
     reference: the HF directory or weights file (default: the source in the checkpoint's manifest), or a Float64GPT2
     already open, which the caller keeps and closes. dtype: compute dtype for ours and HF (default: the
     checkpoint's). tokens: length of the random-id inputs (default: the full context). hf=False skips transformers
-    even when it is installed (float64 reference only).
+    even when it is installed (float64 reference only). grads: also compare the loss and every parameter's gradient
+    with transformers' in fp32 (grads.py), on the random-id input.
     """
     from gpt2port.checkpoint import WEIGHTS
     from gpt2port.formats.safetensors import read_header
@@ -69,11 +71,12 @@ def run_verify(ckpt, reference=None, dtype=None, tokens: int | None = None, prog
     weights_dtype = stored["tok_emb.weight"].dtype if "tok_emb.weight" in stored else None
     return _verify(lambda: GPT.from_pretrained(ckpt_dir, dtype=dtype), str(ckpt_dir), ref,
                    tokenizer_dirs=[ckpt_dir], tokens=tokens, progress=progress, known_answer=known,
-                   use_hf=hf, weights_dtype=weights_dtype)
+                   use_hf=hf, weights_dtype=weights_dtype,
+                   load_for_grads=(lambda: GPT.from_pretrained(ckpt_dir, dtype="fp32")) if grads else None)
 
 
 def verify_model(model, reference, tokens: int | None = None, progress: bool = False, known_answer: bool = False,
-                 tokenizer_dir=None, hf: bool = True) -> VerifyReport:
+                 tokenizer_dir=None, hf: bool = True, grads: bool = False) -> VerifyReport:
     """Verify an in-memory model (computing in whatever dtype it has) against an HF checkpoint.
 
     model: gpt2port's GPT, a user's own GPT class (read as load_into filled it, see gpt2port.userclass), or any
@@ -81,13 +84,17 @@ def verify_model(model, reference, tokens: int | None = None, progress: bool = F
     """
     from gpt2port.model import GPT
 
+    if grads and not isinstance(model, GPT):
+        raise GPT2PortError(f"{type(model).__name__}: gradient parity is checked for gpt2port's GPT (save_from a "
+                            f"class of your own, then verify its checkpoint with grads)")
+    load_for_grads = (lambda: copy.deepcopy(model)) if grads else None  # the caller's model is left as it was
     if isinstance(model, torch.nn.Module) and not isinstance(model, GPT):  # a user's own class
         from gpt2port.userclass.stages import stages_for
 
         model = stages_for(model, reference)
     dirs = [Path(tokenizer_dir)] if tokenizer_dir else []
     return _verify(lambda: model, "<in-memory model>", reference, tokenizer_dirs=dirs, tokens=tokens,
-                   progress=progress, known_answer=known_answer, use_hf=hf)
+                   progress=progress, known_answer=known_answer, use_hf=hf, load_for_grads=load_for_grads)
 
 
 def _manifest_reference(ckpt_dir: Path, manifest: dict) -> Path:
@@ -105,12 +112,33 @@ def _manifest_reference(ckpt_dir: Path, manifest: dict) -> Path:
 # --- the run -----------------------------------------------------------------------------------------------------
 
 def _verify(load_ours: Callable, label: str, reference, tokenizer_dirs: list[Path], tokens: int | None,
-            progress: bool, known_answer: bool, use_hf: bool = True, weights_dtype=None) -> VerifyReport:
+            progress: bool, known_answer: bool, use_hf: bool = True, weights_dtype=None,
+            load_for_grads: Callable | None = None) -> VerifyReport:
     say = StatusLine("verify", quiet=not progress)
     try:
-        return _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype, say)
+        report = _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype, say)
+        if load_for_grads is not None:
+            _grads(report, load_for_grads, say)
+        return report
     finally:
         say(None)  # clear the progress line, also on errors and Ctrl-C
+
+
+def _grads(report: VerifyReport, load_ours: Callable, say) -> None:
+    """Gradient parity on the random-id input (the last one), appended as one more check."""
+    from gpt2port.verification.grads import gradient_parity
+
+    say("gradients: ours, then transformers")
+    t0 = time.perf_counter()
+    random = [i for i in report.inputs if i["kind"] == "random"]
+    shape = (random or report.inputs)[-1]["shape"]
+    ids = torch.randint(0, report.model["vocab_size"], tuple(shape), generator=torch.Generator().manual_seed(0))
+    g = gradient_parity(load_ours, Path(report.reference["path"]), ids)
+    report.metrics["grads"] = g
+    report.checks.append(Check("gradients vs transformers (fp32)", g["max_rel"] <= g["tolerance"], g["max_rel"],
+                               g["tolerance"], f"worst {g['worst']}; loss {g['loss_ours']:.6f} vs "
+                                               f"{g['loss_hf']:.6f} over {shape[0]}x{shape[1]} random ids"))
+    report.timings["total"] = (report.timings["total"] or 0.0) + time.perf_counter() - t0
 
 
 def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype,
