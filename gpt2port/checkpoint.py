@@ -22,7 +22,7 @@ from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
-from gpt2port.fsio import copy_file, refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import BackgroundHasher, copy_file, refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import canonical
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE, metadata_for
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
@@ -181,11 +181,15 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from: str | Path | None = None) -> Path:
+def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from: str | Path | None = None,
+         parent: str | Path | None = None) -> Path:
     """Write a model in memory (gpt2port's GPT, or any module whose state_dict has the canonical names and a
     `config`) as a checkpoint. A model loaded with from_pretrained and saved unchanged gives the same weights
-    file, byte for byte; its provenance and tokenizer files are carried over. A model with its own head
-    (tie_word_embeddings False) keeps it (format gpt2port/v2)."""
+    file, byte for byte; its provenance and tokenizer files are carried over (from `parent`, a checkpoint directory
+    or NAME, when the model was not loaded from one), and manifest.json records the save with the parent's weights
+    sha256. A model with its own head (tie_word_embeddings False) keeps it (format gpt2port/v2). Works from any
+    device and dtype, and from a torch.compile'd model."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; its state_dict prefixes names
     config = model.config
     state = model.state_dict()
     missing = [k for k in canonical.shapes(config) if k not in state]
@@ -198,8 +202,9 @@ def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from
                 not torch.equal(head, state[canonical.EMBEDDING]):
             raise GPT2PortError(f"{type(model).__name__}: lm_head is no longer tied to the token embedding, but its "
                                 f"config says tied; set config.tie_word_embeddings = False to keep the head apart")
-    return save_state(state, config, out, dtype=dtype, force=force, origin=getattr(model, "checkpoint_dir", None),
-                      tokenizer_from=tokenizer_from, kind=f"in-memory {type(model).__name__}")
+    origin = resolve(parent) if parent is not None else getattr(model, "checkpoint_dir", None)
+    return save_state(state, config, out, dtype=dtype, force=force, origin=origin, tokenizer_from=tokenizer_from,
+                      kind=f"in-memory {type(model).__name__}")
 
 
 def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Path, *, dtype=None,
@@ -214,15 +219,29 @@ def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Pat
         raise GPT2PortError(f"{kind}: parameters are {out_dtype}; pass dtype fp32, fp16 or bf16")
     tok_dir = Path(tokenizer_from) if tokenizer_from is not None else origin
     tokenizer_files = [tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()] if tok_dir else []
+    parent_weights = Path(origin) / WEIGHTS if origin is not None else None
+    # The parent's weights are hashed on a second thread while this checkpoint is written: the record of what it was
+    # derived from names bytes, not only a path.
+    hasher = BackgroundHasher([parent_weights], {}) if parent_weights and parent_weights.is_file() else None
     if origin is not None and (Path(origin) / MANIFEST).is_file():
         prov = derived_manifest(read_manifest(Path(origin)), out_dtype, "saves", str(Path(origin).resolve()))
     else:
         prov = manifest(out_dtype, config, {"path": None, "kind": kind})
+
+    def provenance() -> dict:
+        if hasher is not None and "saves" in prov:
+            prov["saves"][-1]["from_weights"] = hasher.results()[0]
+        return prov
     # Saving over the checkpoint a model was loaded from (with force) is safe: its tensors map a file that stays
     # readable until the new one is in place. Inside or around it is not.
     if origin is not None and out.resolve() != Path(origin).resolve():
         refuse_overlap(out, Path(origin), "the checkpoint the model was loaded from")
     order = _stored_order(origin, shapes)
-    items = [(name, out_dtype, shapes[name], (lambda t=state[name]: t)) for name in order]
-    write(out, config, items, lambda: prov, tokenizer_files, force)
+    items = [(name, out_dtype, shapes[name], (lambda t=state[name]: t.detach().cpu())) for name in order]
+    try:
+        write(out, config, items, provenance, tokenizer_files, force)
+    except BaseException:
+        if hasher is not None:
+            hasher.cancel()
+        raise
     return out

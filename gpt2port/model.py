@@ -205,6 +205,7 @@ class GPT(nn.Module):
         model.checkpoint_dir = ckpt_dir
         return model.eval()
 
-    def save_pretrained(self, out: str | Path, dtype: torch.dtype | str | None = None, force: bool = False) -> Path:
+    def save_pretrained(self, out: str | Path, dtype: torch.dtype | str | None = None, force: bool = False,
+                        parent: str | Path | None = None) -> Path:
         """Write this model as a gpt2port checkpoint (see gpt2port.save)."""
-        return save(self, out, dtype=dtype, force=force)
+        return save(self, out, dtype=dtype, force=force, parent=parent)
