@@ -1,26 +1,25 @@
-"""The MLP's activation, measured: what the MLP's second layer receives, against each known activation of what its
-first layer returned, on one short forward pass. GPT-2 uses the tanh approximation of GELU; a class with ReLU,
-ReLU² or SiLU is a different architecture, and one with the exact (erf) GELU computes GPT-2 only approximately."""
+"""The MLP's activation, measured: the MLP module's input and output on one short forward pass, its output
+recomputed from its own weights with each known activation. GPT-2 uses the tanh approximation of GELU; a class with
+ReLU, ReLU² or SiLU is a different architecture, and one with the exact (erf) GELU computes GPT-2 only
+approximately."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.observe import call_logits, evaluating, first_tensor
+from gpt2port.verification.reference import ACTIVATIONS as FORMULAS  # the float64 reference's own, by HF name
 
 GPT2 = "tanh-approximated GELU"
 ERF = "exact (erf) GELU"
 ACTIVATIONS = {
-    GPT2: lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3)))),
-    ERF: lambda x: 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0))),
-    "ReLU": F.relu,
-    "ReLU²": lambda x: F.relu(x).square(),
-    "SiLU": F.silu,
+    GPT2: FORMULAS["gelu_new"],
+    ERF: FORMULAS["gelu"],
+    "ReLU": FORMULAS["relu"],
+    "ReLU²": lambda x: FORMULAS["relu"](x).square(),
+    "SiLU": FORMULAS["silu"],
     "no activation": lambda x: x,
 }
 

@@ -40,8 +40,6 @@ class Modules:
     """Where each stage of GPT-2 lives in the class (dotted module names, relative to the block for the per-block
     ones), for hooks. None where the class computes that stage inline, without a module of its own."""
     blocks: str = ""
-    n_blocks: int = 0
-    embedding: str | None = None
     attn: str | None = None
     mlp: str | None = None
     ln1: str | None = None

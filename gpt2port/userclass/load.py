@@ -21,12 +21,11 @@ from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import GPT2PORT, canonical
 from gpt2port.sources import open_source, source_path
-from gpt2port.userclass import activation
-from gpt2port.userclass.activation import measure
+from gpt2port.userclass.activation import ERF, GPT2, measure
 from gpt2port.userclass.layout import Assignment, UserLayout
-from gpt2port.userclass.observe import Trace, probe_ids, trace
-from gpt2port.userclass.roles import infer
-from gpt2port.userclass.settle import bias_cost, context, reference_gpt, settle
+from gpt2port.userclass.observe import probe_ids, trace
+from gpt2port.userclass.roles import context, infer, read_class
+from gpt2port.userclass.settle import bias_cost, reference_gpt, settle
 
 
 # model -> the report of the load that filled it: its settled layout serves verify_model and save_from later
@@ -80,9 +79,9 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     with open_source(path) as src:
         config = src.config
         meta = any(p.is_meta for p in model.parameters())
-        lay, pk, tr = _read_class(model, config, crop_positions, run=not meta)
+        lay, pk, tr = read_class(model, config, crop_positions, run=not meta)
         untied_source = not getattr(config, "tie_word_embeddings", True)
-        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay, config)
+        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay)
         if lay.missing_biases and not drop_biases:
             reasons.append(_bias_reason(lay, src))
         masks = empty_buffers(model)
@@ -102,7 +101,7 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         items, shared = _items(model, src)
         kept = fill(model, lay.assignments, items, keep, shared)
         if meta:  # it can run now: read it again with the order its modules run in, and refill if that differs
-            tr = trace(model, probe_ids(model, config.vocab_size, min(8, context(model, lay, config))))
+            tr = trace(model, probe_ids(model, config.vocab_size, min(8, context(model, lay))))
             again = _retarget(infer(model, config, tr, crop=crop_positions)[0], untied_source)
             if not again.reasons:
                 if again.assignments != lay.assignments:
@@ -118,7 +117,7 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
             return _retarget(cand, untied_source), cpk
 
         lay = settle(model, lay, candidates, build, ref, kept, config, fill)
-    late = _activation(model, lay, config) if meta else []  # measurable only now that the weights have values
+    late = _activation(model, lay) if meta else []  # measurable only now that the weights have values
     if late:
         raise LoadRefused(lay.model_name, late)
     notes = list(lay.notes)
@@ -166,18 +165,6 @@ def _items(model: nn.Module, src) -> tuple[list, bool]:
     return canonical_items(src, dtype=None), False
 
 
-def _read_class(model: nn.Module, config: GPTConfig, crop: bool, run: bool):
-    """(layout, its open choices, the trace): read once without running the class, for the context it takes,
-    then again with the order its modules run in on an input that fits. A class on the meta device is not run
-    (on meta tensors PyTorch decomposes every op: seconds at 1.5B); load_into reads it again once filled."""
-    lay, pk = infer(model, config, Trace(error="not run yet"), crop=crop)
-    if not run:
-        return lay, pk, None
-    tr = trace(model, probe_ids(model, config.vocab_size, min(8, context(model, lay, config))))
-    lay, pk = infer(model, config, tr, crop=crop)
-    return lay, pk, tr
-
-
 def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
     """An untied class loaded from a checkpoint with its own head takes that head, not the embedding."""
     if untied_source and not lay.tied:
@@ -186,17 +173,17 @@ def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
     return lay
 
 
-def _activation(model: nn.Module, lay: UserLayout, config: GPTConfig) -> list[str]:
+def _activation(model: nn.Module, lay: UserLayout) -> list[str]:
     """A refusal for an MLP whose activation is not GELU; a note for the exact GELU in place of GPT-2's tanh one."""
-    found = measure(model, lay, probe_ids(model, lay.config.vocab_size, min(8, context(model, lay, config))))
+    found = measure(model, lay, probe_ids(model, lay.config.vocab_size, min(8, context(model, lay))))
     if found is None:
         return []
     errors, tol = found, 2e-2 if next(model.parameters()).dtype in (torch.float16, torch.bfloat16) else 1e-4
     best = min(errors, key=errors.get)
-    if errors[activation.GPT2] <= tol:
+    if errors[GPT2] <= tol:
         return []
     where = f"{lay.modules.block(0)}.{lay.modules.mlp}"
-    if best == activation.ERF and errors[best] <= tol:
+    if best == ERF and errors[best] <= tol:
         lay.notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
                          f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
         return []
@@ -230,11 +217,6 @@ def _bias_reason(lay: UserLayout, src) -> str:
             f"cost")
 
 
-def _param(model: nn.Module, name: str) -> nn.Parameter:
-    module, _, local = name.rpartition(".")
-    return getattr(model.get_submodule(module) if module else model, local)
-
-
 def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """id(parameter) -> every (module, attribute) holding it: a tied parameter is replaced everywhere at once."""
     out: dict[int, list] = {}
@@ -266,7 +248,7 @@ def fill(model: nn.Module, assignments: list[Assignment], items, keep: bool,
         if keep:
             kept[key] = t.clone()
     for a in by_target.get(None, []):
-        p = _param(model, a.param)
+        p = model.get_parameter(a.param)
         put(model, owners, a.param, torch.zeros(p.shape, dtype=p.dtype))
     return kept
 
@@ -274,7 +256,7 @@ def fill(model: nn.Module, assignments: list[Assignment], items, keep: bool,
 def put(model: nn.Module, owners: dict, name: str, value: torch.Tensor, shared: bool = False) -> None:
     """Copy `value` into the parameter `name`; a parameter on the meta device gets a tensor of its own (or, when
     `shared`, `value` itself where it already has the right dtype and memory layout)."""
-    p = _param(model, name)
+    p = model.get_parameter(name)
     if tuple(p.shape) != tuple(value.shape):
         raise GPT2PortError(f"{name}: the class's parameter is {tuple(p.shape)}, GPT-2's tensor for it is "
                             f"{tuple(value.shape)}")
@@ -295,8 +277,8 @@ def _owners_of(model: nn.Module, p) -> list[tuple[nn.Module, str]]:
 
 
 def _tie(model: nn.Module, lay: UserLayout) -> None:
-    wte = _param(model, next(a.param for a in lay.assignments if a.target == canonical.EMBEDDING))
-    head = _param(model, lay.head_param)
+    wte = model.get_parameter(next(a.param for a in lay.assignments if a.target == canonical.EMBEDDING))
+    head = model.get_parameter(lay.head_param)
     if head.shape != wte.shape:
         raise GPT2PortError(f"{lay.head_param}: stored {tuple(head.shape)}, the token embedding is "
                             f"{tuple(wte.shape)}; tie=True needs the same shape")

@@ -19,7 +19,7 @@ from gpt2port.layouts.transforms import IDENTITY, TRANSPOSE, AddDim, Chain
 from gpt2port.userclass.block import Picker, block_template, for_block, norm_assignments
 from gpt2port.userclass.layout import Assignment, CropRows, Modules, UserLayout
 from gpt2port.userclass.names import HEAD_COUNT_ATTRS
-from gpt2port.userclass.observe import Trace, Unit, aliases, units
+from gpt2port.userclass.observe import Trace, Unit, aliases, probe_ids, trace, units
 
 
 def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[str, int] | None = None,
@@ -42,7 +42,7 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
     C = tok[2].shape[1]
     inner = [u for u in us if u not in outside]
     cfg = config or _own_config(model, tok, pos, kids, inner, C)
-    lay = UserLayout(type(model).__name__, cfg, modules=Modules(blocks=blocks, n_blocks=len(kids)))
+    lay = UserLayout(type(model).__name__, cfg, modules=Modules(blocks=blocks))
     V, P, L, H, F = cfg.vocab_size, cfg.n_positions, cfg.n_layer, cfg.n_head, cfg.mlp_width
     if tuple(tok[2].shape) != (V, C) or C != cfg.n_embd:
         lay.reasons.append(f"{tok[0].full(tok[1])}: token embedding is {tuple(tok[2].shape)}, GPT-2 needs ({V}, "
@@ -54,7 +54,6 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
             own.missing_bias_targets
         lay.assignments = own.assignments  # never loaded (refused); read for measuring its activation
         return lay, pk
-    lay.modules.embedding = tok[0].name
     lay.assignments.append(Assignment(tok[0].full(tok[1]), canonical.EMBEDDING))
     _positions(lay, pos, P, C, crop)
     _head(lay, tok, head, head_bias, same, V, C)
@@ -216,7 +215,6 @@ def layout_of(model: nn.Module, config: GPTConfig | str | None = None) -> UserLa
     size name such as "gpt2-medium", or a checkpoint/source path); default: the one the class's shapes imply.
     Choices that only a checkpoint's numbers can settle are listed as undecided."""
     from gpt2port.config import is_known_name
-    from gpt2port.userclass.observe import probe_ids, trace
 
     if isinstance(config, str) and is_known_name(config):
         config = GPTConfig.preset(config)
@@ -225,12 +223,24 @@ def layout_of(model: nn.Module, config: GPTConfig | str | None = None) -> UserLa
 
         with open_source(source_path(config)) as src:
             config = src.config
-    first, _ = infer(model, config, Trace(error="not run"))
-    pos = [a for a in first.assignments if a.target == canonical.POSITIONS]
-    ctx = first.config.n_positions
-    if pos:
-        module, _, local = pos[0].param.rpartition(".")
-        ctx = getattr(model.get_submodule(module) if module else model, local).shape[-2]
-    lay, pk = infer(model, config, trace(model, probe_ids(model, first.config.vocab_size, min(8, ctx))))
+    lay, pk, _ = read_class(model, config)
     lay.decided += [f"undecided until loaded: {n} ({' | '.join(labels)})" for n, labels in pk.choices.items()]
     return lay
+
+
+def context(model: nn.Module, lay: UserLayout) -> int:
+    """The positions the class takes: rows of its position table (the layout's config's, without one)."""
+    rows = [a for a in lay.assignments if a.target == canonical.POSITIONS]
+    return model.get_parameter(rows[0].param).shape[-2] if rows else lay.config.n_positions
+
+
+def read_class(model: nn.Module, config: GPTConfig | None, crop: bool = False, run: bool = True):
+    """(layout, its open choices, the trace): read once without running the class, for the context it takes,
+    then again with the order its modules run in on an input that fits. run=False skips the second reading (a
+    class on the meta device: on meta tensors PyTorch decomposes every op, seconds at 1.5B)."""
+    lay, pk = infer(model, config, Trace(error="not run yet"), crop=crop)
+    if not run:
+        return lay, pk, None
+    tr = trace(model, probe_ids(model, lay.config.vocab_size, min(8, context(model, lay))))
+    lay, pk = infer(model, config, tr, crop=crop)
+    return lay, pk, tr

@@ -14,6 +14,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import canonical
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.observe import call_logits, evaluating, probe_ids
+from gpt2port.userclass.roles import context
 
 MATCH_REL = {torch.float32: 1e-4, torch.float64: 1e-6}  # a candidate matches within this (else 3e-2: half types)
 
@@ -40,18 +41,10 @@ def run(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return call_logits(model, ids).float().cpu()
 
 
-def context(model: nn.Module, lay: UserLayout, config: GPTConfig) -> int:
-    rows = [a for a in lay.assignments if a.target == canonical.POSITIONS]
-    if not rows:
-        return config.n_positions
-    module, _, local = rows[0].param.rpartition(".")
-    return getattr(model.get_submodule(module) if module else model, local).shape[-2]
-
-
 def settle(model: nn.Module, lay: UserLayout, candidates: list[dict], build: Callable[[dict], tuple], ref,
            kept: dict, config: GPTConfig, fill) -> UserLayout:
     """Try every candidate reading; keep (and leave loaded) the one whose logits match gpt2port's GPT."""
-    ids = probe_ids(model, config.vocab_size, min(16, context(model, lay, config)), seed=1)
+    ids = probe_ids(model, config.vocab_size, min(16, context(model, lay)), seed=1)
     want = run(ref, ids.cpu())  # gpt2port's GPT over the canonical tensors lives on the CPU
     items = [(k, None, None, (lambda t=t: t)) for k, t in kept.items()]
     dtype = next(model.parameters()).dtype
@@ -89,7 +82,7 @@ def bias_cost(model: nn.Module, ref, config: GPTConfig, lay: UserLayout, greedy_
     position of a random input, and agreement of a greedy continuation token by token."""
     from gpt2port.verification.metrics import compare_logits
 
-    T = min(64, context(model, lay, config))
+    T = min(64, context(model, lay))
     ids = probe_ids(model, config.vocab_size, T, seed=2)
     m = compare_logits(run(model, ids), run(ref, ids.cpu()), 1e-4)
     prompt = ids[:, : max(1, T // 4)]

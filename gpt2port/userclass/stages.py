@@ -29,14 +29,10 @@ class ModelStages(Stages):
         self.n_layer, self.n_head, self.n_embd = cfg.n_layer, cfg.n_head, cfg.n_embd
         self.vocab_size = cfg.vocab_size
         pos = [a for a in layout.assignments if a.target == "pos_emb.weight"]
-        self.n_positions = self._param(pos[0].param).shape[-2] if pos else cfg.n_positions
+        self.n_positions = self.model.get_parameter(pos[0].param).shape[-2] if pos else cfg.n_positions
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         self.n_params = sum(p.numel() for p in model.parameters())
-
-    def _param(self, name: str):
-        module, _, local = name.rpartition(".")
-        return getattr(self.model.get_submodule(module) if module else self.model, local)
 
     def _sub(self, name: str | None) -> nn.Module | None:
         return self.model.get_submodule(name) if name else None
@@ -124,7 +120,7 @@ class ModelStages(Stages):
         head = self._sub(self.mods.head)
         if head is not None:
             return head(x)
-        wte = self._param(next(a.param for a in self.layout.assignments if a.target == "tok_emb.weight"))
+        wte = self.model.get_parameter(next(a.param for a in self.layout.assignments if a.target == "tok_emb.weight"))
         return x @ wte.t()  # a head written inline as the tied embedding's transpose
 
 

@@ -66,6 +66,10 @@ def _suspects() -> list[Suspect]:
                 _mlp(activation="gelu")),
         Suspect("attention scores not divided by sqrt(head_dim)", "attention",
                 "divide q @ k^T by sqrt(head_dim) before the softmax", _attention(scale=1.0)),
+        Suspect("attention scores divided by sqrt(n_embd) instead of sqrt(head_dim)", "attention",
+                "divide by sqrt(head_dim) = sqrt(n_embd / n_head)",
+                lambda ref, w, x, layer, ids: ref.attention(_ln("ln_1")(ref, w, x), w, layer,
+                                                            scale=1.0 / math.sqrt(ref.config.n_embd))),
         Suspect("causal mask off by one: each position also sees the next", "attention",
                 "mask with torch.tril(torch.ones(T, T)): position t attends to 0..t", _attention(mask_shift=1)),
         Suspect("causal mask off by one: a position does not see itself", "attention",
@@ -83,14 +87,6 @@ def _suspects() -> list[Suspect]:
 
 
 SUSPECTS = _suspects()
-
-
-def _scaled_attention_by_width(ref: Float64GPT2, w, x, layer, ids):
-    return ref.attention(_ln("ln_1")(ref, w, x), w, layer, scale=1.0 / math.sqrt(ref.config.n_embd))
-
-
-SUSPECTS.append(Suspect("attention scores divided by sqrt(n_embd) instead of sqrt(head_dim)", "attention",
-                        "divide by sqrt(head_dim) = sqrt(n_embd / n_head)", _scaled_attention_by_width))
 
 
 def _error(pairs) -> float:
