@@ -311,3 +311,48 @@ def test_a_head_count_that_differs_is_refused(tiny_ckpt, config):
     model = Case("kader", {"bias": True}).build(dataclasses.replace(config, n_head=2))
     with pytest.raises(GPT2PortError, match=r"blocks.0.attn.n_head = 2; GPT-2 has 4 heads"):
         load_into(model, tiny_ckpt)
+
+
+class _InlineBlock(torch.nn.Module):
+    """Attention written inline in the block's forward: its Linears sit in the block, no attention module."""
+
+    def __init__(self, c):
+        super().__init__()
+        C = c.n_embd
+        self.ln_1, self.ln_2, self.n_head = torch.nn.LayerNorm(C), torch.nn.LayerNorm(C), c.n_head
+        self.c_attn, self.c_proj = torch.nn.Linear(C, 3 * C), torch.nn.Linear(C, C)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(C, 4 * C), torch.nn.GELU(approximate="tanh"),
+                                       torch.nn.Linear(4 * C, C))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.c_attn(self.ln_1(x)).split(C, 2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp(self.ln_2(x))
+
+
+class _InlineGPT(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(c.vocab_size, c.n_embd), torch.nn.Embedding(c.n_positions, c.n_embd)
+        self.h = torch.nn.ModuleList(_InlineBlock(c) for _ in range(c.n_layer))
+        self.ln_f = torch.nn.LayerNorm(c.n_embd)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.h:
+            x = b(x)
+        return self.ln_f(x) @ self.wte.weight.t()  # the tied head, inline
+
+
+def test_attention_written_inline_is_verified_stage_by_stage(tiny_ckpt, make_hf_repo, config):
+    model = _InlineGPT(config)
+    load_into(model, tiny_ckpt)
+    report = gpt2port.verify_model(model, make_hf_repo("hub"), tokens=16, hf=False)
+    assert report.passed, report.to_text()
+    assert {"block 1 attention", "block 1 MLP"} <= {s["stage"] for s in report.localization["stages"]}
+    with torch.no_grad():
+        model.h[1].c_proj.bias += 0.01  # a bug in the inline attention is named at its stage
+    broken = gpt2port.verify_model(model, make_hf_repo("hub"), tokens=16, hf=False)
+    assert broken.localization["first_divergence"].startswith("block 1: attention output differs")

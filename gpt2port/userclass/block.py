@@ -137,6 +137,7 @@ def block_template(lay: UserLayout, pk: Picker, us: list[Unit], prefix: str, tr:
         rows += _rows(lay, fc, "blocks.{}.mlp.fc", IDENTITY)
         rows += _rows(lay, proj, "blocks.{}.mlp.proj", IDENTITY)
         lay.modules.mlp = _common(prefix, [fc.unit.name, proj.unit.name])
+        lay.modules.mlp_out = _output_module(prefix, proj)
     else:
         lay.reasons.append(f"{prefix}: the MLP needs one ({F}, {C}) and one ({C}, {F}) weight; found "
                            f"{len(kinds['fc'])} and {len(kinds['proj'])}")
@@ -190,6 +191,7 @@ def _attention(lay: UserLayout, pk: Picker, kinds: dict, prefix: str, rank, C: i
     fused, sq, heads = kinds["qkv"], kinds["sq"], kinds["head"]
     if len(fused) == 1 and len(sq) == 1 and not heads:
         lay.modules.attn = _common(prefix, [fused[0].unit.name, sq[0].unit.name])
+        lay.modules.attn_out = _output_module(prefix, sq[0])
         return _rows(lay, fused[0], "blocks.{}.attn.qkv", IDENTITY) + _rows(lay, sq[0], "blocks.{}.attn.proj", IDENTITY)
     if not fused and len(sq) == 4 and not heads:
         proj, qkv = _split_proj(pk, sq, rank)
@@ -198,6 +200,7 @@ def _attention(lay: UserLayout, pk: Picker, kinds: dict, prefix: str, rank, C: i
         for x, j in zip(qkv, roles[0]):
             rows += _rows(lay, x, "blocks.{}.attn.qkv", Part(j, 3))
         lay.modules.attn = _common(prefix, [x.unit.name for x in sq])
+        lay.modules.attn_out = _output_module(prefix, proj)
         return rows + _rows(lay, proj, "blocks.{}.attn.proj", IDENTITY)
     if not fused and len(sq) == 1 and len(heads) == 3 * H:
         groups: dict[str, list[Lin]] = {}
@@ -214,6 +217,7 @@ def _attention(lay: UserLayout, pk: Picker, kinds: dict, prefix: str, rank, C: i
             for x, j in zip(groups[name], role):
                 rows += _rows(lay, x, "blocks.{}.attn.qkv", Part(j * H + h, 3 * H))
         lay.modules.attn = _common(prefix, [x.unit.name for x in heads + sq])
+        lay.modules.attn_out = _output_module(prefix, sq[0])
         return rows + _rows(lay, sq[0], "blocks.{}.attn.proj", IDENTITY)
     lay.reasons.append(f"{prefix}: attention needs a fused ({3 * C}, {C}) q|k|v weight, or q, k, v of ({C}, {C}), or "
                        f"{H} heads of ({C // H}, {C}) each, plus an output projection ({C}, {C}); found "
@@ -261,6 +265,13 @@ def _rows(lay: UserLayout, x: Lin, prefix: str, part) -> list[Assignment]:
         lay.missing_biases.append(x.unit.name if len(x.unit.params) == 1 else x.name)
         lay.missing_bias_targets.add(f"{prefix}.bias")
     return rows
+
+
+def _output_module(prefix: str, x: Lin) -> str | None:
+    """The module of a sub-layer's last projection, when it holds nothing else (an nn.Linear): its output is the
+    sub-layer's contribution to the residual stream, which verify can read even where attention or the MLP is
+    written inline in the block's forward."""
+    return _rel(prefix, x.unit.name) if len(x.unit.params) <= 2 and x.unit.name != prefix else None
 
 
 def _check_heads(lay: UserLayout, block: nn.Module, H: int, prefix: str) -> None:

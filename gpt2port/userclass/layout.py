@@ -42,6 +42,8 @@ class Modules:
     blocks: str = ""
     attn: str | None = None
     mlp: str | None = None
+    attn_out: str | None = None  # the attention's and the MLP's last projection, when each is a module of its own
+    mlp_out: str | None = None
     ln1: str | None = None
     ln2: str | None = None
     final_norm: str | None = None

@@ -3,7 +3,8 @@
 Every stage is computed by the user's code, not re-implemented: the embeddings are what reaches block 0 in a
 forward pass (stopped there); a block's attention is its attention module's output when the block runs on the
 given input; its MLP is the MLP module's output when the block runs with the attention's output replaced by zeros
-(so the MLP's LayerNorm sees exactly the given residual stream); the final norm and head are their modules.
+(so the MLP's LayerNorm sees exactly the given residual stream); where attention or the MLP is written inline in
+the block's forward, its last projection's output stands for it. The final norm and head are their modules.
 """
 
 from __future__ import annotations
@@ -93,25 +94,24 @@ class ModelStages(Stages):
             h.remove()
         return got[0]
 
+    def _part(self, layer: int, whole: str | None, out: str | None, what: str) -> nn.Module:
+        """The module whose output is a sub-layer's contribution: the sub-layer itself, or else its last projection
+        (attention or MLP written inline in the block's forward)."""
+        module = self._inner(layer, whole or out)
+        if module is None:
+            raise GPT2PortError(f"{self.mods.block(layer)}: its {what} has no module of its own, nor a projection "
+                                f"module to read its output from; it cannot be checked apart from the whole block")
+        return module
+
     def attention(self, layer, x):
-        block, attn = self._block(layer), self._inner(layer, self.mods.attn)
-        if attn is not None:
-            return self._capture(lambda: block(x), attn)
-        mlp = self._needed(self._inner(layer, self.mods.mlp), layer, "attention")
-        return self._capture(lambda: block(x), block, {mlp: torch.zeros_like}) - x
+        attn = self._part(layer, self.mods.attn, self.mods.attn_out, "attention")
+        return self._capture(lambda: self._block(layer)(x), attn)
 
     def mlp(self, layer, x):
-        block, mlp = self._block(layer), self._inner(layer, self.mods.mlp)
-        attn = self._needed(self._inner(layer, self.mods.attn), layer, "MLP")
-        if mlp is not None:
-            return self._capture(lambda: block(x), mlp, {attn: torch.zeros_like})
-        return self._capture(lambda: block(x), block, {attn: torch.zeros_like}) - x
-
-    def _needed(self, module, layer: int, what: str) -> nn.Module:
-        if module is None:
-            raise GPT2PortError(f"{self.mods.block(layer)}: attention and MLP are not modules of their own; its "
-                                f"{what} cannot be checked apart from the whole block")
-        return module
+        # The attention's contribution replaced by zeros: the MLP's LayerNorm sees exactly the given stream.
+        attn = self._part(layer, self.mods.attn, self.mods.attn_out, "attention")
+        mlp = self._part(layer, self.mods.mlp, self.mods.mlp_out, "MLP")
+        return self._capture(lambda: self._block(layer)(x), mlp, {attn: torch.zeros_like})
 
     def final_norm(self, x):
         return self._sub(self.mods.final_norm)(x)
