@@ -209,9 +209,10 @@ def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from
 
 def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Path, *, dtype=None,
                force: bool = False, origin: Path | None = None, tokenizer_from: str | Path | None = None,
-               kind: str = "in-memory model") -> Path:
+               kind: str = "in-memory model", record: dict | None = None) -> Path:
     """Write canonical tensors as a checkpoint. origin: the checkpoint they were loaded from (its provenance and
-    tokenizer carry over, its tensor order is kept); tokenizer_from: where the tokenizer files are otherwise."""
+    tokenizer carry over, its tensor order is kept); tokenizer_from: where the tokenizer files are otherwise;
+    record: what made these weights (a fine-tuning run's data and settings), added to the manifest's entry."""
     out = Path(out)
     shapes = canonical.shapes(config)
     out_dtype = parse_dtype(dtype) or state[canonical.EMBEDDING].dtype
@@ -227,6 +228,7 @@ def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Pat
         prov = derived_manifest(read_manifest(Path(origin)), out_dtype, "saves", str(Path(origin).resolve()))
     else:
         prov = manifest(out_dtype, config, {"path": None, "kind": kind})
+    (prov["saves"][-1] if "saves" in prov else prov["source"]).update(record or {})
 
     def provenance() -> dict:
         if hasher is not None and "saves" in prov:

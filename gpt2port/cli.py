@@ -292,6 +292,66 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
                f"({_dtype_label(model.tok_emb.weight.dtype)}, {device})", err=True)
 
 
+@main.command()
+@click.argument("ckpt")
+@click.option("--data", required=True, type=click.Path(path_type=str),
+              help="A text file, a directory of .txt files, or a .jsonl file with a \"text\" field.")
+@click.option("--out", required=True, type=click.Path(path_type=str),
+              help="Run directory: the log, the state to resume from, and at the end the fine-tuned checkpoint.")
+@click.option("--steps", type=int, default=1000, show_default=True, help="Optimizer steps.")
+@click.option("--batch-size", type=int, default=8, show_default=True,
+              help="Sequences per optimizer step, over all processes together.")
+@click.option("--block-size", type=int, default=None, help="Tokens per sequence (default: the model's context).")
+@click.option("--lr", type=float, default=3e-5, show_default=True, help="Peak learning rate.")
+@click.option("--min-lr", type=float, default=None, help="Learning rate at the end of the cosine (default lr/10).")
+@click.option("--warmup", type=int, default=None, help="Linear warmup steps (default: a tenth of --steps, <= 100).")
+@click.option("--weight-decay", type=float, default=0.1, show_default=True, help="AdamW decay, 2-D weights only.")
+@click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient norm clipping (0: none).")
+@click.option("--grad-accum", type=int, default=1, show_default=True,
+              help="Micro-batches per optimizer step (each process's share of the batch split this many ways).")
+@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: 10 per "
+              "run; 0: none).")
+@click.option("--eval-windows", type=int, default=32, show_default=True, help="Held-out windows per evaluation.")
+@click.option("--save-every", type=int, default=None, help="Steps between training-state saves (default: with "
+              "each evaluation).")
+@click.option("--seed", type=int, default=1337, show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "fp32", "bf16"]), default="auto", show_default=True,
+              help="Compute precision: auto is bf16 autocast on CUDA and fp32 on CPU (weights stay fp32).")
+@click.option("--dropout", type=float, default=0.0, show_default=True)
+@click.option("--val-fraction", type=float, default=0.05, show_default=True, help="Share of tokens held out.")
+@click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available; torchrun: one GPU "
+              "per process).")
+@click.option("--fsdp", is_flag=True, help="Under torchrun: shard parameters, gradients and optimizer state over "
+              "the processes (FSDP2) instead of replicating them (DDP).")
+@click.option("--compile", "compile_model", is_flag=True, help="torch.compile the model.")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its last saved state.")
+@click.option("--force", is_flag=True, help="Start over in an existing --out.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@_handle_errors
+def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet, **numbers):
+    """Fine-tune a converted checkpoint on text; run under torchrun for several processes (DDP, or --fsdp)."""
+    import os
+
+    from gpt2port.training.finetune import Interrupted, Settings, finetune as run_finetune
+
+    ctx = click.get_current_context()
+    given = {k for k in numbers if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE}
+    try:
+        result = run_finetune(ckpt, data, out, Settings(**numbers), device=device, fsdp=fsdp, resume=resume,
+                              force=force, compile=compile_model, quiet=quiet, given=given)
+    except GPT2PortError as e:
+        main_rank = os.environ.get("RANK", "0") == "0"  # every rank refuses alike; rank 0 alone says so
+        if isinstance(e, Interrupted):
+            if main_rank:
+                click.echo(f"interrupted: {e}", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        if not main_rank:
+            sys.exit(EXIT_FAILURE)
+        raise
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.png)")
+
+
 def format_summary(r) -> str:
     """The one screen printed after a download (r: hub.DownloadResult)."""
     from gpt2port.dtypes import DTYPE_LABELS

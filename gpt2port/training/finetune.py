@@ -1,0 +1,220 @@
+"""`gpt2port finetune`: a converted checkpoint, a text dataset, a run directory; out comes a fine-tuned checkpoint.
+
+The run directory DIR holds, while training: tokens/ (the dataset tokenized once, memory-mapped), train_log.jsonl,
+train_state/ (what --resume continues from); when done, DIR is also an ordinary gpt2port checkpoint (weights in
+fp32, config, tokenizer files, manifest naming the parent and the data) and loss.png shows the run.
+Everything that can be refused is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from gpt2port.checkpoint import WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
+from gpt2port.errors import GPT2PortError
+from gpt2port.fsio import refuse_overlap
+from gpt2port.training import data as tokens
+from gpt2port.training import dist, state
+from gpt2port.training.loop import Log, Plan, Stopped, Trainer
+from gpt2port.training.optim import adamw
+
+LOG = "train_log.jsonl"
+PLOT = "loss.png"
+TOKENS = "tokens"
+# What a resumed run must keep: the numbers its arithmetic depends on. World size, accumulation, device and the
+# intervals may change (they move sums around, not what is summed).
+KEPT = ("steps", "batch_size", "block_size", "lr", "min_lr", "warmup", "weight_decay", "clip", "seed",
+        "eval_windows", "dropout", "val_fraction", "dtype")
+
+
+class Interrupted(GPT2PortError):
+    """The run stopped on request (Ctrl-C, SIGTERM) with its state saved."""
+
+
+@dataclasses.dataclass
+class Settings:
+    steps: int = 1000
+    batch_size: int = 8
+    block_size: int | None = None  # None: the model's context
+    lr: float = 3e-5
+    min_lr: float | None = None  # None: lr / 10
+    warmup: int | None = None  # None: a tenth of the steps, at most 100
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    grad_accum: int = 1
+    eval_every: int | None = None  # None: ten evaluations per run; 0: none
+    eval_windows: int = 32
+    save_every: int | None = None  # None: with each evaluation
+    seed: int = 1337
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
+    dropout: float = 0.0
+    val_fraction: float = 0.05
+
+    def resolved(self, context: int) -> "Settings":
+        s = dataclasses.replace(self)
+        s.block_size = s.block_size or context
+        s.min_lr = s.lr / 10 if s.min_lr is None else s.min_lr
+        s.warmup = min(100, s.steps // 10) if s.warmup is None else s.warmup
+        s.eval_every = max(1, s.steps // 10) if s.eval_every is None else s.eval_every
+        s.save_every = s.eval_every if s.save_every is None else s.save_every
+        return s
+
+
+def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str | None = None, fsdp: bool = False,
+             resume: bool = False, force: bool = False, compile: bool = False, quiet: bool = False,
+             given: set[str] | None = None) -> Path:
+    """Fine-tune checkpoint `ckpt` on `data` into run directory `out` (see the module docstring); returns `out`.
+    Under torchrun every rank calls this. given: the settings named on the command line (a resumed run takes the
+    others from its saved state, and refuses a given one that differs)."""
+    out = Path(out)
+    ckpt_dir = resolve(ckpt)
+    config = read_config(ckpt_dir)
+    refuse_overlap(out, ckpt_dir, "the checkpoint being fine-tuned")
+    s = (settings or Settings()).resolved(config.n_positions)
+    saved = _check_out(out, resume, force)
+    if saved is not None:
+        named = given if given is not None else (set(vars(s)) if settings is not None else set())
+        s = _resumed(s, saved, named)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_settings(s, config.n_positions, world)
+    tokens.documents(data)  # refuses bad data (one line) before anything is written
+    rt = dist.start(device, fsdp)
+    try:
+        return _run(ckpt_dir, config, data, out, s, rt, saved, compile, quiet)
+    finally:
+        rt.close()
+
+
+def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, quiet) -> Path:
+    if rt.main:
+        if saved is None and out.exists():
+            shutil.rmtree(out)  # --force: start over (refused earlier without it)
+        out.mkdir(parents=True, exist_ok=True)
+        cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size, val_fraction=s.val_fraction,
+                               quiet=quiet)
+    rt.barrier()
+    if not rt.main:  # rank 0 built the cache; the others find it made from the same files and map it
+        cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size, val_fraction=s.val_fraction,
+                               quiet=True)
+    train_config = dataclasses.replace(config, dropout=s.dropout)
+    _, _, weights = load_state(ckpt_dir)
+    model = dist.build(train_config, rt, weights)
+    del weights
+    optimizer = adamw(model, s.lr, s.weight_decay)
+    start = 0
+    torch.manual_seed(s.seed + rt.rank)  # dropout's generator; a resumed run restores the saved one
+    if saved is not None:
+        state.load(saved["dir"], rt, model, optimizer)
+        start = saved["step"]
+    runner = torch.compile(model) if compile_model else model
+    plan = Plan(steps=s.steps, batch_size=s.batch_size, block_size=s.block_size, lr=s.lr, min_lr=s.min_lr,
+                warmup=s.warmup, weight_decay=s.weight_decay, clip=s.clip, seed=s.seed,
+                eval_windows=s.eval_windows, grad_accum=s.grad_accum, eval_every=s.eval_every,
+                save_every=s.save_every, autocast=_autocast(s.dtype, rt.device))
+    log = Log(out / LOG, rt.main, start)
+    from gpt2port.training.report import Progress
+
+    progress = Progress(s.steps, start, quiet or not rt.main)
+    trainer = Trainer(runner, optimizer, rt, plan, cache.train, cache.val, log, progress)
+
+    def save(done: int) -> None:
+        state.save(out, rt, model, optimizer, {"step": done, "settings": dataclasses.asdict(s)})
+
+    try:
+        trainer.run(start, save)
+    except Stopped as e:
+        progress.close()
+        raise Interrupted(f"{out}: stopped after step {e.step} of {s.steps}; the training state is saved "
+                            f"(continue with --resume)") from None
+    finally:
+        log.close()
+    progress.close()
+    _finish(out, ckpt_dir, config, model, rt, s, cache, log)
+    return out
+
+
+def _finish(out, ckpt_dir, config, model, rt, s, cache, log) -> None:
+    """The fine-tuned weights as a checkpoint in `out` (files moved in one by one, the weights last, so `out`
+    reads as a checkpoint only once it is whole), then the plot; the training state is no longer needed."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rt.main:
+        record = {"finetune": {"data": cache.meta.get("sources", []), "tokens_train": len(cache.train),
+                               "settings": dataclasses.asdict(s), "world": rt.world,
+                               "final_loss": next((r["loss"] for r in reversed(log.rows) if "loss" in r), None),
+                               "final_eval_loss": next((r["eval_loss"] for r in reversed(log.rows)
+                                                        if "eval_loss" in r), None)}}
+        stage = out / ".checkpoint"
+        shutil.rmtree(stage, ignore_errors=True)
+        save_state(full, config, stage, dtype=torch.float32, origin=ckpt_dir, kind="fine-tuned GPT",
+                   record=record)
+        for f in sorted(stage.iterdir(), key=lambda f: f.name == WEIGHTS):
+            os.replace(f, out / f.name)
+        stage.rmdir()
+        from gpt2port.training.plot import loss_plot
+
+        loss_plot(out / PLOT, [(r["step"], r["loss"]) for r in log.rows if "loss" in r],
+                  [(r["step"], r["eval_loss"]) for r in log.rows if "eval_loss" in r],
+                  title=f"fine-tuning {ckpt_dir.name}")
+        state.remove(out)
+    rt.barrier()
+
+
+def _autocast(dtype: str, device: torch.device):
+    if dtype == "fp32" or (dtype == "auto" and device.type != "cuda"):
+        return None
+    # bf16 autocast: weights, gradients and optimizer state stay fp32, so no loss scaling is needed (fp16 would).
+    return torch.bfloat16
+
+
+def _check_out(out: Path, resume: bool, force: bool) -> dict | None:
+    """The saved state to resume from (None: a fresh run); refuses what would lose a user's work."""
+    found = state.where(out) if out.is_dir() else None
+    if resume:
+        if found is None:
+            done = " (it is a finished run)" if out.is_dir() and is_checkpoint(out) else ""
+            raise GPT2PortError(f"{out}: no training state to resume from{done}")
+        return {"dir": found, **state.read_meta(found)}
+    if out.exists() and not out.is_dir():
+        raise GPT2PortError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        hint = "--resume to continue it, or " if found is not None else ""
+        raise GPT2PortError(f"{out}: already exists (use {hint}--force to start over)")
+    return None
+
+
+def _resumed(s: Settings, saved: dict, given: set[str]) -> Settings:
+    """The saved run's settings, with what may change taken from the command line; a kept one given differently
+    is refused by name."""
+    before = saved["settings"]
+    for name in KEPT:
+        if name in given and getattr(s, name) != before[name]:
+            raise GPT2PortError(f"--{name.replace('_', '-')} {getattr(s, name)}: the run being resumed used "
+                                f"{before[name]} (it must stay the same for the run to continue as it began)")
+    keep = {k: before[k] for k in KEPT}
+    changeable = {k: getattr(s, k) if k in given else before[k] for k in vars(s) if k not in KEPT}
+    return dataclasses.replace(s, **keep, **changeable)
+
+
+def _check_settings(s: Settings, context: int, world: int) -> None:
+    if not 1 <= s.block_size <= context:
+        raise GPT2PortError(f"--block-size {s.block_size}: must be between 1 and the model's context, {context}")
+    if s.steps < 1 or s.batch_size < 1 or s.grad_accum < 1:
+        raise GPT2PortError("--steps, --batch-size and --grad-accum must be at least 1")
+    if s.batch_size % (world * s.grad_accum):
+        raise GPT2PortError(f"--batch-size {s.batch_size}: the global batch must split evenly over {world} "
+                            f"process(es) x {s.grad_accum} accumulation step(s)")
+    if not 0 < s.lr or s.min_lr < 0 or s.warmup < 0 or not 0 <= s.dropout < 1:
+        raise GPT2PortError("--lr must be positive; --min-lr, --warmup >= 0; --dropout in [0, 1)")
+    if not 0 < s.val_fraction < 1:
+        raise GPT2PortError(f"--val-fraction {s.val_fraction}: must be between 0 and 1")
+    if s.dtype not in ("auto", "fp32", "bf16"):
+        raise GPT2PortError(f"--dtype {s.dtype}: one of auto, fp32, bf16")
+    if s.eval_windows < 1:
+        raise GPT2PortError("--eval-windows must be at least 1")

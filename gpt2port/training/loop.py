@@ -1,0 +1,204 @@
+"""The training loop: one optimizer step over the global batch, evaluation on fixed held-out windows, the log, and
+stopping cleanly on Ctrl-C or SIGTERM.
+
+World-size independence: step s's global batch is drawn from (seed, s) alone (training/data.py); rank r takes its
+contiguous share and splits it into grad_accum micro-batches. Every micro-batch holds the same number of tokens, so
+the mean of the micro losses, averaged over ranks (DDP and FSDP average gradients), is the global batch's mean loss
+and its gradient: one process and N processes run the same optimization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gpt2port.training import data as tokens
+from gpt2port.training.dist import Runtime
+from gpt2port.training.optim import lr_at, set_lr
+
+
+@dataclass
+class Plan:
+    """The numbers of a run that decide its arithmetic (what --resume must keep)."""
+
+    steps: int
+    batch_size: int
+    block_size: int
+    lr: float
+    min_lr: float
+    warmup: int
+    weight_decay: float
+    clip: float
+    seed: int
+    eval_windows: int
+    grad_accum: int = 1
+    eval_every: int = 0
+    save_every: int = 0
+    autocast: torch.dtype | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Stopped(Exception):
+    """Training stopped on request after `step` steps; its state was saved."""
+
+    def __init__(self, step: int):
+        super().__init__(f"stopped after step {step}")
+        self.step = step
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """SIGINT and SIGTERM set a flag the loop reads after each step (so a save is never cut in half); a second
+    Ctrl-C interrupts at once (the last complete save is still on disk)."""
+    flag = {"set": False}
+    previous = {}
+
+    def handler(signum, frame):
+        if flag["set"] and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag["set"] = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield flag
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+class Log:
+    """train_log.jsonl, written by rank 0 alone: one object per step, one per evaluation."""
+
+    def __init__(self, path: Path, main: bool, done: int):
+        self.path, self.main = path, main
+        if main:
+            self.rows = _read_rows(path, done)
+            path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+            self.file = open(path, "a", buffering=1)
+
+    def write(self, row: dict) -> None:
+        if self.main:
+            self.rows.append(row)
+            self.file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self.main:
+            self.file.close()
+
+
+def _read_rows(path: Path, done: int) -> list[dict]:
+    """The rows of the steps a resumed run does not repeat: those up to the saved step (a killed run may have
+    logged later steps, which will run again)."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] <= done]
+
+
+class Trainer:
+    def __init__(self, model, optimizer, rt: Runtime, plan: Plan, train, val, log: Log, progress):
+        self.model, self.opt, self.rt, self.plan = model, optimizer, rt, plan
+        self.train, self.val, self.log, self.progress = train, val, log, progress
+        per_rank = plan.batch_size // rt.world
+        self.micro = per_rank // plan.grad_accum
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def _autocast(self):
+        if self.plan.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.rt.device.type, dtype=self.plan.autocast)
+
+    def _sync(self, on: bool):
+        """Whether this backward reduces gradients across ranks (only the last micro-batch's needs to)."""
+        m = self.model
+        if hasattr(m, "set_requires_gradient_sync"):  # fully_shard
+            m.set_requires_gradient_sync(on)
+            return contextlib.nullcontext()
+        if hasattr(m, "no_sync") and not on:  # DDP
+            return m.no_sync()
+        return contextlib.nullcontext()
+
+    def _batch(self, split, offsets):
+        x, y = tokens.windows(split, offsets, self.plan.block_size)
+        return x.to(self.rt.device, non_blocking=True), y.to(self.rt.device, non_blocking=True)
+
+    def step(self, step: int) -> dict:
+        """Optimizer step `step` (0-based): returns its log row (global mean loss, lr, gradient norm)."""
+        p, rt = self.plan, self.rt
+        lr = lr_at(step, lr=p.lr, warmup=p.warmup, steps=p.steps, min_lr=p.min_lr)
+        set_lr(self.opt, lr)
+        offsets = tokens.sample_offsets(len(self.train), p.block_size, seed=p.seed, step=step, count=p.batch_size)
+        mine = offsets[rt.rank * self.micro * p.grad_accum : (rt.rank + 1) * self.micro * p.grad_accum]
+        self.model.train()
+        total = torch.zeros((), dtype=torch.float64, device=rt.device)
+        for m in range(p.grad_accum):
+            x, y = self._batch(self.train, mine[m * self.micro : (m + 1) * self.micro])
+            with self._sync(m == p.grad_accum - 1):
+                with self._autocast():
+                    _, loss = self.model(x, y)
+                (loss / p.grad_accum).backward()
+            total += loss.detach().double()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, p.clip if p.clip > 0 else math.inf)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss_sum = rt.sum([total.item() / p.grad_accum])[0]
+        return {"step": step + 1, "loss": loss_sum / rt.world, "lr": lr, "grad_norm": float(norm)}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed held-out windows, each rank taking every world-th window. Every rank runs the
+        same number of forward passes (a sharded forward is collective): one whose windows ran out repeats a
+        window with weight 0."""
+        p, rt = self.plan, self.rt
+        offsets = tokens.eval_offsets(len(self.val), p.block_size, p.eval_windows)
+        mine = offsets[rt.rank :: rt.world]
+        size = max(1, self.micro)
+        rounds = -(-(-(-len(offsets) // rt.world)) // size)
+        self.model.eval()
+        loss_sum, count = 0.0, 0
+        for i in range(rounds):
+            part = mine[i * size : (i + 1) * size]
+            x, y = self._batch(self.val, part if len(part) else offsets[:1])
+            with self._autocast():
+                _, loss = self.model(x, y)
+            loss_sum += float(loss) * len(part)
+            count += len(part)
+        loss_sum, count = rt.sum([loss_sum, count])
+        return loss_sum / max(count, 1)
+
+    def run(self, start: int, save) -> None:
+        """Steps start..steps-1; save(step) is called every save_every steps and when a stop is requested."""
+        p, rt = self.plan, self.rt
+        tokens_per_step = p.batch_size * p.block_size
+        with stop_requests() as stop:
+            if start == 0 and p.eval_every:
+                self._eval_row(0)
+            for step in range(start, p.steps):
+                t0 = time.perf_counter()
+                row = self.step(step)
+                row["tokens_per_s"] = tokens_per_step / (time.perf_counter() - t0)
+                self.log.write(row)
+                self.progress(row)
+                done = step + 1
+                if p.eval_every and (done % p.eval_every == 0 or done == p.steps):
+                    self._eval_row(done)
+                stopping = rt.any(stop["set"])
+                if done < p.steps and (stopping or (p.save_every and done % p.save_every == 0)):
+                    save(done)
+                if stopping and done < p.steps:
+                    raise Stopped(done)
+
+    def _eval_row(self, done: int) -> None:
+        row = {"step": done, "eval_loss": self.evaluate()}
+        self.log.write(row)
+        self.progress(row)
