@@ -63,7 +63,7 @@ def staged_directory(dest: Path, force: bool = False):
         # (renaming the link itself aside would leave the link behind as a leftover and the target orphaned).
         dest = Path(os.path.realpath(dest))
     parent = dest.parent
-    created = _missing_parents(parent)  # removed again on failure: a failed run leaves no trace, not even those
+    created = missing_parents(parent)  # removed again on failure: a failed run leaves no trace, not even those
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -80,7 +80,7 @@ def staged_directory(dest: Path, force: bool = False):
         except OSError as e:
             raise GPT2PortError(f"{parent}: cannot write here: {os_reason(e)}") from None
     except BaseException:
-        _remove_if_empty(created)
+        remove_if_empty(created)
         raise
     try:
         yield stage
@@ -88,11 +88,11 @@ def staged_directory(dest: Path, force: bool = False):
         _swap_in(stage, dest, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
-        _remove_if_empty(created)
+        remove_if_empty(created)
         raise
 
 
-def _missing_parents(path: Path) -> list[Path]:
+def missing_parents(path: Path) -> list[Path]:
     """The directories that mkdir(parents=True) would create for `path`, innermost first."""
     missing = []
     while not path.exists() and path != path.parent:
@@ -101,7 +101,7 @@ def _missing_parents(path: Path) -> list[Path]:
     return missing
 
 
-def _remove_if_empty(dirs: list[Path]) -> None:
+def remove_if_empty(dirs: list[Path]) -> None:
     for d in dirs:
         try:
             d.rmdir()

@@ -94,9 +94,15 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     if rt.main:
         if saved is None and out.exists():
             shutil.rmtree(out)  # --force: start over (refused earlier without it)
+        fresh = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
-        cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size, val_fraction=s.val_fraction,
-                               quiet=quiet)
+        try:
+            cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size,
+                                   val_fraction=s.val_fraction, quiet=quiet)
+        except BaseException:
+            if fresh:  # the data was refused half-way through (a bad byte deep in a file): leave nothing
+                shutil.rmtree(out, ignore_errors=True)
+            raise
     rt.barrier()
     if not rt.main:  # rank 0 built the cache; the others find it made from the same files and map it
         cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size, val_fraction=s.val_fraction,

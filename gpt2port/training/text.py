@@ -1,0 +1,145 @@
+"""Fine-tuning text: which files a data path means, checked for what would make training on it meaningless
+(empty, binary, not UTF-8, JSON lines without text), and read back as documents in pieces of bounded size.
+
+A piece ends right after a lone newline between two non-space characters: GPT-2's pre-tokenizer makes that
+newline a token of its own, and joins nothing across it, so encoding the pieces one by one gives exactly the
+tokens of the whole text, without holding a multi-gigabyte file as one string.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Iterator
+
+from gpt2port.errors import GPT2PortError
+
+PIECE = 1 << 20  # characters per piece, about: enough to keep tokenizer threads busy, small enough to stream
+PEEK = 1 << 16  # bytes of each file checked before anything is written (all of it is checked while reading)
+
+
+def documents(data: str | Path) -> list[Path]:
+    """The source files of a data path, checked before anything is written: a text file, a directory (every *.txt
+    under it, sorted by relative path) or a .jsonl file (one JSON object per line with a "text" string)."""
+    path = Path(data)
+    if not path.exists():
+        raise GPT2PortError(f"{path}: no such file or directory")
+    if path.is_dir():
+        files = sorted((p for p in path.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(path).parts)
+        if not files:
+            others = sum(1 for p in path.rglob("*") if p.is_file())
+            raise GPT2PortError(f"{path}: no .txt files in this directory ({others} other file(s))")
+        nonempty = [f for f in files if f.stat().st_size]
+        if not nonempty:
+            raise GPT2PortError(f"{path}: every .txt file in this directory is empty")
+        for f in nonempty:
+            _peek(f)
+        return nonempty
+    if path.stat().st_size == 0:
+        raise GPT2PortError(f"{path}: empty file")
+    _peek(path)
+    if is_jsonl(path):
+        with open(path, "rb") as f:
+            _json_text(f.readline(), path, 1)
+    return [path]
+
+
+def is_jsonl(path: Path) -> bool:
+    return path.suffix.lower() == ".jsonl"
+
+
+def _peek(path: Path) -> None:
+    with open(path, "rb") as f:
+        head = f.read(PEEK)
+    _check_bytes(head, path, 0)
+    text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False) if len(head) == PEEK else \
+        _decode(head, path, 0)
+    if len(head) < PEEK and not text.strip():
+        raise GPT2PortError(f"{path}: holds only whitespace")
+
+
+def _check_bytes(chunk: bytes, path: Path, offset: int) -> None:
+    nul = chunk.find(b"\0")
+    if nul >= 0:
+        raise GPT2PortError(f"{path}: binary file (NUL byte at offset {offset + nul}); fine-tuning reads UTF-8 text")
+
+
+def _decode(chunk: bytes, path: Path, offset: int, decoder=None, final: bool = True) -> str:
+    try:
+        if decoder is None:
+            return chunk.decode("utf-8")
+        return decoder.decode(chunk, final=final)
+    except UnicodeDecodeError as e:
+        raise GPT2PortError(f"{path}: not UTF-8 text (invalid byte at offset {offset + e.start})") from None
+
+
+def _json_text(line: bytes, path: Path, number: int) -> str:
+    try:
+        obj = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise GPT2PortError(f"{path}:{number}: not a JSON line ({e.__class__.__name__}: "
+                            f"{str(e).splitlines()[0]})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        raise GPT2PortError(f"{path}:{number}: needs a JSON object with a \"text\" string")
+    return obj["text"]
+
+
+def pieces(files: list[Path]) -> Iterator[tuple[bool, str]]:
+    """(starts a document, text) for every piece of every document, in order, checking every byte on the way."""
+    for path in files:
+        if is_jsonl(path):
+            yield from _jsonl_pieces(path)
+        else:
+            yield from _file_pieces(path)
+
+
+def _file_pieces(path: Path) -> Iterator[tuple[bool, str]]:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    carry, offset, first = "", 0, True
+    with open(path, "rb") as f:
+        while chunk := f.read(PIECE):
+            _check_bytes(chunk, path, offset)
+            carry += _decode(chunk, path, offset, decoder, final=False)
+            offset += len(chunk)
+            cut = _last_cut(carry)
+            if cut:
+                yield first, carry[:cut]
+                carry, first = carry[cut:], False
+        carry += _decode(b"", path, offset, decoder, final=True)
+    if carry or first:
+        yield first, carry
+
+
+def _jsonl_pieces(path: Path) -> Iterator[tuple[bool, str]]:
+    texts = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            text = _json_text(line, path, number)
+            if not text:
+                continue
+            texts += 1
+            start = 0
+            while len(text) - start > PIECE:  # a long document: split where tokenization allows
+                cut = _last_cut(text[start : start + PIECE])
+                if not cut:
+                    break
+                yield start == 0, text[start : start + cut]
+                start += cut
+            yield start == 0, text[start:]
+    if not texts:
+        raise GPT2PortError(f"{path}: no line has a non-empty \"text\"")
+
+
+def _last_cut(text: str) -> int:
+    """The last point in `text` where it may be cut without changing its tokens (0: none): right after a newline
+    with no whitespace on either side. A longer whitespace run must not end a piece: at the end of a string the
+    tokenizer keeps a run whole, where the same run before a letter gives up its last character to the next token.
+    str.isspace() counts every character the tokenizer's \\s does (and a few more), so such a point is safe."""
+    i = len(text) - 1  # a newline at the very end is not a point yet: what follows it is unknown
+    while (i := text.rfind("\n", 0, i)) > 0:
+        if not text[i + 1].isspace() and not text[i - 1].isspace():
+            return i + 1
+    return 0
