@@ -7,6 +7,7 @@ One function per command, importable from here (the CLI calls the same ones):
     gpt2port.export(ckpt, out, to="gpt2port" | "hf", dtype=None, force=False)               # checkpoint -> elsewhere
     gpt2port.verify(ckpt, reference=None, dtype=None, tokens=None, hf=True)                 # -> report.passed
     gpt2port.save(model, out, dtype=None, force=False)                                      # model in memory -> checkpoint
+    gpt2port.finetune(ckpt, data, out, gpt2port.FinetuneSettings(steps=...), resume=False)   # text -> tuned checkpoint
 
 Your own GPT class (gpt2port.userclass):
 
@@ -22,10 +23,12 @@ from gpt2port.conversion import convert, export
 from gpt2port.errors import GPT2PortError
 from gpt2port.hub import download
 from gpt2port.model import GPT, KVCache
+from gpt2port.training.finetune import Settings as FinetuneSettings
+from gpt2port.training.finetune import finetune
 from gpt2port.userclass import init_empty, layout_of, load_into, save_from
 from gpt2port.verification import run_verify as verify
 from gpt2port.verification import verify_model
 from gpt2port.version import __version__
 
-__all__ = ["GPT", "GPTConfig", "GPT2PortError", "KVCache", "__version__", "convert", "download", "export",
-           "init_empty", "layout_of", "load_into", "load_tokenizer", "save", "save_from", "verify", "verify_model"]
+__all__ = ["GPT", "GPTConfig", "GPT2PortError", "FinetuneSettings", "KVCache", "__version__", "convert", "download",
+           "export", "finetune", "init_empty", "layout_of", "load_into", "load_tokenizer", "save", "save_from", "verify", "verify_model"]

@@ -54,6 +54,19 @@ def parameter_ledger(shapes: dict[str, tuple[int, ...]], n_layer: int) -> list[d
     return ledger
 
 
+def _save_line(save: dict) -> str:
+    """One line per time the weights were re-saved from memory: plain saves, and fine-tuning runs with their data."""
+    tuned = save.get("finetune")
+    if not tuned:
+        return f"saved       from {save.get('from')} ({save.get('dtype', '?')}), {save.get('created', '?')}"
+    files = tuned.get("data", [])
+    data = files[0]["path"] if len(files) == 1 else f"{len(files)} files"
+    loss = tuned.get("final_eval_loss")
+    return (f"fine-tuned  from {save.get('from')} on {data} ({tuned.get('tokens_train', 0):,} tokens), "
+            f"{tuned.get('settings', {}).get('steps', '?')} steps" + (f", eval loss {loss:.4f}" if loss else "")
+            + f", {save.get('created', '?')}")
+
+
 def format_info(facts: dict) -> str:
     c, m = facts["config"], facts["manifest"]
     src = m.get("source", {})
@@ -69,6 +82,8 @@ def format_info(facts: dict) -> str:
                      f"by gpt2port {m.get('version', '?')}")
         for f in src.get("files", []):
             lines.append(f"            {f['name']}  {f['size']:,} bytes  sha256 {f['sha256']}")
+        for save in m.get("saves", []):
+            lines.append(_save_line(save))
     lines += ["", f"{'parameters':<34}{'count':>16}"]
     for row in facts["ledger"]:
         lines.append(f"{row['part']:<34}{row['params']:>16,}")

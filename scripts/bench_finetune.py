@@ -82,7 +82,7 @@ def _transformers_step(config, device, args, tokens, autocast):
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return model, step
 

@@ -99,8 +99,10 @@ def test_loss_falls_and_the_result_is_an_ordinary_checkpoint(straight, tiny_ckpt
     tuned, parent = GPT.from_pretrained(straight), GPT.from_pretrained(tiny_ckpt)
     assert tuned.lm_head.weight is tuned.tok_emb.weight
     assert not torch.equal(tuned.blocks[0].attn.qkv.weight, parent.blocks[0].attn.qkv.weight)
-    for command in (["info", straight], ["generate", straight, "--prompt", "The", "--max-new-tokens", "4"]):
-        assert run_cli(*command).exit_code == 0
+    info = run_cli("info", straight)
+    assert info.exit_code == 0 and f"fine-tuned  from {Path(tiny_ckpt).resolve()}" in info.stdout
+    assert f"20 steps, eval loss {evals[-1]:.4f}" in info.stdout
+    assert run_cli("generate", straight, "The", "--max-new-tokens", "4").exit_code == 0
 
 
 def test_the_logged_eval_loss_is_what_transformers_computes_on_the_result(straight, corpus, tmp_path):
@@ -226,3 +228,21 @@ def test_an_existing_run_is_not_overwritten_without_force(straight, tiny_ckpt, c
     r = run_cli("finetune", tiny_ckpt, "--data", corpus, "--out", straight, "--steps", "2", *RUN)
     assert "--force" in assert_clean_failure(r, names=[straight])
     assert snapshot(straight) == before
+
+
+def test_a_run_stopped_on_one_process_resumes_sharded_on_two(straight, tiny_ckpt, corpus, tmp_path):
+    """The state is saved with torch.distributed.checkpoint: it reshards, so the world size may change."""
+    out = tmp_path / "run"
+    args = [tiny_ckpt, "--data", corpus, "--out", out, "--steps", "20", "--save-every", "4", *RUN]
+    proc = finetune_process(*args)
+    wait_for_step(out, 6, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "gpt2port", "finetune", *args, "--resume", "--fsdp"]
+    r = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for (s1, a), (s2, b) in zip(numbers(straight), numbers(out), strict=True):
+        assert s1 == s2 and abs(a - b) <= 1e-4 * abs(a)
