@@ -132,7 +132,7 @@ def fsdp_memory(args) -> dict:
     for label, launcher in (("1 process", [sys.executable, "-m", "scripts.bench_finetune", "--worker"]),
                             ("2 processes, --fsdp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      "--nproc-per-node", "2", "-m", "scripts.bench_finetune",
-                                                     "--worker", "--fsdp"])):
+                                                     "--fsdp", "--worker"])):
         out = work / "run"
         shutil.rmtree(out, ignore_errors=True)
         cmd = [*launcher, str(ckpt), str(text), str(out), str(args.batch_size), str(args.block_size)]
@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fsdp-memory", action="store_true")
+    ap.add_argument("--skip-speed", action="store_true", help="with --fsdp-memory: measure memory only")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/gpt2port-bench-finetune"))
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)
@@ -173,14 +174,9 @@ def main() -> None:
     if args.worker:
         return _worker(*args.worker, fsdp=args.fsdp)
     where = f"{args.device}, {os.cpu_count()} cores, torch {torch.__version__}" + (", compiled" if args.compile else "")
-    r = speed(args)
-    print(f"\n## one training step, {args.size}, batch {args.batch_size} x {args.block_size} tokens ({where})\n")
-    print("| model | median step (s) | tokens/s | loss at step 0 |")
-    print("|---|---:|---:|---:|")
-    for name in ("gpt2port", "transformers"):
-        print(f"| {name} | {r[name]['median_step_s']:.3f} | {r[name]['tokens_per_s']:,.0f} | "
-              f"{r[name]['first_loss']:.4f} |")
-    print(f"\ngpt2port / transformers tokens/s: {r['ratio']:.2f}x (goal >= 1.0)")
+    r = None if args.skip_speed else speed(args)
+    if r is not None:
+        _print_speed(args, r, where)
     if args.fsdp_memory:
         m = fsdp_memory(args)
         print(f"\n## peak RSS per training process, gpt2port finetune {args.size}, 3 steps (CPU, gloo)\n")
@@ -190,6 +186,16 @@ def main() -> None:
             for x in ranks:
                 print(f"| {label} | {x['rank']} | {x['peak_rss_gb']:.2f} |")
         print(json.dumps(m), file=sys.stderr)
+
+
+def _print_speed(args, r: dict, where: str) -> None:
+    print(f"\n## one training step, {args.size}, batch {args.batch_size} x {args.block_size} tokens ({where})\n")
+    print("| model | median step (s) | tokens/s | loss at step 0 |")
+    print("|---|---:|---:|---:|")
+    for name in ("gpt2port", "transformers"):
+        print(f"| {name} | {r[name]['median_step_s']:.3f} | {r[name]['tokens_per_s']:,.0f} | "
+              f"{r[name]['first_loss']:.4f} |")
+    print(f"\ngpt2port / transformers tokens/s: {r['ratio']:.2f}x (goal >= 1.0)")
     print(json.dumps(r), file=sys.stderr)
 
 
