@@ -1,0 +1,228 @@
+"""TensorFlow checkpoints (the tensor-bundle format OpenAI released GPT-2 in), read without TensorFlow.
+
+A checkpoint `PREFIX` is `PREFIX.index`, a sorted string table (SSTable), and data shards
+`PREFIX.data-0000i-of-0000n` holding each tensor's raw bytes. The table maps every variable name to a
+BundleEntryProto (dtype, shape, shard, offset, size, crc32c); the empty key holds a BundleHeaderProto (shard
+count, endianness). Every table block and every tensor carries a masked crc32c, and both are checked: a flipped
+byte is refused naming the block or the tensor, before anything is written.
+
+The table: blocks of prefix-compressed key/value entries (shared length, unshared length, value length as
+varints; a restart array at the block's end), each followed by a 5-byte trailer (compression type, masked
+crc32c of the block and that type byte); an index block whose values are the data blocks' handles (offset, size
+as varints); and a 48-byte footer: the metaindex and index handles, padding, and the table magic number.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+from gpt2port.errors import GPT2PortError
+from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, refuse_lfs_pointer
+
+TABLE_MAGIC = 0xDB4775248B80FB57
+FOOTER = 48
+TRAILER = 5
+# TensorFlow's DataType enum -> torch dtype, for the types a reader can hand out (the rest are named in refusals).
+DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.int32, 9: torch.int64, 14: torch.bfloat16, 19: torch.float16}
+DTYPE_NAMES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16", 6: "int8", 7: "string",
+               8: "complex64", 9: "int64", 10: "bool", 14: "bfloat16", 19: "float16"}
+
+
+def _crc32c(data: bytes) -> int:
+    import google_crc32c  # the C implementation: checking a 6 GB checkpoint takes seconds, not hours
+
+    return google_crc32c.value(data)
+
+
+def masked_crc32c(data) -> int:
+    """The checksum TensorFlow stores: crc32c rotated right by 15 bits plus a constant (so that a crc of data
+    holding crcs is not itself trivially related to them)."""
+    crc = _crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# --- protocol buffers, the few wire types these messages use -------------------------------------------------
+
+def _varint(buf, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf) -> list[tuple[int, int | bytes]]:
+    """(field number, value) for each field of a message: ints for varints and fixed, bytes for length-delimited."""
+    out, pos = [], 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 1:
+            value, pos = struct.unpack_from("<Q", buf, pos)[0], pos + 8
+        elif wire == 5:
+            value, pos = struct.unpack_from("<I", buf, pos)[0], pos + 4
+        elif wire == 2:
+            n, pos = _varint(buf, pos)
+            value, pos = bytes(buf[pos : pos + n]), pos + n
+            if pos > len(buf):
+                raise ValueError("truncated field")
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        out.append((number, value))
+    return out
+
+
+def _shape(buf: bytes) -> tuple[int, ...]:
+    dims = []
+    for number, value in _fields(buf):
+        if number == 2:  # repeated Dim {int64 size = 1; string name = 2}
+            dims.append(next((v for n, v in _fields(value) if n == 1), 0))
+        elif number == 3 and value:
+            raise ValueError("a shape of unknown rank")
+    return tuple(dims)
+
+
+# --- the sorted string table -----------------------------------------------------------------------------------
+
+def _handle(buf, pos: int = 0) -> tuple[int, int, int]:
+    offset, pos = _varint(buf, pos)
+    size, pos = _varint(buf, pos)
+    return offset, size, pos
+
+
+def _block(data: bytes, offset: int, size: int, where: str) -> bytes:
+    if offset + size + TRAILER > len(data):
+        raise GPT2PortError(f"{where}: a table block runs past the end of the file (truncated?)")
+    contents = data[offset : offset + size]
+    kind, crc = data[offset + size], struct.unpack_from("<I", data, offset + size + 1)[0]
+    if masked_crc32c(data[offset : offset + size + 1]) != crc:
+        raise GPT2PortError(f"{where}: table block at byte {offset} fails its crc32c check (the file is damaged)")
+    if kind != 0:
+        raise GPT2PortError(f"{where}: table block at byte {offset} is compressed (type {kind}); only "
+                            f"uncompressed index files are read")
+    return contents
+
+
+def _entries(block: bytes):
+    (restarts,) = struct.unpack_from("<I", block, len(block) - 4)
+    end = len(block) - 4 * (restarts + 1)
+    pos, key = 0, b""
+    while pos < end:
+        shared, pos = _varint(block, pos)
+        unshared, pos = _varint(block, pos)
+        length, pos = _varint(block, pos)
+        key = key[:shared] + block[pos : pos + unshared]
+        pos += unshared
+        yield key, block[pos : pos + length]
+        pos += length
+
+
+def read_table(path: Path) -> dict[bytes, bytes]:
+    """Every key and value of an SSTable file, checked block by block."""
+    data = path.read_bytes()
+    refuse_lfs_pointer(path, data[:64])
+    if len(data) < FOOTER or struct.unpack_from("<Q", data, len(data) - 8)[0] != TABLE_MAGIC:
+        raise GPT2PortError(f"{path}: not a TensorFlow checkpoint index (no table magic number at its end)")
+    try:
+        footer = data[len(data) - FOOTER :]
+        _, _, pos = _handle(footer)
+        offset, size, _ = _handle(footer, pos)
+        table = {}
+        for _, value in _entries(_block(data, offset, size, str(path))):
+            block_offset, block_size, _ = _handle(value)
+            table.update(_entries(_block(data, block_offset, block_size, str(path))))
+        return table
+    except (ValueError, struct.error, IndexError) as e:
+        raise GPT2PortError(f"{path}: damaged checkpoint index ({e})") from None
+
+
+# --- the bundle ------------------------------------------------------------------------------------------------
+
+def prefix_of(path: Path) -> Path:
+    """The checkpoint prefix from what a user points at: PREFIX.index, PREFIX, or a data shard."""
+    name = path.name
+    if name.endswith(".index"):
+        return path.with_name(name[: -len(".index")])
+    if ".data-" in name:
+        return path.with_name(name[: name.index(".data-")])
+    return path
+
+
+class TFBundleReader(Reader):
+    layout = "openai-tf"
+
+    def __init__(self, path: str | Path, model_config: dict | None = None):
+        self.path = Path(path)
+        prefix = prefix_of(self.path)
+        self.index_file = prefix.with_name(prefix.name + ".index")
+        if not self.index_file.is_file():
+            raise GPT2PortError(f"{self.index_file}: no such file (a TensorFlow checkpoint needs its .index)")
+        table = read_table(self.index_file)
+        where = str(self.index_file)
+        header = dict(_fields(table.pop(b"", b"")))
+        shards = header.get(1, 1)
+        if header.get(2, 0) != 0:
+            raise GPT2PortError(f"{where}: written big-endian; only little-endian checkpoints are read")
+        self.files = [prefix.with_name(f"{prefix.name}.data-{i:05d}-of-{shards:05d}") for i in range(shards)]
+        for f in self.files:
+            if not f.is_file():
+                raise GPT2PortError(f"{f}: missing data shard ({shards} shard(s) listed in {self.index_file.name})")
+        sizes = [f.stat().st_size for f in self.files]
+        self.tensors, self._crc = {}, {}
+        for key, value in table.items():
+            name = key.decode("utf-8", "replace")
+            try:
+                entry = dict((n, v) for n, v in _fields(value) if n != 2)
+                shape = _shape(next((v for n, v in _fields(value) if n == 2), b""))
+            except ValueError as e:
+                raise GPT2PortError(f"{where}: entry {name!r} is damaged ({e})") from None
+            if any(n == 7 for n, _ in _fields(value)):
+                raise GPT2PortError(f"{where}: {name!r} is stored in slices (a partitioned variable); not supported")
+            dtype = DTYPES.get(entry.get(1, 0))
+            if dtype not in FLOAT_DTYPES:
+                raise GPT2PortError(f"{where}: {name!r} is {DTYPE_NAMES.get(entry.get(1, 0), 'type ' + str(entry.get(1)))}"
+                                    f"; GPT-2's variables are all floating point")
+            shard, offset, size = entry.get(3, 0), entry.get(4, 0), entry.get(5, 0)
+            expected = dtype.itemsize * _numel(shape)
+            if shard >= shards or size != expected or offset + size > sizes[shard]:
+                raise GPT2PortError(f"{where}: {name!r} ({size} bytes at {offset} in shard {shard}) does not fit "
+                                    f"{self.files[min(shard, shards - 1)].name} or its shape {list(shape)}")
+            self.tensors[name] = TensorInfo(name, dtype, shape, self.files[shard], offset, size)
+            self._crc[name] = entry.get(6)
+        self.metadata = {}
+        self.model_config = model_config
+
+    def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        """One tensor, checked against its crc32c. Read-only: a view of the bytes read (they are not copied again;
+        every consumer copies or converts what it keeps)."""
+        info = self.tensors[name]
+        with open(info.file, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.nbytes)
+        if len(data) != info.nbytes:
+            raise GPT2PortError(f"{info.file}: ends inside tensor {name!r} (truncated?)")
+        if self._crc[name] is not None and masked_crc32c(data) != self._crc[name]:
+            raise GPT2PortError(f"{info.file}: tensor {name!r} fails its crc32c check (the file is damaged)")
+        if not data:
+            return torch.empty(info.shape, dtype=info.dtype)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(data, dtype=info.dtype).reshape(info.shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
