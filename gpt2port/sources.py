@@ -16,6 +16,7 @@ from gpt2port import checkpoint
 from gpt2port.config import GPTConfig, read_json
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import Reader, find_weights, open_weights
+from gpt2port.formats.tf_bundle import index_for
 from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
@@ -79,6 +80,8 @@ def open_source(path: str | Path) -> Source:
     path = Path(path)
     if path.is_dir():
         weights = find_weights(path)
+    elif (index := index_for(path)) is not None:  # a TensorFlow checkpoint named by prefix, state file or shard
+        weights = index
     elif path.exists() or path.is_symlink():
         weights = path
     else:
@@ -99,10 +102,11 @@ def open_source(path: str | Path) -> Source:
 
 def _config(reader: Reader, layout: Layout, root: Path) -> tuple[GPTConfig, Path | None]:
     shapes = layout.canonical_shapes({k: t.shape for k, t in reader.tensors.items()})
-    if reader.model_config is not None:  # the file says what model it holds
-        config = GPTConfig.from_hf_config(reader.model_config, str(reader.path))
-        check_config_matches_weights(config, shapes, reader.path)
-        return config, None
+    if reader.model_config is not None:  # the file (or one that goes with it) says what model it holds
+        where = reader.config_file or reader.path
+        config = GPTConfig.from_hf_config(reader.model_config, str(where))
+        check_config_matches_weights(config, shapes, where)
+        return config, reader.config_file
     path = root / checkpoint.CONFIG
     if not path.is_file():
         return infer_config(shapes, reader.path), None

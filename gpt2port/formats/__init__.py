@@ -15,6 +15,12 @@ from gpt2port.formats.safetensors import SafetensorsReader
 from gpt2port.formats.shards import INDEX_SUFFIX, ShardedReader
 from gpt2port.formats.torch_pickle import PickleReader
 
+def _tf_reader(path: Path) -> Reader:
+    from gpt2port.formats.tf_bundle import TFBundleReader
+
+    return TFBundleReader(path)
+
+
 def _gguf_reader(path: Path) -> Reader:
     from gpt2port.formats.gguf import GGUFFileReader  # llama.cpp's package, imported only when a .gguf is read
 
@@ -29,6 +35,7 @@ READERS = {
     ".pth": PickleReader,
     INDEX_SUFFIX: lambda path: ShardedReader(path, open_weights),
     ".gguf": _gguf_reader,
+    ".index": _tf_reader,  # a TensorFlow checkpoint: PREFIX.index beside PREFIX.data-*-of-*
 }
 
 # The weights files of a Hugging Face repo, in order of preference: safetensors cannot run code and streams; .bin
@@ -62,7 +69,12 @@ def find_weights(directory: Path) -> Path:
     """The weights file of a repo directory, by WEIGHT_FILES' preference."""
     found = next((directory / n for n in WEIGHT_FILES if os.path.lexists(directory / n)), None)
     if found is None:
-        raise GPT2PortError(f"{directory}: no GPT-2 weights found (looked for {', '.join(WEIGHT_FILES)})")
+        from gpt2port.formats.tf_bundle import checkpoint_in  # OpenAI's release: models/124M/ and its kin
+
+        found = checkpoint_in(directory)
+    if found is None:
+        raise GPT2PortError(f"{directory}: no GPT-2 weights found (looked for {', '.join(WEIGHT_FILES)}, or a "
+                            f"TensorFlow checkpoint)")
     return found
 
 

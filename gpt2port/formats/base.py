@@ -45,6 +45,7 @@ class Reader:
     # A format that carries the model's sizes in the file itself gives them as config.json fields (n_layer, n_head,
     # n_embd, vocab_size, n_positions, ...); None: they come from a config.json beside the file, or from shapes.
     model_config: dict | None = None
+    config_file: Path | None = None  # the file model_config was read from, if it is one beside the weights
     # Findings a conversion should report (e.g. a tokenizer that could not be carried over).
     warnings: tuple[str, ...] | list[str] = ()
 

@@ -14,6 +14,8 @@ as varints); and a 48-byte footer: the metaindex and index handles, padding, and
 
 from __future__ import annotations
 
+import json
+import re
 import struct
 import warnings
 from pathlib import Path
@@ -159,10 +161,49 @@ def prefix_of(path: Path) -> Path:
     return path
 
 
+def checkpoint_in(directory: Path) -> Path | None:
+    """The .index of the checkpoint a TensorFlow model directory holds: the one its `checkpoint` file names
+    (model_checkpoint_path), or its only *.index."""
+    state = directory / "checkpoint"
+    if state.is_file():
+        m = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', state.read_text(errors="replace"), re.M)
+        if m:
+            prefix = Path(m.group(1))
+            return (prefix if prefix.is_absolute() else directory / prefix).with_name(prefix.name + ".index")
+    found = sorted(directory.glob("*.index"))
+    return found[0] if len(found) == 1 else None
+
+
+def index_for(path: Path) -> Path | None:
+    """The .index a user means by a path that is not a weights file itself: the `checkpoint` state file, a data
+    shard, or the bare prefix (models/124M/model.ckpt)."""
+    if path.name == "checkpoint" and path.is_file():
+        return checkpoint_in(path.parent)
+    if ".data-" in path.name or not path.exists():
+        index = prefix_of(path).with_name(prefix_of(path).name + ".index")
+        return index if index.is_file() else None
+    return None
+
+
+# OpenAI's hparams.json names -> config.json's
+HPARAMS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "n_vocab": "vocab_size", "n_ctx": "n_positions"}
+
+
+def _hparams(directory: Path) -> dict | None:
+    path = directory / "hparams.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        return {HPARAMS[k]: v for k, v in raw.items() if k in HPARAMS}
+    except (ValueError, AttributeError) as e:
+        raise GPT2PortError(f"{path}: not a JSON object of hyperparameters ({e})") from None
+
+
 class TFBundleReader(Reader):
     layout = "openai-tf"
 
-    def __init__(self, path: str | Path, model_config: dict | None = None):
+    def __init__(self, path: str | Path):
         self.path = Path(path)
         prefix = prefix_of(self.path)
         self.index_file = prefix.with_name(prefix.name + ".index")
@@ -195,13 +236,19 @@ class TFBundleReader(Reader):
                                     f"; GPT-2's variables are all floating point")
             shard, offset, size = entry.get(3, 0), entry.get(4, 0), entry.get(5, 0)
             expected = dtype.itemsize * _numel(shape)
-            if shard >= shards or size != expected or offset + size > sizes[shard]:
+            if shard < shards and size == expected and offset + size > sizes[shard]:
+                raise GPT2PortError(f"{self.files[shard]}: truncated (tensor {name!r} ends at byte {offset + size}; "
+                                    f"the file has {sizes[shard]})")
+            if shard >= shards or size != expected:
                 raise GPT2PortError(f"{where}: {name!r} ({size} bytes at {offset} in shard {shard}) does not fit "
                                     f"{self.files[min(shard, shards - 1)].name} or its shape {list(shape)}")
             self.tensors[name] = TensorInfo(name, dtype, shape, self.files[shard], offset, size)
             self._crc[name] = entry.get(6)
         self.metadata = {}
-        self.model_config = model_config
+        self.model_config = _hparams(self.index_file.parent)
+        if self.model_config is not None:
+            self.config_file = self.index_file.parent / "hparams.json"
+
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor, checked against its crc32c. Read-only: a view of the bytes read (they are not copied again;

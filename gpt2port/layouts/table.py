@@ -42,10 +42,11 @@ class Write:
     shape: tuple[int, ...]
 
 
-def template(key: str) -> tuple[str, tuple[int, ...]]:
+def template(key: str, index: re.Pattern = _INDEX) -> tuple[str, tuple[int, ...]]:
     """'h.7.attn.c_attn.weight' -> ('h.{}.attn.c_attn.weight', (7,)). Only the first number is the layer: later ones
-    are part of the name (a Sequential's 'ff.layers.0.weight')."""
-    m = _INDEX.search(key)
+    are part of the name (a Sequential's 'ff.layers.0.weight'). `index`: where a layout writes its layer number
+    (between dots by default; TensorFlow's 'model/h7/attn' has it after 'h')."""
+    m = index.search(key)
     if m is None:
         return key, ()
     return key[:m.start()] + "{}" + key[m.end():], (int(m.group()),)
@@ -58,6 +59,7 @@ class Layout:
     dropped: frozenset[str] = frozenset()  # templates of keys that carry nothing (e.g. causal-mask buffers)
     read_prefixes: tuple[str, ...] = ()  # prefixes a file may put before every key; stripped on read
     write_prefix: str = ""
+    index: re.Pattern = _INDEX  # where this layout's keys carry the layer number (see template)
     # The head's key when a file stores it: for a tied model (GPT-2) a copy, accepted on read only if it equals the
     # embedding; for an untied one (tie_word_embeddings False) the head itself, read and written under this key.
     untied_head: str | None = None
@@ -89,7 +91,7 @@ class Layout:
         size of the model a file holds."""
         out = {}
         for key, shape in shapes.items():
-            tpl, idx = template(self.strip(key))
+            tpl, idx = template(self.strip(key), self.index)
             for row in self.by_key.get(tpl, ()):
                 if row.transform.exact_shape:
                     out[row.canonical.format(*idx)] = row.transform.canonical_shape(tuple(shape))
@@ -101,7 +103,7 @@ class Layout:
         same names."""
         for key in shapes:
             bare = self.strip(key)
-            tpl, _ = template(bare)
+            tpl, _ = template(bare, self.index)
             if bare != self.untied_head and tpl not in self.by_key and tpl not in self.dropped:
                 return False
         canon = self.canonical_shapes(shapes)
@@ -124,7 +126,7 @@ class Layout:
                     seen[(canonical.HEAD, IDENTITY.name)] = key
                     reads.append(Read(key, canonical.HEAD, IDENTITY))
                 continue
-            tpl, idx = template(bare)
+            tpl, idx = template(bare, self.index)
             if any(i >= config.n_layer for i in idx[:1]):
                 unknown.append(key)
             elif tpl in self.dropped:

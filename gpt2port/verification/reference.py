@@ -173,6 +173,16 @@ class HFFiles:
     def get64(self, key: str) -> torch.Tensor:
         return self._read(key).to(torch.float64, copy=True)
 
+    def config_dict(self) -> dict:
+        """config.json beside the weights ({} if there is none)."""
+        path = self.root / "config.json"
+        if not path.is_file():
+            return {}
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise GPT2PortError(f"{path}: not valid JSON ({e})") from None
+
     def close(self) -> None:
         self._open.clear()
 
@@ -210,12 +220,7 @@ class _BinFile:
 def read_config(files: HFFiles) -> RefConfig:
     """HF's config.json beside the weights (HF defaults for absent fields); shapes decide when there is none."""
     path = files.root / "config.json"
-    hf = {}
-    if path.is_file():
-        try:
-            hf = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise GPT2PortError(f"{path}: not valid JSON ({e})") from None
+    hf = files.config_dict()
     vocab_size, width = files.shape("wte.weight")
     n_embd = int(hf.get("n_embd", width))
     n_layer = int(hf["n_layer"]) if "n_layer" in hf else sum(1 for k in files.keys() if k.endswith(".ln_1.weight"))
@@ -262,7 +267,9 @@ class Float64GPT2:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.files = HFFiles(path)
+        from gpt2port.verification.reference_tf import TFFiles, is_tf  # OpenAI's original TensorFlow release
+
+        self.files = TFFiles(path) if is_tf(Path(path)) else HFFiles(path)
         self.config = read_config(self.files)
 
     def __enter__(self):
