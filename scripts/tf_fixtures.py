@@ -11,6 +11,10 @@ model.ckpt.data-*, model.ckpt.meta), with TensorFlow's tf.compat.v1.train.Saver,
   sharded/   the same weights saved by a sharded Saver over two devices: several data shards
   nonfloat/  the same weights plus an int32 variable (what a reader must refuse in one line)
 and weights.npz beside each: the same arrays as numpy wrote them, an independent copy for the tests to compare to.
+
+    /tmp/tfvenv/bin/python scripts/tf_fixtures.py OUT --size gpt2-xl
+
+writes one full-size checkpoint of random weights at OUT (for scripts/bench_convert.py; no weights.npz).
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ import numpy as np
 HPARAMS = {"n_vocab": 96, "n_ctx": 24, "n_embd": 16, "n_head": 2, "n_layer": 2}
 
 
-def arrays(seed: int = 0) -> dict[str, np.ndarray]:
+SIZES = {"gpt2": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
+         "gpt2-xl": (48, 1600, 25)}
+
+
+def arrays(seed: int = 0, hparams: dict = HPARAMS) -> dict[str, np.ndarray]:
     """GPT-2's variables under OpenAI's names and shapes (Conv1D weights [1, in, out]), random but well scaled."""
     rng = np.random.default_rng(seed)
-    V, P, C, L = HPARAMS["n_vocab"], HPARAMS["n_ctx"], HPARAMS["n_embd"], HPARAMS["n_layer"]
+    V, P, C, L = hparams["n_vocab"], hparams["n_ctx"], hparams["n_embd"], hparams["n_layer"]
 
     def normal(*shape, std=0.2):
         return rng.normal(0.0, std, size=shape).astype(np.float32)
@@ -47,7 +55,8 @@ def arrays(seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def save(out: Path, weights: dict[str, np.ndarray], shards: int = 1) -> None:
+def save(out: Path, weights: dict[str, np.ndarray], shards: int = 1, hparams: dict = HPARAMS,
+         npz: bool = True) -> None:
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()
@@ -63,12 +72,18 @@ def save(out: Path, weights: dict[str, np.ndarray], shards: int = 1) -> None:
         with tf.compat.v1.Session(graph=graph, config=config) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             saver.save(sess, str(out / "model.ckpt"), write_meta_graph=True)
-    (out / "hparams.json").write_text(json.dumps(HPARAMS, indent=2))
-    np.savez(out / "weights.npz", **{k.replace("/", "."): v for k, v in weights.items()})
+    (out / "hparams.json").write_text(json.dumps(hparams, indent=2))
+    if npz:
+        np.savez(out / "weights.npz", **{k.replace("/", "."): v for k, v in weights.items()})
 
 
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/tf")
+    if "--size" in sys.argv:
+        n_layer, n_embd, n_head = SIZES[sys.argv[sys.argv.index("--size") + 1]]
+        hp = {"n_vocab": 50257, "n_ctx": 1024, "n_embd": n_embd, "n_head": n_head, "n_layer": n_layer}
+        save(root, arrays(0, hp), hparams=hp, npz=False)
+        return
     weights = arrays()
     save(root / "tiny", weights)
     save(root / "sharded", weights, shards=2)

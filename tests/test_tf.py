@@ -152,3 +152,16 @@ def test_damage_is_refused_in_one_line_with_sources_untouched(how, tmp_path):
     assert named in assert_clean_failure(r)
     assert snapshot(src) == before
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_load_into_a_users_class_straight_from_the_tensorflow_directory(tmp_path):
+    import gpt2port
+    from gpt2port import GPTConfig
+
+    ckpt = convert(FIXTURES / "tiny", tmp_path / "ckpt").out
+    with gpt2port.init_empty():
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=96, n_positions=24))
+    gpt2port.load_into(model, FIXTURES / "tiny")
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids), GPT.from_pretrained(ckpt)(ids))
