@@ -14,7 +14,7 @@ import json
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +42,6 @@ class Plan:
     eval_every: int = 0
     save_every: int = 0
     autocast: torch.dtype | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Stopped(Exception):
@@ -163,7 +162,7 @@ class Trainer:
         offsets = tokens.eval_offsets(len(self.val), p.block_size, p.eval_windows)
         mine = offsets[rt.rank :: rt.world]
         size = max(1, self.micro)
-        rounds = -(-(-(-len(offsets) // rt.world)) // size)
+        rounds = math.ceil(math.ceil(len(offsets) / rt.world) / size)  # the busiest rank's batches
         self.model.eval()
         loss_sum, count = 0.0, 0
         for i in range(rounds):
