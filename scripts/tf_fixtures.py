@@ -55,8 +55,7 @@ def arrays(seed: int = 0, hparams: dict = HPARAMS) -> dict[str, np.ndarray]:
     return out
 
 
-def save(out: Path, weights: dict[str, np.ndarray], shards: int = 1, hparams: dict = HPARAMS,
-         npz: bool = True) -> None:
+def save(out: Path, weights: dict[str, np.ndarray], shards: int = 1) -> None:
     import tensorflow as tf
 
     tf.compat.v1.disable_eager_execution()
@@ -72,9 +71,39 @@ def save(out: Path, weights: dict[str, np.ndarray], shards: int = 1, hparams: di
         with tf.compat.v1.Session(graph=graph, config=config) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             saver.save(sess, str(out / "model.ckpt"), write_meta_graph=True)
+    (out / "hparams.json").write_text(json.dumps(HPARAMS, indent=2))
+    np.savez(out / "weights.npz", **{k.replace("/", "."): v for k, v in weights.items()})
+
+
+def save_large(out: Path, hparams: dict, seed: int = 0) -> None:
+    """A full-size checkpoint without holding its weights twice: variables made empty, then filled one at a time
+    from freshly drawn arrays (a graph of constants would hold every array again, and 1.5B parameters twice
+    over do not fit in 24 GB)."""
+    import tensorflow as tf
+
+    tf.compat.v1.disable_eager_execution()
+    out.mkdir(parents=True, exist_ok=True)
+    names = {name: value.shape for name, value in arrays(seed, {**hparams, "n_layer": 1}).items()}
+    shapes = {}
+    for name, shape in names.items():  # every block's variables have block 0's shapes
+        if name.startswith("model/h0/"):
+            for i in range(hparams["n_layer"]):
+                shapes[name.replace("model/h0/", f"model/h{i}/")] = shape
+        else:
+            shapes[name] = shape
+    V, P = hparams["n_vocab"], hparams["n_ctx"]
+    shapes["model/wte"], shapes["model/wpe"] = (V, hparams["n_embd"]), (P, hparams["n_embd"])
+    rng = np.random.default_rng(seed)
+    with tf.Graph().as_default():
+        variables = {name: tf.compat.v1.get_variable(f"v{i}", shape, tf.float32, tf.zeros_initializer())
+                     for i, (name, shape) in enumerate(shapes.items())}
+        saver = tf.compat.v1.train.Saver(var_list=variables)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for name, var in variables.items():
+                var.load(rng.normal(0.0, 0.02, size=shapes[name]).astype(np.float32), sess)
+            saver.save(sess, str(out / "model.ckpt"), write_meta_graph=False)
     (out / "hparams.json").write_text(json.dumps(hparams, indent=2))
-    if npz:
-        np.savez(out / "weights.npz", **{k.replace("/", "."): v for k, v in weights.items()})
 
 
 def main() -> None:
@@ -82,7 +111,7 @@ def main() -> None:
     if "--size" in sys.argv:
         n_layer, n_embd, n_head = SIZES[sys.argv[sys.argv.index("--size") + 1]]
         hp = {"n_vocab": 50257, "n_ctx": 1024, "n_embd": n_embd, "n_head": n_head, "n_layer": n_layer}
-        save(root, arrays(0, hp), hparams=hp, npz=False)
+        save_large(root, hp)
         return
     weights = arrays()
     save(root / "tiny", weights)
