@@ -59,6 +59,29 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float =
     raise AssertionError(f"step {step} never logged")
 
 
+def run_args(tiny_ckpt, corpus, out: Path) -> list:
+    """The 20-step run every resume test compares with `straight`."""
+    return [tiny_ckpt, "--data", corpus, "--out", out, "--steps", "20", "--save-every", "4", *RUN]
+
+
+def stopped_run(args: list, out: Path, step: int, sig=signal.SIGINT) -> tuple[int, str]:
+    """Start the run, send `sig` once step `step` is logged; (exit code, stderr)."""
+    proc = finetune_process(*args)
+    wait_for_step(out, step, proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def torchrun(*args) -> None:
+    """`torchrun --nproc-per-node 2 -m gpt2port finetune ARGS`, which must succeed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "gpt2port", "finetune", *args]
+    r = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def _safe_rows(log: Path) -> list[dict]:
     out = []
     for line in log.read_text().splitlines():
@@ -121,12 +144,9 @@ def test_the_logged_eval_loss_is_what_transformers_computes_on_the_result(straig
 
 def test_ctrl_c_then_resume_gives_the_uninterrupted_run(straight, tiny_ckpt, corpus, tmp_path):
     out = tmp_path / "run"
-    args = [tiny_ckpt, "--data", corpus, "--out", out, "--steps", "20", "--save-every", "4", *RUN]
-    proc = finetune_process(*args)
-    wait_for_step(out, 6, proc)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    args = run_args(tiny_ckpt, corpus, out)
+    code, err = stopped_run(args, out, 6)
+    assert code == 130, err
     assert "stopped after step" in err and "--resume" in err
     stopped_at = json.loads((out / "train_state" / "meta.json").read_text())["step"]
     assert 6 <= stopped_at < 20  # it finished the step it was in and saved there
@@ -138,11 +158,8 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_run(straight, tiny_ckpt, cor
 
 def test_a_killed_run_resumes_from_its_last_save(straight, tiny_ckpt, corpus, tmp_path):
     out = tmp_path / "run"
-    args = [tiny_ckpt, "--data", corpus, "--out", out, "--steps", "20", "--save-every", "4", *RUN]
-    proc = finetune_process(*args)
-    wait_for_step(out, 10, proc)
-    proc.kill()  # SIGKILL: no handler runs; the state saved at step 8 (or later) is what is left
-    proc.communicate(timeout=60)
+    args = run_args(tiny_ckpt, corpus, out)
+    stopped_run(args, out, 10, signal.SIGKILL)  # no handler runs; the state saved at step 8 (or later) is left
     saved = json.loads((out / "train_state" / "meta.json").read_text())["step"]
     assert saved % 4 == 0 and saved >= 8
     r = run_cli("finetune", *args, "--resume")
@@ -154,12 +171,7 @@ def test_a_killed_run_resumes_from_its_last_save(straight, tiny_ckpt, corpus, tm
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_torchrun_two_processes_train_as_one(mode, straight, tiny_ckpt, corpus, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "gpt2port", "finetune", tiny_ckpt, "--data", corpus, "--out", out, "--steps", "20",
-           "--save-every", "4", *RUN, *(["--fsdp"] if mode == "fsdp" else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun(*run_args(tiny_ckpt, corpus, out), *(["--fsdp"] if mode == "fsdp" else []))
     one, two = numbers(straight), numbers(out)
     assert [s for s, _ in two] == [s for s, _ in one]  # rank 0 alone wrote the log: each row once
     for (_, a), (_, b) in zip(one, two):
@@ -173,11 +185,8 @@ def test_torchrun_two_processes_train_as_one(mode, straight, tiny_ckpt, corpus, 
 
 def test_a_resumed_run_keeps_its_settings(straight, tiny_ckpt, corpus, tmp_path):
     out = tmp_path / "run"
-    args = [tiny_ckpt, "--data", corpus, "--out", out, "--steps", "20", "--save-every", "4", *RUN]
-    proc = finetune_process(*args)
-    wait_for_step(out, 5, proc)
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
+    args = run_args(tiny_ckpt, corpus, out)
+    stopped_run(args, out, 5)
     before = snapshot(out)
     r = run_cli("finetune", *args[:5], "--steps", "20", "--lr", "2e-3", "--resume")
     assert "--lr 0.002" in assert_clean_failure(r) and snapshot(out) == before
@@ -233,16 +242,8 @@ def test_an_existing_run_is_not_overwritten_without_force(straight, tiny_ckpt, c
 def test_a_run_stopped_on_one_process_resumes_sharded_on_two(straight, tiny_ckpt, corpus, tmp_path):
     """The state is saved with torch.distributed.checkpoint: it reshards, so the world size may change."""
     out = tmp_path / "run"
-    args = [tiny_ckpt, "--data", corpus, "--out", out, "--steps", "20", "--save-every", "4", *RUN]
-    proc = finetune_process(*args)
-    wait_for_step(out, 6, proc)
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
-    assert proc.returncode == 130
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "gpt2port", "finetune", *args, "--resume", "--fsdp"]
-    r = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stderr[-3000:]
+    args = run_args(tiny_ckpt, corpus, out)
+    assert stopped_run(args, out, 6)[0] == 130
+    torchrun(*args, "--resume", "--fsdp")
     for (s1, a), (s2, b) in zip(numbers(straight), numbers(out), strict=True):
         assert s1 == s2 and abs(a - b) <= 1e-4 * abs(a)
