@@ -246,15 +246,16 @@ def hash_file(path: Path, progress: Callable[[int], object] = lambda n: None, gi
     size = os.stat(path).st_size
     sha256 = hashlib.sha256()
     blob = hashlib.sha1(b"blob %d\0" % size) if git else None
-    done = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
+    done, buffer = 0, bytearray(HASH_CHUNK)  # one buffer for every chunk: a fresh one each read costs page faults
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
             if stop is not None and stop.is_set():
                 return "", None
+            chunk = memoryview(buffer)[:n]
             sha256.update(chunk)
             if blob is not None:
                 blob.update(chunk)
-            done += len(chunk)
+            done += n
             progress(done)
     return sha256.hexdigest(), blob.hexdigest() if blob is not None else None
 

@@ -19,6 +19,7 @@ import torch
 
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
+from gpt2port.formats.prefetch import Prefetcher
 from gpt2port.fsio import BackgroundFlusher, close_quietly, os_reason, write_in_slices
 
 DTYPES = {
@@ -186,35 +187,25 @@ class StreamingSafetensorsWriter:
         self.path = Path(path)
         self.entries = entries
         self.metadata = metadata
-        header, sizes = encode_header(entries, metadata)
-        self._largest = max(sizes, default=0)
-        self._staging: torch.Tensor | None = None
+        header, _ = encode_header(entries, metadata)
         self._next = 0
         self._file = open(self.path, "xb")
         self._flusher = BackgroundFlusher(self._file.fileno())
         self._write(header)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, chunks) -> None:
+        """The next declared tensor, as consecutive chunks of its bytes (already in its dtype and row-major order:
+        see prefetch.Prefetcher)."""
         expected_name, dtype, shape = self.entries[self._next]
-        if name != expected_name or tuple(tensor.shape) != tuple(shape):
-            raise GPT2PortError(f"{self.path}: internal error: got {name} {tensor.dtype} {tuple(tensor.shape)}, "
-                                f"declared {expected_name} {dtype} {tuple(shape)}")
-        # Raw bytes, whatever the dtype (numpy has no bfloat16): reinterpret as uint8 without a copy.
-        data = self._layout(tensor.detach().cpu(), dtype).reshape(-1).view(torch.uint8).numpy()
-        self._write(data)
+        if name != expected_name:
+            raise GPT2PortError(f"{self.path}: internal error: got {name}, declared {expected_name}")
+        written, nbytes = 0, math.prod(shape) * dtype.itemsize
+        for chunk in chunks:
+            self._write(chunk)
+            written += len(chunk)
+        if written != nbytes:
+            raise GPT2PortError(f"{self.path}: internal error: {name} came as {written} bytes, declared {nbytes}")
         self._next += 1
-
-    def _layout(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor as contiguous `dtype`: transpose and cast in one copy, into a staging buffer reused across
-        tensors (a fresh allocation per tensor costs page faults on every byte)."""
-        if tensor.dtype == dtype and tensor.is_contiguous():
-            return tensor
-        nbytes = tensor.numel() * dtype.itemsize
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(max(nbytes, self._largest), dtype=torch.uint8)
-        staged = self._staging[:nbytes].view(dtype).view(tensor.shape)
-        staged.copy_(tensor)
-        return staged
 
     def _write(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -251,16 +242,17 @@ class StreamingSafetensorsWriter:
 
 
 def stream_safetensors(path: Path, items, metadata: dict[str, str], progress=None) -> None:
-    """Write `items` [(name, dtype, shape, produce)] to `path`, calling each produce() only when its turn comes,
-    so at most one tensor is in memory. progress(done_bytes, total_bytes) after each tensor."""
-    total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in items)
+    """Write `items` [(name, dtype, shape, produce)] to `path`, calling each produce() only when its turn comes (on
+    a worker thread, one tensor ahead of the writes), so about one tensor is in memory. progress(done_bytes,
+    total_bytes) after each tensor."""
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in items]
     done = 0
     with StreamingSafetensorsWriter(path, [(n, d, s) for n, d, s, _ in items], metadata) as writer:
-        for name, dtype, shape, produce in items:
-            writer.write(name, produce())
-            done += math.prod(shape) * dtype.itemsize
+        for (name, chunks), size in zip(Prefetcher(items), sizes):
+            writer.write(name, chunks)
+            done += size
             if progress:
-                progress(done, total)
+                progress(done, sum(sizes))
 
 
 def check_written(path: Path, entries, metadata: dict[str, str]) -> None:

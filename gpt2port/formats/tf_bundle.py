@@ -15,6 +15,7 @@ as varints); and a 48-byte footer: the metaindex and index handles, padding, and
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import warnings
@@ -39,7 +40,7 @@ def _crc32c(pieces) -> int:
     import google_crc32c  # the C implementation: checking a 6 GB checkpoint takes seconds, not hours
 
     crc = 0
-    for piece in pieces:  # the library takes read-only bytes only: a writable buffer goes in as small copies
+    for piece in pieces:  # the library takes read-only bytes only (see TFBundleReader.read)
         crc = google_crc32c.extend(crc, piece)
     return crc
 
@@ -261,26 +262,47 @@ class TFBundleReader(Reader):
         info = self.tensors[name]
         if into is not None and into.numel() >= info.nbytes:
             view = memoryview(into[: info.nbytes].numpy())
-            with open(info.file, "rb") as f:
-                f.seek(info.offset)
-                got = f.readinto(view)
-            self._check(name, info, got, (bytes(view[i : i + CHUNK]) for i in range(0, info.nbytes, CHUNK)))
+            with open(info.file, "rb", buffering=0) as f:
+                self._check(name, info, _pieces_into(f.fileno(), info.offset, view))
             return into[: info.nbytes].view(info.dtype).reshape(info.shape)
         with open(info.file, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.nbytes)
-        self._check(name, info, len(data), [data])
+        self._check(name, info, [data])
         if not data:
             return torch.empty(info.shape, dtype=info.dtype)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             return torch.frombuffer(data, dtype=info.dtype).reshape(info.shape)
 
-    def _check(self, name: str, info: TensorInfo, got: int, pieces) -> None:
+    def _check(self, name: str, info: TensorInfo, pieces) -> None:
+        got = 0
+
+        def counted():
+            nonlocal got
+            for piece in pieces:
+                got += len(piece)
+                yield piece
+
+        crc = masked_crc32c(counted())
         if got != info.nbytes:
             raise GPT2PortError(f"{info.file}: ends inside tensor {name!r} (truncated?)")
-        if self._crc[name] is not None and masked_crc32c(pieces) != self._crc[name]:
+        if self._crc[name] is not None and crc != self._crc[name]:
             raise GPT2PortError(f"{info.file}: tensor {name!r} fails its crc32c check (the file is damaged)")
+
+
+def _pieces_into(fd: int, offset: int, view: memoryview):
+    """Read len(view) bytes at `offset` into `view`, yielding them as bytes pieces of CHUNK for the checksum (which
+    takes only read-only bytes): each piece is read once into a small reused allocation, checked while in cache,
+    then copied into place. Stops early at the end of the file."""
+    done = 0
+    while done < len(view):
+        piece = os.pread(fd, min(CHUNK, len(view) - done), offset + done)
+        if not piece:
+            return
+        view[done : done + len(piece)] = piece
+        done += len(piece)
+        yield piece
 
 
 def _numel(shape) -> int:
