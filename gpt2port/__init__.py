@@ -17,18 +17,65 @@ Your own GPT class (gpt2port.userclass):
     gpt2port.save_from(model, out)                                                          # your class -> checkpoint
 """
 
-from gpt2port.checkpoint import load_tokenizer, save
-from gpt2port.config import GPTConfig
-from gpt2port.conversion import convert, export
-from gpt2port.errors import GPT2PortError
-from gpt2port.hub import download
-from gpt2port.model import GPT, KVCache
-from gpt2port.training.finetune import Settings as FinetuneSettings
-from gpt2port.training.finetune import finetune
-from gpt2port.userclass import init_empty, layout_of, load_into, save_from
-from gpt2port.verification import run_verify as verify
-from gpt2port.verification import verify_model
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from gpt2port.version import __version__
 
+# Each public name and the module that defines it. They load on first use (PEP 562), so that `import gpt2port`,
+# and with it the command line's `--help`, pays for torch only when something here is actually used.
+_EXPORTS = {
+    "GPT": ("gpt2port.model", "GPT"),
+    "KVCache": ("gpt2port.model", "KVCache"),
+    "GPTConfig": ("gpt2port.config", "GPTConfig"),
+    "GPT2PortError": ("gpt2port.errors", "GPT2PortError"),
+    "FinetuneSettings": ("gpt2port.training.finetune", "Settings"),
+    "convert": ("gpt2port.conversion", "convert"),
+    "export": ("gpt2port.conversion", "export"),
+    "download": ("gpt2port.hub", "download"),
+    "finetune": ("gpt2port.training.finetune", "finetune"),
+    "init_empty": ("gpt2port.userclass", "init_empty"),
+    "layout_of": ("gpt2port.userclass", "layout_of"),
+    "load_into": ("gpt2port.userclass", "load_into"),
+    "save_from": ("gpt2port.userclass", "save_from"),
+    "load_tokenizer": ("gpt2port.checkpoint", "load_tokenizer"),
+    "save": ("gpt2port.checkpoint", "save"),
+    "verify": ("gpt2port.verification", "run_verify"),
+    "verify_model": ("gpt2port.verification", "verify_model"),
+}
+
 __all__ = ["GPT", "GPTConfig", "GPT2PortError", "FinetuneSettings", "KVCache", "__version__", "convert", "download",
-           "export", "finetune", "init_empty", "layout_of", "load_into", "load_tokenizer", "save", "save_from", "verify", "verify_model"]
+           "export", "finetune", "init_empty", "layout_of", "load_into", "load_tokenizer", "save", "save_from", "verify",
+           "verify_model"]
+if set(__all__) != {*_EXPORTS, "__version__"}:
+    raise ImportError("gpt2port.__all__ and its table of exports disagree")
+
+
+def __getattr__(name: str):
+    try:
+        module, attr = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module 'gpt2port' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers and editors
+    from gpt2port.checkpoint import load_tokenizer, save
+    from gpt2port.config import GPTConfig
+    from gpt2port.conversion import convert, export
+    from gpt2port.errors import GPT2PortError
+    from gpt2port.hub import download
+    from gpt2port.model import GPT, KVCache
+    from gpt2port.training.finetune import Settings as FinetuneSettings
+    from gpt2port.training.finetune import finetune
+    from gpt2port.userclass import init_empty, layout_of, load_into, save_from
+    from gpt2port.verification import run_verify as verify
+    from gpt2port.verification import verify_model

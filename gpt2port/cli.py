@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from gpt2port.conversion import ENCODINGS, TARGETS
+from gpt2port.targets import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
@@ -247,14 +247,17 @@ def check(factory, ckpt, reference, tokens, no_hf):
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible (sample i uses seed + i).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
               help="Independent continuations of the prompt, one after the other.")
-@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Compute dtype (default: the checkpoint's).")
+@click.option("--dtype", type=click.Choice([*DTYPE_CHOICE.choices, "int8"]), default=None,
+              help="Compute dtype (default: the checkpoint's); int8: matrices quantized at load, fast on CPU.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
+@click.option("--verbose", "-v", is_flag=True, help="Also measure the memory bandwidth and say how close decoding "
+                                                    "came to the rate it allows.")
 @_handle_errors
-def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device):
+def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device, verbose):
     """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin.
 
-    The prompt is echoed, then each sample's continuation; a tokens/s summary goes to stderr. The model sees at most
-    its context (1024 tokens): a longer prompt keeps its end, and a longer generation slides its window.
+    The prompt is echoed, then each sample's continuation; the prefill and decode rates go to stderr. The model sees
+    at most its context (1024 tokens): a longer prompt keeps its end, and a longer generation slides its window.
     """
     import time
 
@@ -267,7 +270,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
     tokenizer = load_tokenizer(ckpt)
@@ -276,20 +279,40 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     if len(ids) > model.config.n_positions:
         click.echo(f"note: the prompt has {len(ids)} tokens; the model sees the last {model.config.n_positions}",
                    err=True)
-    produced, start = 0, time.perf_counter()
+    # The first token of a sample comes from the prompt's forward pass (and, the first time, one-time warm-up);
+    # each later one from one decode step. Their rates differ by orders of magnitude, so they are timed apart.
+    prefill_s = decode_s = 0.0
+    decoded = 0
     for i in range(num_samples):
         if i:
             click.echo("-" * 40)
         click.echo(prompt, nl=False)
         text = StreamDecoder(tokenizer)
+        start = time.perf_counter()
+        first = None
         for token in stream(model, ids, max_new_tokens, temperature, top_k, top_p,
                             None if seed is None else seed + i):
-            produced += 1
+            if first is None:
+                first = time.perf_counter()
+            else:
+                decoded += 1
             click.echo(text.push([token]), nl=False)
+        end = time.perf_counter()
         click.echo(text.flush())
-    seconds = time.perf_counter() - start
-    click.echo(f"{produced} tokens in {seconds:.2f} s: {produced / max(seconds, 1e-9):.1f} tokens/s "
-               f"({_dtype_label(model.tok_emb.weight.dtype)}, {device})", err=True)
+        prefill_s += (first or end) - start
+        decode_s += end - (first or end)
+    label = dtype or _dtype_label(model.tok_emb.weight.dtype)
+    n_prompt = min(len(ids), model.config.n_positions) or 1
+    rate = decoded / decode_s if decode_s > 0 else 0.0
+    click.echo(f"prefill {n_prompt} tokens in {prefill_s:.2f} s; then {decoded} tokens in {decode_s:.2f} s: "
+               f"{rate:.1f} tokens/s ({label}, {device})", err=True)
+    if verbose and decoded:
+        from gpt2port.speed import matvec_bandwidth, weight_bytes_per_token
+
+        bandwidth, per_token = matvec_bandwidth(device), weight_bytes_per_token(model)
+        floor = bandwidth / per_token
+        click.echo(f"decode at {rate / floor:.0%} of the memory-bandwidth floor ({floor:.1f} tokens/s: "
+                   f"{per_token / 1e6:.0f} MB of weights per token, {bandwidth / 1e9:.1f} GB/s measured now)", err=True)
 
 
 @main.command()

@@ -25,6 +25,7 @@ from gpt2port.layouts import GGUF, GPT2PORT, HF, canonical, get as get_layout
 from gpt2port.layouts.transforms import merge
 from gpt2port.llmc_export import write_llmc
 from gpt2port.sources import Source, open_source
+from gpt2port.targets import ENCODINGS, TARGETS
 
 
 @dataclass
@@ -57,22 +58,21 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
             provenance: dict | None = None, known_sha256: dict[str, str] | None = None,
             progress: Callable[[int, int], None] | None = None, options: dict | None = None) -> ConvertResult:
     """Convert the GPT-2 weights at `src` (a Hugging Face repo directory or weights file, a gpt2port checkpoint, an
-    llm.c model file or a GGUF file) into the directory `out`, in layout `to` (a key of TARGETS: "gpt2port", "hf"
+    llm.c model file or a GGUF file) into the directory `out`, in layout `to` (one of targets.TARGETS: "gpt2port", "hf"
     for GPT2LMHeadModel.from_pretrained, "llmc", "gguf").
 
     dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (ENCODINGS). provenance: extra
     facts for the manifest (the Hub repo and commit a download came from). known_sha256: file name -> sha256 already established (a verified download), so it is
     not hashed again. progress(done_bytes, total_bytes) is called after each tensor. options: switches of the target
-    layout's writer (see TARGETS).
+    layout's writer (see WRITERS).
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    if to not in TARGETS:
-        raise GPT2PortError(f"unknown output layout {to!r} (known: {', '.join(TARGETS)})")
+    if to not in WRITERS:
+        raise GPT2PortError(f"unknown output layout {to!r} (known: {', '.join(WRITERS)})")
     target = get_layout(to)
-    encoding = ENCODINGS.get(to, {}).get(dtype.lower()) if isinstance(dtype, str) else None
-    if encoding is not None:  # the tensors are produced in a plain dtype; the writer encodes them
-        options, dtype = {**(options or {}), "encoding": dtype.lower()}, encoding
+    if isinstance(dtype, str) and dtype.lower() in ENCODINGS.get(to, ()):  # produced in fp32; the writer encodes
+        options, dtype = {**(options or {}), "encoding": dtype.lower()}, torch.float32
     with open_source(src) as source:
         refuse_overlap(out, source.root)
         refuse_hf_cache(out)
@@ -84,7 +84,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
         facts = {"dropped_keys": len(dropped), "head": "checked equal to wte" if head else "absent (tied)",
                  **(provenance or {})}
         job = Job(source, out, items, out_dtype, force, progress, warnings, facts, known_sha256 or {}, options or {})
-        size = TARGETS[target.name](job)
+        size = WRITERS[target.name](job)
     n_params = sum(math.prod(s) for s in canonical.shapes(source.config).values())
     return ConvertResult(out, target.name, n_params, out_dtype, size, time.perf_counter() - t0, warnings)
 
@@ -230,12 +230,13 @@ def _write_gguf(job: Job) -> int:
     return size
 
 
-# How each target layout is written: a new output format is a writer here (and its layout's table in layouts/).
-TARGETS: dict[str, Callable[[Job], int]] = {
+# How each target layout is written: a new output format is a writer here, its name in targets.py, and its layout's
+# table in layouts/.
+WRITERS: dict[str, Callable[[Job], int]] = {
     "gpt2port": _write_checkpoint,
     "hf": _write_hf_dir,
     "llmc": write_llmc,
     "gguf": _write_gguf,
 }
-# Encodings a target takes as `dtype` beyond fp32/fp16/bf16, with the dtype its tensors are produced in.
-ENCODINGS: dict[str, dict[str, torch.dtype]] = {"gguf": {"q8_0": torch.float32}}
+if tuple(WRITERS) != TARGETS:
+    raise ImportError(f"conversion.WRITERS {tuple(WRITERS)} and targets.TARGETS {TARGETS} disagree")

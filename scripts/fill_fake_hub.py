@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 
 from scripts import hf_fixtures
@@ -50,8 +51,6 @@ def tokenizer_json() -> bytes:
     """A tokenizer.json for the GPT-2 BPE, built once by the `tokenizers` library from the genuine files."""
     global _tokenizer_json
     if _tokenizer_json is None:
-        import tempfile
-
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
         files = hf_fixtures.tokenizer_files()
@@ -70,11 +69,27 @@ def write_hub_repo(root: Path, repo_id: str, model=None, *, layout: str = "hub",
                    dtype: str = "fp32", decoys: bool = False, extras: bool = True, size: str | None = None,
                    seed: int = 0) -> Path:
     """One revision of one repo: ROOT/<org>/<name>/<revision>/. Give `model` (an HF GPT2LMHeadModel, not
-    modified) or `size` (a full-size name, written tensor by tensor). Returns the revision directory."""
-    out = Path(root) / repo_id / revision
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    modified) or `size` (a full-size name, written tensor by tensor). Returns the revision directory.
+
+    The revision is built in a temporary directory under ROOT and renamed into place only when complete: a fill
+    that fails half-way leaves no half-written repo for the stand-in Hub to serve (or a later fill to skip)."""
+    root = Path(root)
+    out = root / repo_id / revision
+    root.mkdir(parents=True, exist_ok=True)
+    build = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+    try:
+        _write_revision(build, repo_id, model, layout, revision, dtype, decoys, extras, size, seed)
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        build.rename(out)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)  # gone already after the rename; what a failure left otherwise
+    return out
+
+
+def _write_revision(out: Path, repo_id: str, model, layout: str, revision: str, dtype: str, decoys: bool,
+                    extras: bool, size: str | None, seed: int) -> None:
     if model is not None:
         hf_fixtures.write_repo(copy.deepcopy(model), out, layout, dtype, tokenizer=True)
     else:
@@ -97,7 +112,6 @@ def write_hub_repo(root: Path, repo_id: str, model=None, *, layout: str = "hub",
             p = out / name
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(b"{}" if n == 0 else rng.randbytes(n))
-    return out
 
 
 def fill(root: Path, sizes: list[str], also_tf_files: bool = False, revisions: list[str] = ("main",),

@@ -231,3 +231,27 @@ def test_full_size_parity(size, tmp_path_factory, request):
     expected = hf_logits(src, idx)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-5)
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() > 0.999
+
+
+def test_weights_without_tokenizer_files_convert_with_a_warning_recorded_and_shown(make_hf_repo, tmp_path):
+    """Python use works on such a checkpoint; `generate` cannot. The conversion says so at once (stderr), the
+    manifest keeps it, and `info` shows it; a source with its tokenizer gets neither."""
+    src = make_hf_repo("hub", tokenizer=False)
+    out = tmp_path / "ckpt"
+    result = CliRunner().invoke(main, ["convert", str(src), "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    warning = next(line for line in result.stderr.splitlines() if line.startswith("warning:"))
+    assert str(src) in warning and "no GPT-2 tokenizer files" in warning and "generate" in warning
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert any("no GPT-2 tokenizer files" in w for w in manifest["warnings"])
+    shown = CliRunner().invoke(main, ["info", str(out)])
+    assert shown.exit_code == 0, shown.output
+    assert "tokenizer   none" in shown.output and "warning     " in shown.output
+    assert GPT.from_pretrained(out).config.n_layer == hf_fixtures.TINY["n_layer"]
+    generated = CliRunner().invoke(main, ["generate", str(out), "The dog", "-n", "2"])
+    assert generated.exit_code == 1 and "no GPT-2 tokenizer files" in generated.stderr
+
+    with_tok = convert(make_hf_repo("hub"), tmp_path / "with")
+    assert with_tok.warnings == []
+    shown = CliRunner().invoke(main, ["info", str(tmp_path / "with")])
+    assert "tokenizer   vocab.json, merges.txt" in shown.output and "warning" not in shown.output

@@ -299,7 +299,7 @@ def run_cli(capsys, *args):
     return exit_info.value.code or 0, capsys.readouterr()
 
 
-def test_cli_streams_greedy_text_and_reports_tokens_per_second(lively, capsys, monkeypatch):
+def test_cli_streams_greedy_text_and_reports_prefill_and_decode_apart(lively, capsys, monkeypatch):
     _, model, ckpt = lively
     tok = load_tokenizer(ckpt)
     prompt = "The dog ran"
@@ -321,7 +321,23 @@ def test_cli_streams_greedy_text_and_reports_tokens_per_second(lively, capsys, m
     text = "".join(pieces) + out.out
     assert text == prompt + tok.decode(expected) + "\n"
     assert pieces[0].startswith(prompt) and sum(bool(p) for p in pieces) >= len(expected) // 2
-    assert re.search(rf"^{len(expected)} tokens in [\d.]+ s: [\d.]+ tokens/s \(fp32, cpu\)$", out.err, re.M)
+    # The first token comes from the prompt's forward pass (and one-time warm-up): timed as prefill, not decode.
+    n_prompt = len(tok.encode(prompt))
+    match = re.search(rf"^prefill {n_prompt} tokens in ([\d.]+) s; then {len(expected) - 1} tokens in ([\d.]+) s: "
+                      rf"([\d.]+) tokens/s \(fp32, cpu\)$", out.err, re.M)
+    assert match, out.err
+    assert float(match.group(3)) > 0
+    assert "bandwidth floor" not in out.err  # that needs --verbose
+
+
+def test_cli_verbose_says_how_close_decoding_came_to_the_bandwidth_floor(lively, capsys):
+    _, _, ckpt = lively
+    code, out = run_cli(capsys, ckpt, "The dog", "-n", 6, "--temperature", 0, "--device", "cpu", "--verbose")
+    assert code == 0, out.err
+    match = re.search(r"^decode at (\d+)% of the memory-bandwidth floor \(([\d.]+) tokens/s: (\d+) MB of weights per "
+                      r"token, ([\d.]+) GB/s measured now\)$", out.err, re.M)
+    assert match, out.err
+    assert float(match.group(2)) > 0 and float(match.group(4)) > 0
 
 
 def test_cli_reads_stdin_and_makes_reproducible_samples(lively, capsys, monkeypatch):

@@ -4,6 +4,7 @@ submodule, no module grown past a readable size."""
 from __future__ import annotations
 
 import ast
+import re
 import importlib.util
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import gpt2port
 
 PACKAGE = Path(gpt2port.__file__).parent
+ROOT = PACKAGE.parent
 MAX_LINES = 420
 
 
@@ -97,3 +99,51 @@ def test_one_function_per_command_at_the_top_level():
 def test_no_module_past_a_readable_size():
     big = {name: n for name, path in _modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_help_and_usage_errors_import_neither_torch_nor_transformers():
+    """`gpt2port --help`, each command's --help and a usage error answer at once: the heavy modules load only
+    inside the commands that need them."""
+    code = ("import sys\n"
+            "from gpt2port.cli import main\n"
+            "for args in (['--help'], *([c, '--help'] for c in main.commands), ['convert'], ['nonsense']):\n"
+            "    try:\n"
+            "        main.main(args=args, prog_name='gpt2port')\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors', 'numpy') if m in sys.modules)\n"
+            "assert not heavy, f'imported {heavy}'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Usage: gpt2port" in r.stdout and "No such command 'nonsense'" in r.stderr
+
+
+def test_the_top_level_names_load_on_first_use():
+    code = ("import sys, gpt2port\n"
+            "assert 'torch' not in sys.modules\n"
+            "assert gpt2port.GPT.__module__ == 'gpt2port.model' and 'torch' in sys.modules\n"
+            "assert set(gpt2port.__all__) <= set(dir(gpt2port))\n"
+            "try:\n"
+            "    gpt2port.nonexistent\n"
+            "except AttributeError as e:\n"
+            "    assert 'nonexistent' in str(e)\n"
+            "else:\n"
+            "    raise AssertionError('no AttributeError')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_no_file_cites_a_document_the_project_does_not_contain():
+    """The project stands on its own: facts are stated with their source, never as a pointer to a design brief or a
+    section of a document that lives outside the repository."""
+    cited = re.compile(r"BRIEF|§\s*\d|\.\./shared")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    hits = []
+    for name in tracked:
+        if Path(name).suffix not in (".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".yml", ".yaml") \
+                and not name.startswith(".ci/"):
+            continue
+        for i, line in enumerate((ROOT / name).read_text(errors="replace").splitlines(), 1):
+            if cited.search(line) and name != "tests/test_package.py":
+                hits.append(f"{name}:{i}: {line.strip()[:80]}")
+    assert not hits, "\n".join(hits)

@@ -30,7 +30,7 @@ from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
 from gpt2port.formats.safetensors import PreadReader
 from gpt2port.fsio import BackgroundFlusher, close_quietly, os_reason, write_in_slices
 from gpt2port.layouts.llmc import LLMC, VOCAB_MULTIPLE
-from gpt2port.tokenizer import vocab_and_merges, write_bpe_files
+from gpt2port.tokenizer import NO_TOKENIZER, vocab_and_merges, write_bpe_files
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -150,14 +150,13 @@ class LlmcReader(PreadReader):
         path = self.path.parent / TOKENIZER_FILE
         if not path.is_file():
             if not self.warnings:
-                self.warnings.append(f"{self.path}: no tokenizer beside it ({TOKENIZER_FILE}, or vocab.json + "
-                                     f"merges.txt); converted without tokenizer files")
+                self.warnings.append(f"{self.path}: no tokenizer beside it ({TOKENIZER_FILE}); {NO_TOKENIZER}")
             return []
         try:
             tokens, merges = vocab_and_merges(*read_tokenizer(path), str(path))
         except GPT2PortError as e:
             if not self.warnings:
-                self.warnings.append(f"{e}; converted without tokenizer files")
+                self.warnings.append(f"{e}; {NO_TOKENIZER}")
             return []
         self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="gpt2port-llmc-tokenizer-")
         write_bpe_files(Path(self._tokenizer_dir.name), tokens, merges)
