@@ -190,6 +190,10 @@ def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from
     sha256. A model with its own head (tie_word_embeddings False) keeps it (format gpt2port/v2). Works from any
     device and dtype, and from a torch.compile'd model."""
     model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; its state_dict prefixes names
+    if getattr(model, "quantized", None):
+        raise GPT2PortError(f"{type(model).__name__}: its matrices were quantized to {model.quantized} at load, for "
+                            f"inference only; save the checkpoint it was loaded from, or a model loaded in fp32, "
+                            f"fp16 or bf16")
     config = model.config
     state = model.state_dict()
     missing = [k for k in canonical.shapes(config) if k not in state]

@@ -15,6 +15,7 @@ from gpt2port.targets import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
+COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
 
@@ -165,6 +166,7 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
     so a second download transfers nothing; HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE=1 work as usual.
     """
     from gpt2port.hub import download as run_download
+    from gpt2port.hub.download import summary
 
     log = (lambda s: None) if quiet else (lambda s: click.echo(s, err=True))
     result = run_download(name, revision=revision, out=out, dtype=dtype, force=force, verify=run_verify,
@@ -173,14 +175,15 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
         state = "up to date" if result.up_to_date else "written"
         click.echo(f"{result.out} {state} ({result.repo}@{result.commit[:12]})")
     else:
-        click.echo(format_summary(result))
+        click.echo(summary(result))
 
 
 @main.command()
 @click.argument("ckpt")
 @click.option("--reference", type=click.Path(path_type=str), default=None,
               help="HF checkpoint to compare with (default: the source recorded in the checkpoint's manifest).")
-@click.option("--dtype", type=DTYPE_CHOICE, default=None, help="Compute dtype for ours and HF (default: the checkpoint's).")
+@click.option("--dtype", type=COMPUTE_CHOICE, default=None,
+              help="Compute dtype for ours and HF (default: the checkpoint's); int8: ours quantized at load, HF in fp32.")
 @click.option("--tokens", type=click.IntRange(min=2), default=None,
               help="Length of the random-id inputs (default: the full context, e.g. 1024); shorter is faster.")
 @click.option("--no-hf", "no_hf", is_flag=True, help="Skip transformers; judge against the float64 reference alone.")
@@ -247,7 +250,7 @@ def check(factory, ckpt, reference, tokens, no_hf):
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible (sample i uses seed + i).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
               help="Independent continuations of the prompt, one after the other.")
-@click.option("--dtype", type=click.Choice([*DTYPE_CHOICE.choices, "int8"]), default=None,
+@click.option("--dtype", type=COMPUTE_CHOICE, default=None,
               help="Compute dtype (default: the checkpoint's); int8: matrices quantized at load, fast on CPU.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
 @click.option("--verbose", "-v", is_flag=True, help="Also measure the memory bandwidth and say how close decoding "
@@ -373,36 +376,6 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
         raise
     if os.environ.get("RANK", "0") == "0":
         click.echo(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.png)")
-
-
-def format_summary(r) -> str:
-    """The one screen printed after a download (r: hub.DownloadResult)."""
-    from gpt2port.dtypes import DTYPE_LABELS
-    from gpt2port.hub.fetch import gb
-
-    lines = [f"{r.out}  <-  {r.repo}@{r.revision} (commit {r.commit[:12]})"]
-    s = r.snapshot
-    if s is None:
-        lines.append("  checkpoint  already up to date (same repo, commit and dtype): nothing fetched or rewritten")
-    else:
-        if s.offline:
-            lines.append(f"  source      the Hugging Face cache, offline: {s.path}")
-        elif s.downloaded_bytes:
-            rate = s.downloaded_bytes / max(s.download_seconds, 1e-9)
-            lines.append(f"  downloaded  {gb(s.downloaded_bytes)} in {s.download_seconds:.1f}s ({gb(int(rate))}/s)")
-        else:
-            lines.append(f"  downloaded  nothing: all {len(s.sha256)} files were in the Hugging Face cache")
-        lines.append(f"  checked     sha256 of {len(s.sha256)} files ({gb(s.total_bytes)}) against the Hub's hashes")
-        c = r.converted
-        lines.append(f"  converted   {c.n_params:,} parameters, {DTYPE_LABELS.get(c.dtype, c.dtype)}, "
-                     f"{gb(c.bytes_written)} in {c.seconds:.1f}s")
-    if r.report is not None:
-        n = len(r.report.checks)
-        lines.append(f"  verified    gpt2port verify passed ({n} checks against the reference)")
-    lines.append(f"  total       {r.seconds:.1f}s")
-    for w in (s.warnings if s else []) + (list(r.converted.warnings) if r.converted else []):
-        lines.append(f"  warning     {w}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

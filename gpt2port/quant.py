@@ -6,15 +6,25 @@ per output channel, so the head's rows and the embedding's rows are the same row
 matrix is stored once. Norms, biases and the position table stay fp32 (they are small, and they set the scale
 of everything downstream).
 
-The products run on PyTorch's own int8 weight-packed kernel (`torch._weight_int8pack_mm`), which reads the int8
-weight and scales each output by its row's scale: a decode step streams a quarter of the fp32 bytes. The kernel
-takes its activations in a 16-bit float, ACTIVATION_DTYPE; everything between the products stays fp32.
+How the products run, by the number of rows (tokens) they multiply:
+- one row (a decode step): PyTorch's fbgemm int8 kernel (`torch.ops.quantized.linear_dynamic`), which quantizes the
+  row of activations to int8 on the fly (one scale for the row) and takes int8 dot products against a packed copy of
+  the weight: a step streams a quarter of the fp32 bytes, with int8 arithmetic (about twice the bandwidth int8pack
+  below reaches on one row here). The packed copy doubles the int8 memory: half of fp32 in all.
+- a few rows (a short prompt's prefill), or one row where fbgemm is missing: PyTorch's int8 weight-packed kernel
+  (`torch._weight_int8pack_mm`) with bf16 activations, each row in its own precision.
+- more rows (a long prompt, verify's inputs): the weight dequantized to fp32 for that call and F.linear, as fast as
+  fp32 there (a GEMM over many rows is bound by arithmetic, not by reading the weight).
 
 Quantization happens at load, from the checkpoint's memory-mapped tensors in whatever dtype they are stored, one
 matrix at a time: peak memory is the int8 model plus one matrix in fp32, never the fp32 model.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -23,8 +33,10 @@ import torch.nn.functional as F
 from gpt2port.errors import GPT2PortError
 
 INT8 = "int8"
-# fp16 keeps 3 more mantissa bits than bf16, and GPT-2's activations stay far inside fp16's range.
-ACTIVATION_DTYPE = torch.float16
+# The fallback kernel's activations: bf16, the 16-bit type x86 CPUs compute natively (its fp16 path runs ~20x slower).
+ACTIVATION_DTYPE = torch.bfloat16
+# Up to this many rows, int8pack beats dequantizing the weight for one fp32 product (its cost grows with the rows).
+FEW_ROWS = 16
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,30 +49,78 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale).T + bias, computed by PyTorch's int8 weight-packed kernel."""
+    """y = x @ (q * scale).T + bias: int8 weight, one fp32 scale per output row (see the module's docstring)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.register_buffer("weight", q)
+        # Parameters (frozen) rather than buffers: they are the model's weights, counted by num_params() as such.
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.register_buffer("scale", scale)
-        self.register_buffer("kernel_scale", scale.to(ACTIVATION_DTYPE))  # the kernel wants it in x's dtype
-        self.register_buffer("bias", None if bias is None else bias.float())
+        self.register_buffer("kernel_scale", scale.to(ACTIVATION_DTYPE))  # int8pack wants it in x's dtype
+        self._packed = _pack(q, scale, self.bias)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
         return cls(*quantize_rows(weight), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE)
-        y = torch._weight_int8pack_mm(rows, self.weight, self.kernel_scale).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+        rows = x.reshape(-1, self.in_features)
+        if rows.size(0) == 1 and self._packed is not None:
+            y = torch.ops.quantized.linear_dynamic.default(rows.float(), self._packed, _reduce_range())
+        elif rows.size(0) <= FEW_ROWS:
+            y = torch._weight_int8pack_mm(rows.to(ACTIVATION_DTYPE), self.weight, self.kernel_scale).float()
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(rows.float(), self.dequantized(), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The fp32 weight this layer computes with (for checks and for verify's stage comparisons)."""
+        """The fp32 weight this layer stands for (for many-row products, checks and verify's stage comparisons)."""
         return self.weight.float() * self.scale[:, None]
+
+
+def _pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    """The weight packed for fbgemm's int8 kernel (a copy of q in its own layout), or None where it is missing."""
+    if not _fbgemm_works():
+        return None
+    with warnings.catch_warnings():  # PyTorch flags its quantized tensor types as deprecated; the kernel is current
+        warnings.simplefilter("ignore")
+        zero = torch.zeros(q.size(0), dtype=torch.long)
+        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
+        return torch.ops.quantized.linear_prepack(qw, bias)
+
+
+@functools.cache
+def _fbgemm_works() -> bool:
+    """Whether this PyTorch has fbgemm's dynamic int8 linear and it computes what it should, on a tiny probe."""
+    try:
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            return False
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(8, 64, generator=g), torch.randn(1, 64, generator=g)
+        q, scale = quantize_rows(w)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            zero = torch.zeros(8, dtype=torch.long)
+            packed = torch.ops.quantized.linear_prepack(
+                torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0), None)
+            y = torch.ops.quantized.linear_dynamic(x, packed, _reduce_range())
+        return bool(torch.allclose(y, F.linear(x, q.float() * scale[:, None]), rtol=5e-2, atol=5e-2))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+@functools.cache
+def _reduce_range() -> bool:
+    """7-bit activations, unless the CPU has VNNI: without it fbgemm's int16 intermediate sums can saturate on full
+    8-bit activations; with it (and on other CPUs' kernels) the full range halves the rounding error."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return not any(f in flags.split() for f in ("avx512_vnni", "avx_vnni"))
 
 
 class Int8Embedding(nn.Module):
@@ -105,7 +165,7 @@ def quantized_model(cls, path, device=None):
         setattr(owner, attr, Int8Linear.from_float(state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)))
     head = Int8Linear.from_float(state.pop("tok_emb.weight"), None)
     model.lm_head, model.tok_emb = head, Int8Embedding(head)
-    rest = {k: v.float() for k, v in state.items()}  # norms, biases left, the position table
+    rest = {k: v.float() for k, v in state.items()}  # the norms, the position table
     missing, unexpected = model.load_state_dict(rest, assign=True, strict=False)
     unloaded = [k for k in missing if not k.startswith(("lm_head.", "tok_emb.", *(f"{n}." for n in names)))]
     if unloaded or unexpected:

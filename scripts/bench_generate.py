@@ -6,10 +6,13 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
   decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill.
            Contenders: gpt2port fp32 (its Linear layers on oneDNN, the default), gpt2port fp32 with
            gpt2port.kernels.USE_ONEDNN = False (F.linear, i.e. MKL, as HF uses), HF generate fp32; they alternate run
-           by run, so all see the same machine load, and the best run of each counts. Then gpt2port bf16.
+           by run, so all see the same machine load, and the best run of each counts. Then gpt2port bf16. Then
+           (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")) and, when llama-cpp-python is installed,
+           llama.cpp on the same weights exported to GGUF q8_0, greedy through its own sampler, interleaved likewise.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
-           fp32 matrix-vector product (one row against a 256 MB weight; the faster of F.linear and oneDNN).
+           fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the faster of F.linear and
+           oneDNN). int8 and q8_0 stream their own encodings: about a quarter of the fp32 bytes.
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
 --device cuda runs the same on a GPU (no MKL contender there; timings synchronize the device). The targets in the
@@ -35,51 +38,19 @@ from pathlib import Path
 import torch
 
 import gpt2port.kernels
-from gpt2port import GPT
-from gpt2port import convert
+from gpt2port import GPT, convert, export
 from gpt2port.generate import steps
+from gpt2port.speed import matvec_bandwidth, timed, weight_bytes_per_token
 from scripts import hf_fixtures
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
-
-
-def matvec_bandwidth(device: str, repeats: int = 20) -> float:
-    """Bytes/s streamed by a one-row product against a 256 MB fp32 weight (far larger than any cache): the best
-    of F.linear and, on CPU, gpt2port's Linear (oneDNN), so the floor is one that no contender's kernel beats."""
-    w = torch.randn(8192, 8192, device=device)
-    x = torch.randn(1, 8192, device=device)
-    products = [lambda: torch.nn.functional.linear(x, w)]
-    if device == "cpu":
-        layer = gpt2port.kernels.Linear(8192, 8192, bias=False, device="meta")
-        layer.weight = torch.nn.Parameter(w, requires_grad=False)
-        products.append(lambda: layer(x))
-    best = float("inf")
-    with torch.inference_mode():
-        for product in products:
-            product()
-            best = min(best, *(_timed(product) for _ in range(repeats)))
-    return w.numel() * w.element_size() / best
+OURS_INT8, LLAMA_Q8 = "gpt2port int8", "llama.cpp q8_0"
 
 
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-
-
-def _timed(fn) -> float:
-    _sync()
-    t = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - t
-
-
-def weight_bytes_per_token(model: GPT) -> int:
-    """Every parameter is read once per decode step, except the position table, of which one row is."""
-    c = model.config
-    elem = model.tok_emb.weight.element_size()
-    return (model.num_params() - (c.n_positions - 1) * c.n_embd) * elem
 
 
 def ours_decode(model: GPT, prompt: torch.Tensor) -> tuple[float, list[int]]:
@@ -115,7 +86,7 @@ def without_onednn(fn):
 
 def prefill_seconds(forward, idx: torch.Tensor) -> float:
     with torch.inference_mode():
-        return _timed(lambda: forward(idx))
+        return timed(lambda: forward(idx), idx.device)
 
 
 def prepare(size: str, root: Path) -> tuple[Path, Path]:
@@ -175,6 +146,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
     bytes_per_token[OURS_BF16] = weight_bytes_per_token(bf16)
     del bf16
     gc.collect()
+    if device == "cpu":
+        quantized_rounds(size, ckpt, root, prompt, repeats, rates, tokens, bytes_per_token)
 
     best = {k: max(v) for k, v in rates.items()}
     return {
@@ -186,9 +159,74 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
         "floor_tokens_per_s": {k: bandwidth / b for k, b in bytes_per_token.items()},
         "fraction_of_floor": {k: best[k] / (bandwidth / bytes_per_token[k]) for k in best},
         "greedy_tokens_equal_to_hf": f"{sum(a == b for a, b in zip(tokens[OURS], tokens[HF]))}/{NEW_TOKENS}",
+        # int8 and q8_0 round every weight, so their greedy paths may part from fp32's; how soon is worth seeing
+        "greedy_prefix_equal_to_fp32": {k: _common_prefix(tokens[k], tokens[OURS]) for k in (OURS_INT8, LLAMA_Q8)
+                                        if k in tokens},
         "prefill_seconds": prefill,
         "prefill_vs_hf": {k: prefill[HF] / v for k, v in prefill.items()},
     }
+
+
+def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, repeats: int, rates: dict,
+                     tokens: dict, bytes_per_token: dict) -> None:
+    """gpt2port int8 and, when llama-cpp-python is installed, llama.cpp on the same weights exported as q8_0 GGUF,
+    interleaved round by round like the fp32 contenders."""
+    int8 = GPT.from_pretrained(ckpt, dtype="int8")
+    contenders = {OURS_INT8: lambda p: ours_decode(int8, p)}
+    bytes_per_token[OURS_INT8] = weight_bytes_per_token(int8)
+    llama = _llama_q8(ckpt, root / f"{size}-q8_0")
+    if llama is not None:
+        llm, bytes_per_token[LLAMA_Q8] = llama
+        contenders[LLAMA_Q8] = lambda p: llama_decode(llm, p)
+    else:
+        print(f"[{size}] llama-cpp-python is not installed: no llama.cpp q8_0 contender", file=sys.stderr)
+    for decode in contenders.values():
+        decode(prompt[:, :4])
+    for name in contenders:
+        rates[name] = []
+    for r in range(repeats):
+        for name, decode in contenders.items():
+            rate, tokens[name] = decode(prompt)
+            rates[name].append(rate)
+        print(f"[{size}] quantized run {r + 1}/{repeats}: " + ", ".join(
+            f"{k} {rates[k][-1]:.2f} tokens/s" for k in contenders), file=sys.stderr)
+
+
+def _llama_q8(ckpt: Path, out: Path):
+    """(llama_cpp.Llama over the checkpoint exported as q8_0 GGUF, bytes its decode step streams), or None."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    from gguf import GGUFReader
+
+    from gpt2port.formats.gguf import FILE_NAME
+
+    if not (out / FILE_NAME).is_file():
+        export(ckpt, out, to="gguf", dtype="q8_0", force=True)
+    total = 0
+    for t in GGUFReader(out / FILE_NAME).tensors:
+        rows = int(t.shape[-1]) if t.name == "position_embd.weight" else 1  # one position row per step
+        total += int(t.n_bytes) // rows
+    llm = llama_cpp.Llama(str(out / FILE_NAME), n_ctx=PROMPT_LEN + NEW_TOKENS + 8, n_threads=torch.get_num_threads(),
+                          n_threads_batch=torch.get_num_threads(), verbose=False)
+    return llm, total
+
+
+def llama_decode(llm, prompt: torch.Tensor) -> tuple[float, list[int]]:
+    """Greedy through llama.cpp's own sampler (top-k 1), the prompt's prefill included, as for ours."""
+    out = []
+    t = time.perf_counter()
+    for token in llm.generate(prompt[0].tolist(), top_k=1, top_p=1.0, temp=0.0, reset=True):
+        out.append(int(token))
+        if len(out) == NEW_TOKENS:
+            break
+    return NEW_TOKENS / (time.perf_counter() - t), out
+
+
+def _common_prefix(a: list[int], b: list[int]) -> str:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"{n}/{NEW_TOKENS}"
 
 
 def report(result: dict) -> str:
@@ -199,6 +237,8 @@ def report(result: dict) -> str:
                      f"{result['fraction_of_floor'][k]:6.1%} of its bandwidth floor "
                      f"({result['floor_tokens_per_s'][k]:.1f} tokens/s)")
     lines.append(f"  greedy tokens equal to HF's: {result['greedy_tokens_equal_to_hf']}")
+    for k, n in result["greedy_prefix_equal_to_fp32"].items():
+        lines.append(f"  {k}: greedy tokens equal to gpt2port fp32's for the first {n}")
     lines.append(f"  prefill, one {PREFILL_LEN}-token forward with all logits (best of the runs):")
     for k, seconds in result["prefill_seconds"].items():
         lines.append(f"  {k:28s} {seconds:7.3f} s        {result['prefill_vs_hf'][k]:5.2f}x HF")

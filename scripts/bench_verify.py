@@ -115,10 +115,13 @@ def phase_peaks(samples: list, wall: float, timings: dict) -> dict:
 
 
 def bench_one(work: Path, size: str, dtype: str, tokens: int | None, no_hf: bool) -> dict:
+    """int8: the fp32 checkpoint, quantized as verify loads it (--dtype int8)."""
     src = make_source(work, size)
-    ckpt = work / size / f"ckpt-{dtype}"
-    convert(src, ckpt, dtype)
+    stored = "fp32" if dtype == "int8" else dtype
+    ckpt = work / size / f"ckpt-{stored}"
+    convert(src, ckpt, stored)
     cmd = GPT2PORT + ["verify", str(ckpt), "--json"] + (["--tokens", str(tokens)] if tokens else [])
+    cmd += ["--dtype", "int8"] if dtype == "int8" else []
     cmd += ["--no-hf"] if no_hf else []
     code, wall, rss, text, samples = run_measured(cmd)
     report = json.loads(text)
@@ -160,7 +163,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {', '.join(SIZES)}")
-    ap.add_argument("--dtypes", default="fp32", help="comma-separated checkpoint dtypes: fp32, fp16, bf16")
+    ap.add_argument("--dtypes", default="fp32", help="comma-separated checkpoint dtypes: fp32, fp16, bf16; int8 (fp32 weights quantized at load)")
     ap.add_argument("--tokens", type=int, default=None, help="random-id input length (default: full context)")
     ap.add_argument("--no-hf", action="store_true", help="float64 reference only")
     ap.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) the random checkpoints here")

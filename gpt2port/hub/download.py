@@ -13,7 +13,7 @@ from gpt2port.checkpoint import WEIGHTS, read_manifest
 from gpt2port.conversion import ConvertResult, convert
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
-from gpt2port.hub.fetch import Fetcher, Snapshot
+from gpt2port.hub.fetch import Fetcher, Snapshot, gb
 from gpt2port.hub.names import resolve_name
 from gpt2port.progress import byte_progress
 from gpt2port.verification import run_verify
@@ -84,3 +84,30 @@ def _run_verify(out: Path, quiet: bool):
         raise GPT2PortError(f"{out}: written, but verify FAILED ({first}); run `gpt2port verify {out}` for the "
                             f"full report")
     return report
+
+
+def summary(r: DownloadResult) -> str:
+    """The one screen printed after a download (r: hub.DownloadResult)."""
+    lines = [f"{r.out}  <-  {r.repo}@{r.revision} (commit {r.commit[:12]})"]
+    s = r.snapshot
+    if s is None:
+        lines.append("  checkpoint  already up to date (same repo, commit and dtype): nothing fetched or rewritten")
+    else:
+        if s.offline:
+            lines.append(f"  source      the Hugging Face cache, offline: {s.path}")
+        elif s.downloaded_bytes:
+            rate = s.downloaded_bytes / max(s.download_seconds, 1e-9)
+            lines.append(f"  downloaded  {gb(s.downloaded_bytes)} in {s.download_seconds:.1f}s ({gb(int(rate))}/s)")
+        else:
+            lines.append(f"  downloaded  nothing: all {len(s.sha256)} files were in the Hugging Face cache")
+        lines.append(f"  checked     sha256 of {len(s.sha256)} files ({gb(s.total_bytes)}) against the Hub's hashes")
+        c = r.converted
+        lines.append(f"  converted   {c.n_params:,} parameters, {DTYPE_LABELS.get(c.dtype, c.dtype)}, "
+                     f"{gb(c.bytes_written)} in {c.seconds:.1f}s")
+    if r.report is not None:
+        n = len(r.report.checks)
+        lines.append(f"  verified    gpt2port verify passed ({n} checks against the reference)")
+    lines.append(f"  total       {r.seconds:.1f}s")
+    for w in (s.warnings if s else []) + (list(r.converted.warnings) if r.converted else []):
+        lines.append(f"  warning     {w}")
+    return "\n".join(lines)

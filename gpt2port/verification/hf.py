@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from gpt2port.dtypes import DTYPE_LABELS
+
 from gpt2port.verification.metrics import compare_logits, loss
 from gpt2port.formats import WEIGHT_FILES
 from gpt2port.verification.report import VerifyReport
@@ -35,7 +37,7 @@ def _load_hf(ref_path: Path, dt: torch.dtype, report: VerifyReport):
     except Exception as e:  # noqa: BLE001 - the float64 reference still stands; say why HF could not join
         report.reference["hf_note"] = f"transformers could not load {directory}: {str(e).splitlines()[0][:200]}"
         return None
-    report.reference.update(hf=True, hf_version=transformers.__version__)
+    report.reference.update(hf=True, hf_version=transformers.__version__, hf_dtype=DTYPE_LABELS[dt])
     return model.eval()
 
 

@@ -5,8 +5,10 @@ JSON schema "gpt2port.verify/1" (keys are only ever added, never renamed or remo
     schema        "gpt2port.verify/1"
     passed        bool; verdict "PASS" | "FAIL"
     failures      [str]: one line per failed check, the localization ("block 7: attention output differs") first
-    checkpoint    str; reference {"path", "float64": true, "hf": bool, "hf_version": str|null, "hf_note": str|null}
-    dtype         "fp32" | "fp16" | "bf16": what ours and HF computed in; weights_dtype: what the checkpoint stores
+    checkpoint    str; reference {"path", "float64": true, "hf": bool, "hf_version": str|null, "hf_note": str|null,
+                  "hf_dtype": str (when HF ran)}
+    dtype         "fp32" | "fp16" | "bf16" | "int8": what ours computed in (HF: the same, fp32 beside int8);
+                  weights_dtype: what the checkpoint stores
     model         {"n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_params"}
     tolerances    {"logits_rel", "kl", "local_rel", "loss", "vs_hf_factor"}
     inputs        [{"name", "kind": "prompt"|"known"|"random", "shape": [B, T], "texts": [str]|null}]
@@ -124,7 +126,7 @@ def render_text(r: VerifyReport) -> str:
     """The terminal report: what was compared, a metrics table, one line per check, the verdict last."""
     m = r.model
     ref = r.reference
-    hf = f"transformers {ref['hf_version']} GPT2LMHeadModel in {r.dtype}" if ref.get("hf") else \
+    hf = f"transformers {ref['hf_version']} GPT2LMHeadModel in {ref.get('hf_dtype', r.dtype)}" if ref.get("hf") else \
         f"HF transformers not used ({ref.get('hf_note') or 'not installed'})"
     lines = [
         f"gpt2port verify  {r.checkpoint}",

@@ -151,10 +151,10 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
     ours = as_stages(load_ours())
     if ours.device.type != "cpu":
         raise GPT2PortError(f"{label}: verify runs on the CPU (the float64 reference does); move the model there first")
-    dt = ours.dtype
-    dlabel = DTYPE_LABELS.get(dt)
+    dt = ours.dtype  # an int8 model computes around its products in fp32: HF runs in fp32 beside it
+    dlabel = ours.precision or DTYPE_LABELS.get(dt)
     if dlabel is None:
-        raise GPT2PortError(f"{label}: parameters are {dt}; verify handles fp32, fp16 and bf16")
+        raise GPT2PortError(f"{label}: parameters are {dt}; verify handles fp32, fp16, bf16 and int8")
     wlabel = DTYPE_LABELS.get(weights_dtype or dt, dlabel)
     tol = tolerance_for(dlabel, wlabel)
     report = VerifyReport(
@@ -167,7 +167,7 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
         tolerances=asdict(tol),
         timings={"ours": None, "reference": None, "hf": None, "total": None},  # seconds; None: phase not run
     )
-    if dlabel != "fp32":
+    if dlabel in ("fp16", "bf16"):
         report.notes.append(f"{dlabel} matrix products are slow on CPUs without native {dlabel} support; "
                             f"--dtype fp32 checks the same {wlabel} weights, judged at {wlabel} tolerances, much faster")
     shape_problem = _shape_mismatch(ours, ref.config)

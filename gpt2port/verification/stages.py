@@ -31,6 +31,9 @@ class Stages:
     dtype: torch.dtype
     device: torch.device
     n_params: int
+    # What verify judges the model as, when its parameters' dtype does not say: "int8" for a model quantized at load
+    # (gpt2port.quant). None: the dtype's own label.
+    precision: str | None = None
     # Whether greedy() decodes through a KV cache (True) or recomputes the whole sequence for every step.
     kv_cached: bool = False
     # The nn.Module behind the stages, where there is one: a diagnosis re-runs a stage in eval mode with it when the
@@ -81,6 +84,7 @@ class GPTStages(Stages):
         self.n_positions, self.vocab_size = cfg.n_positions, cfg.vocab_size
         weight = model.tok_emb.weight  # a local only: a kept parameter would outlive `del model` (and its mapping)
         self.dtype, self.device = weight.dtype, weight.device
+        self.precision = getattr(model, "quantized", None)
         self.n_params = model.num_params()
         self.module = model  # diagnosis re-runs a stage in eval mode when the model was left training
 

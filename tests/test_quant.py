@@ -1,0 +1,132 @@
+"""int8 weight-only inference (gpt2port.quant): per-row quantization, the layer against its own dequantized weight,
+logits against fp32 within the stated tolerance at tiny and 124M, the tied matrix stored once, loading from any
+stored dtype, the refusals, and `generate`/`verify --dtype int8`.
+
+Tolerance: logits max|int8 - fp32| / max|fp32| <= 3e-2 (the figure llama.cpp's q8_0 reaches on the same random
+124M weights is 2.4e-2; gpt2port's int8 measured 2.1e-2 there, see the README's performance section).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+from gpt2port import GPT, GPT2PortError, convert, save
+from gpt2port.cli import main
+from gpt2port.quant import Int8Embedding, Int8Linear, quantize_rows
+from gpt2port.speed import weight_bytes_per_token
+
+INT8_LOGITS_REL = 3e-2
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def logits_of(model, ids):
+    with torch.inference_mode():
+        return model(ids)
+
+
+def test_rows_are_quantized_symmetrically_each_with_its_own_scale():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 40, generator=g) * torch.tensor([1e-3, 1, 5, 0, 1e2, 0.02])[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (6,)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127  # symmetric: -128 never used
+    err = (q.float() * scale[:, None] - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-6 * w.abs()).all())  # round to nearest, per row
+    assert float(scale[3]) == 1.0 and not q[3].any()  # an all-zero row: zeros, with a harmless scale
+
+
+def test_the_layer_computes_with_its_dequantized_weight():
+    g = torch.Generator().manual_seed(1)
+    w, b, x = torch.randn(96, 64, generator=g) * 0.02, torch.randn(96, generator=g), torch.randn(2, 5, 64, generator=g)
+    layer = Int8Linear.from_float(w, b)
+    y = layer(x)
+    assert y.shape == (2, 5, 96) and y.dtype == torch.float32
+    # the kernel's activations are 16-bit: 1e-3 relative, far below the quantization's own error
+    assert rel_err(y, F.linear(x, layer.dequantized(), b)) < 2e-3
+    assert rel_err(y, F.linear(x, w, b)) < 2e-2
+
+
+def test_tiny_int8_logits_within_tolerance_of_fp32_and_the_tied_matrix_stored_once(tiny_ckpt):
+    ref, q = GPT.from_pretrained(tiny_ckpt), GPT.from_pretrained(tiny_ckpt, dtype="int8")
+    ids = torch.randint(0, ref.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
+    assert rel_err(logits_of(q, ids), logits_of(ref, ids)) < INT8_LOGITS_REL
+    assert q.quantized == "int8" and isinstance(q.tok_emb, Int8Embedding)
+    assert q.lm_head.weight.dtype == torch.int8 and q.tok_emb.table is q.lm_head
+    assert q.num_params() == ref.num_params()
+    # a quarter of the fp32 bytes for every matrix, plus one fp32 scale per row and the fp32 norms and biases
+    assert weight_bytes_per_token(q) < 0.3 * weight_bytes_per_token(ref)
+
+
+def test_124m_int8_logits_within_tolerance_of_fp32_on_every_path(gpt2_ckpt):
+    """A long forward (fp32 products over the dequantized weight), a short prompt (int8pack) and the decode steps
+    after it (fbgemm's int8 kernel, activations quantized per token), each against fp32 teacher-forced."""
+    from gpt2port.generate import decode
+    from gpt2port.model import KVCache
+
+    ref, q = GPT.from_pretrained(gpt2_ckpt), GPT.from_pretrained(gpt2_ckpt, dtype="int8")
+    g = torch.Generator().manual_seed(3)
+    ids, prompt = torch.randint(0, 50257, (1, 256), generator=g), torch.randint(0, 50257, (1, 12), generator=g)
+    errors = {"forward": rel_err(logits_of(q, ids), logits_of(ref, ids))}
+    expected = list(decode(ref, prompt, 9, temperature=0, stop_token=None))
+    with torch.inference_mode():
+        cache = KVCache(q.config, 1, 32, torch.float32, "cpu")
+        errors["prompt"] = rel_err(q(prompt, cache=cache, last_only=True)[:, -1], expected[0][1])
+        errors["decode"] = max(rel_err(q(token.view(1, 1), cache=cache, last_only=True)[:, -1], logits)
+                               for (token, _), (_, logits) in zip(expected, expected[1:]))
+    for path, err in errors.items():  # quantized for real (not fp32 in disguise), and within the bound
+        assert 1e-3 < err < INT8_LOGITS_REL, (path, errors)
+
+
+@pytest.mark.parametrize("stored", ["fp16", "bf16"])
+def test_quantized_from_any_stored_dtype(tiny_ckpt, tmp_path, stored):
+    from gpt2port import export
+
+    export(tiny_ckpt, tmp_path / stored, dtype=stored)
+    ids = torch.randint(0, 50257, (1, 32), generator=torch.Generator().manual_seed(4))
+    fp32 = logits_of(GPT.from_pretrained(tmp_path / stored, dtype="fp32"), ids)
+    assert rel_err(logits_of(GPT.from_pretrained(tmp_path / stored, dtype="int8"), ids), fp32) < INT8_LOGITS_REL
+
+
+def test_an_int8_model_is_not_saved_and_runs_only_on_the_cpu(tiny_ckpt, tmp_path):
+    q = GPT.from_pretrained(tiny_ckpt, dtype="int8")
+    with pytest.raises(GPT2PortError, match="quantized to int8 at load"):
+        save(q, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(GPT2PortError, match="int8 runs on the CPU"):
+        GPT.from_pretrained(tiny_ckpt, dtype="int8", device="cuda")
+
+
+def test_an_untied_checkpoint_is_refused_in_one_line(tiny_ckpt, tmp_path):
+    from safetensors.torch import load_file
+
+    from gpt2port.checkpoint import save_state
+    from gpt2port.config import GPTConfig
+
+    state = load_file(tiny_ckpt / "model.safetensors")
+    state["lm_head.weight"] = state["tok_emb.weight"] * 2
+    config = GPTConfig.from_dict({**json.loads((tiny_ckpt / "config.json").read_text())["model"],
+                                  "tie_word_embeddings": False})
+    save_state(state, config, tmp_path / "untied")
+    with pytest.raises(GPT2PortError, match="tied head"):
+        GPT.from_pretrained(tmp_path / "untied", dtype="int8")
+
+
+def test_generate_and_verify_take_int8(tiny_ckpt):
+    r = CliRunner().invoke(main, ["generate", str(tiny_ckpt), "The dog", "-n", "5", "--dtype", "int8"])
+    assert r.exit_code == 0, r.output
+    assert "(int8, cpu)" in r.stderr and r.stdout.startswith("The dog")
+    r = CliRunner().invoke(main, ["verify", str(tiny_ckpt), "--dtype", "int8", "--tokens", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["passed"] and report["dtype"] == "int8" and report["reference"]["hf_dtype"] == "fp32"
+    assert report["tolerances"]["logits_rel"] >= 1e-2  # judged as int8, not as fp32
+    worst = report["metrics"]["overall"]["ours_vs_f64"]["max_rel"]
+    assert 1e-4 < worst < report["tolerances"]["logits_rel"]
