@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from gpt2port import GPT, GPT2PortError, convert, save
+from gpt2port import GPT, GPT2PortError, save
 from gpt2port.cli import main
 from gpt2port.quant import Int8Embedding, Int8Linear, quantize_rows
 from gpt2port.speed import weight_bytes_per_token
@@ -30,6 +30,21 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 def logits_of(model, ids):
     with torch.inference_mode():
         return model(ids)
+
+
+def teacher_forced_errors(model, ref, prompt, steps: int) -> tuple[float, float]:
+    """(error of the prompt's step, worst error of the one-token steps after it), `model` fed fp32 `ref`'s greedy
+    tokens so that both compute the same positions whatever they would pick."""
+    from gpt2port.generate import decode
+    from gpt2port.model import KVCache
+
+    expected = list(decode(ref, prompt, steps + 1, temperature=0, stop_token=None))
+    with torch.inference_mode():
+        cache = KVCache(model.config, 1, prompt.size(1) + steps + 1, torch.float32, "cpu")
+        first = rel_err(model(prompt, cache=cache, last_only=True)[:, -1], expected[0][1])
+        later = max(rel_err(model(token.view(1, 1), cache=cache, last_only=True)[:, -1], logits)
+                    for (token, _), (_, logits) in zip(expected, expected[1:]))
+    return first, later
 
 
 def test_rows_are_quantized_symmetrically_each_with_its_own_scale():
@@ -68,21 +83,27 @@ def test_tiny_int8_logits_within_tolerance_of_fp32_and_the_tied_matrix_stored_on
 def test_124m_int8_logits_within_tolerance_of_fp32_on_every_path(gpt2_ckpt):
     """A long forward (fp32 products over the dequantized weight), a short prompt (int8pack) and the decode steps
     after it (fbgemm's int8 kernel, activations quantized per token), each against fp32 teacher-forced."""
-    from gpt2port.generate import decode
-    from gpt2port.model import KVCache
-
     ref, q = GPT.from_pretrained(gpt2_ckpt), GPT.from_pretrained(gpt2_ckpt, dtype="int8")
     g = torch.Generator().manual_seed(3)
     ids, prompt = torch.randint(0, 50257, (1, 256), generator=g), torch.randint(0, 50257, (1, 12), generator=g)
     errors = {"forward": rel_err(logits_of(q, ids), logits_of(ref, ids))}
-    expected = list(decode(ref, prompt, 9, temperature=0, stop_token=None))
-    with torch.inference_mode():
-        cache = KVCache(q.config, 1, 32, torch.float32, "cpu")
-        errors["prompt"] = rel_err(q(prompt, cache=cache, last_only=True)[:, -1], expected[0][1])
-        errors["decode"] = max(rel_err(q(token.view(1, 1), cache=cache, last_only=True)[:, -1], logits)
-                               for (token, _), (_, logits) in zip(expected, expected[1:]))
+    errors["prompt"], errors["decode"] = teacher_forced_errors(q, ref, prompt, 8)
     for path, err in errors.items():  # quantized for real (not fp32 in disguise), and within the bound
         assert 1e-3 < err < INT8_LOGITS_REL, (path, errors)
+
+
+def test_without_fbgemm_one_row_runs_on_int8pack_within_tolerance(tiny_ckpt, monkeypatch):
+    """A PyTorch build without fbgemm decodes on int8pack: the same answers within the same bound."""
+    import gpt2port.quant as quant
+
+    ref = GPT.from_pretrained(tiny_ckpt)
+    with_fbgemm = GPT.from_pretrained(tiny_ckpt, dtype="int8")
+    monkeypatch.setattr(quant, "_fbgemm_works", lambda: False)
+    without = GPT.from_pretrained(tiny_ckpt, dtype="int8")
+    assert with_fbgemm.lm_head._packed is not None and without.lm_head._packed is None
+    prompt = torch.randint(0, 50257, (1, 8), generator=torch.Generator().manual_seed(5))
+    for model in (with_fbgemm, without):
+        assert max(teacher_forced_errors(model, ref, prompt, 6)) < INT8_LOGITS_REL
 
 
 @pytest.mark.parametrize("stored", ["fp16", "bf16"])
