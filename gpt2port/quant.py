@@ -128,7 +128,7 @@ class Int8Embedding(nn.Module):
 
     def __init__(self, table: Int8Linear):
         super().__init__()
-        self.table = table  # not a copy: the same buffers as the head
+        self.table = table  # not a copy: the head itself
 
     @property
     def weight(self) -> torch.Tensor:  # the model's device and dtype queries look here, as on nn.Embedding

@@ -13,6 +13,8 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
            fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the faster of F.linear and
            oneDNN). int8 and q8_0 stream their own encodings: about a quarter of the fp32 bytes.
+  step     for gpt2port fp32 and int8: a step's time (1 / tokens/s, the prefill spread over the tokens) beside
+           that of its matrix products alone, back to back: the difference is attention, norms, Python, dispatch.
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
 --device cuda runs the same on a GPU (no MKL contender there; timings synchronize the device). The targets in the
@@ -137,6 +139,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
             f"{k} {v[-1]:.2f} tokens/s, prefill {prefill[k][-1]:.2f} s" for k, v in rates.items()), file=sys.stderr)
     prefill = {name: min(v) for name, v in prefill.items()}
     bytes_per_token = {name: weight_bytes_per_token(ours) for name in fp32}
+    products_ms = {OURS: products_alone_ms(ours)}
     del hf, ours
     gc.collect()
 
@@ -147,7 +150,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
     del bf16
     gc.collect()
     if device == "cpu":
-        quantized_rounds(size, ckpt, root, prompt, repeats, rates, tokens, bytes_per_token)
+        quantized_rounds(size, ckpt, root, prompt, repeats, rates, tokens, bytes_per_token, products_ms)
 
     best = {k: max(v) for k, v in rates.items()}
     return {
@@ -162,16 +165,18 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
         # int8 and q8_0 round every weight, so their greedy paths may part from fp32's; how soon is worth seeing
         "greedy_prefix_equal_to_fp32": {k: _common_prefix(tokens[k], tokens[OURS]) for k in (OURS_INT8, LLAMA_Q8)
                                         if k in tokens},
+        "products_alone_ms": products_ms,
         "prefill_seconds": prefill,
         "prefill_vs_hf": {k: prefill[HF] / v for k, v in prefill.items()},
     }
 
 
 def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, repeats: int, rates: dict,
-                     tokens: dict, bytes_per_token: dict) -> None:
+                     tokens: dict, bytes_per_token: dict, products_ms: dict) -> None:
     """gpt2port int8 and, when llama-cpp-python is installed, llama.cpp on the same weights exported as q8_0 GGUF,
     interleaved round by round like the fp32 contenders."""
     int8 = GPT.from_pretrained(ckpt, dtype="int8")
+    products_ms[OURS_INT8] = products_alone_ms(int8)
     contenders = {OURS_INT8: lambda p: ours_decode(int8, p)}
     bytes_per_token[OURS_INT8] = weight_bytes_per_token(int8)
     llama = _llama_q8(ckpt, root / f"{size}-q8_0")
@@ -190,6 +195,19 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
             rates[name].append(rate)
         print(f"[{size}] quantized run {r + 1}/{repeats}: " + ", ".join(
             f"{k} {rates[k][-1]:.2f} tokens/s" for k in contenders), file=sys.stderr)
+
+
+def products_alone_ms(model) -> float:
+    """Milliseconds the model's matrix products take for one token when run back to back, nothing else (best of 5):
+    what a decode step costs beyond this is attention, norms, Python and dispatch."""
+    from gpt2port.quant import Int8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
+    rows = [torch.randn(1, 1, m.in_features) for m in layers]
+    with torch.inference_mode():
+        for m, x in zip(layers, rows):
+            m(x)
+        return 1e3 * min(timed(lambda: [m(x) for m, x in zip(layers, rows)]) for _ in range(5))
 
 
 def _llama_q8(ckpt: Path, out: Path):
@@ -236,6 +254,9 @@ def report(result: dict) -> str:
         lines.append(f"  {k:28s} {rate:7.2f} tokens/s  {result['vs_hf'][k]:5.2f}x HF   "
                      f"{result['fraction_of_floor'][k]:6.1%} of its bandwidth floor "
                      f"({result['floor_tokens_per_s'][k]:.1f} tokens/s)")
+    for k, ms in result["products_alone_ms"].items():
+        lines.append(f"  {k}: a step takes {1e3 / result['tokens_per_s'][k]:.2f} ms, its matrix products alone "
+                     f"{ms:.2f} ms")
     lines.append(f"  greedy tokens equal to HF's: {result['greedy_tokens_equal_to_hf']}")
     for k, n in result["greedy_prefix_equal_to_fp32"].items():
         lines.append(f"  {k}: greedy tokens equal to gpt2port fp32's for the first {n}")
