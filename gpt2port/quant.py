@@ -16,8 +16,8 @@ How the products run, by the number of rows (tokens) they multiply:
 - more rows (a long prompt, verify's inputs): the weight dequantized to fp32 for that call and F.linear, as fast as
   fp32 there (a GEMM over many rows is bound by arithmetic, not by reading the weight).
 
-Quantization happens at load, from the checkpoint's memory-mapped tensors in whatever dtype they are stored, one
-matrix at a time: peak memory is the int8 model plus one matrix in fp32, never the fp32 model.
+Quantization happens at load, from the checkpoint's tensors in whatever dtype they are stored, one matrix at a time,
+read into one reusable buffer: peak memory is the int8 model plus one stored matrix, never the fp32 model.
 """
 
 from __future__ import annotations
@@ -39,12 +39,17 @@ ACTIVATION_DTYPE = torch.bfloat16
 FEW_ROWS = 16
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 (N, K), scale fp32 (N,)) with w ~= q * scale[:, None]; an all-zero row gets scale 1 (q is 0)."""
-    w = w.float()
-    scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+def quantize_rows(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (N, K), scale fp32 (N,)) with w ~= q * scale[:, None]; an all-zero row gets scale 1 (q is 0).
+    Rows go `chunk` at a time, so the fp32 temporaries stay small whatever the matrix (the head has 50k rows)."""
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(w.size(0), dtype=torch.float32)
+    for start in range(0, w.size(0), chunk):
+        rows = w[start : start + chunk].float()
+        s = rows.abs().amax(dim=1) / 127.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q[start : start + chunk] = (rows / s[:, None]).round_().clamp_(-127, 127)  # w itself is left as it was
+        scale[start : start + chunk] = s
     return q, scale
 
 
@@ -145,27 +150,39 @@ def linear_names(model: nn.Module) -> list[str]:
 
 def quantized_model(cls, path, device=None):
     """A GPT whose matrices are int8 (see the module's docstring), built from the checkpoint at `path`."""
-    from gpt2port.checkpoint import load_state
+    from gpt2port.checkpoint import WEIGHTS, check_weights, read_config, resolve
+    from gpt2port.formats.safetensors import SafetensorsReader
 
     if device is not None and torch.device(device).type != "cpu":
         raise GPT2PortError(f"dtype int8 runs on the CPU (PyTorch's int8 kernel); got device {device}")
     if not hasattr(torch, "_weight_int8pack_mm"):
         raise GPT2PortError(f"dtype int8 needs PyTorch's int8 weight-packed kernel (PyTorch >= 2.3; "
                             f"this is {torch.__version__})")
-    ckpt_dir, config, state = load_state(path)  # memory-mapped, in the stored dtype: nothing read yet
+    ckpt_dir = resolve(path)
+    config = read_config(ckpt_dir)
     if not config.tie_word_embeddings:
         raise GPT2PortError(f"{ckpt_dir}: dtype int8 supports GPT-2's tied head; this checkpoint's head is separate")
+    check_weights(ckpt_dir / WEIGHTS, config)  # the names, shapes and dtypes the model expects, or one clear line
     with torch.device("meta"):
         model = cls(config)
-    names = linear_names(model)
-    for name in names:
-        if name == "lm_head":
-            continue
-        owner, attr = _owner(model, name)
-        setattr(owner, attr, Int8Linear.from_float(state.pop(f"{name}.weight"), state.pop(f"{name}.bias", None)))
-    head = Int8Linear.from_float(state.pop("tok_emb.weight"), None)
-    model.lm_head, model.tok_emb = head, Int8Embedding(head)
-    rest = {k: v.float() for k, v in state.items()}  # the norms, the position table
+    # Each tensor is read with pread into one reusable buffer rather than memory-mapped: the file's pages never
+    # count in this process's memory, so the peak is the int8 model plus one matrix, not the checkpoint's size.
+    reader = SafetensorsReader(ckpt_dir / WEIGHTS)
+    buffer = torch.empty(reader.largest(), dtype=torch.uint8)
+    try:
+        names = linear_names(model)
+        for name in names:
+            if name == "lm_head":
+                continue
+            owner, attr = _owner(model, name)
+            bias = reader.read(f"{name}.bias").float() if f"{name}.bias" in reader.tensors else None
+            setattr(owner, attr, Int8Linear.from_float(reader.read(f"{name}.weight", into=buffer), bias))
+        head = Int8Linear.from_float(reader.read("tok_emb.weight", into=buffer), None)
+        model.lm_head, model.tok_emb = head, Int8Embedding(head)
+        done = {f"{n}.{part}" for n in names for part in ("weight", "bias")} | {"tok_emb.weight"}
+        rest = {k: reader.read(k).float() for k in reader.tensors if k not in done}  # norms, position table
+    finally:
+        reader.close()
     missing, unexpected = model.load_state_dict(rest, assign=True, strict=False)
     unloaded = [k for k in missing if not k.startswith(("lm_head.", "tok_emb.", *(f"{n}." for n in names)))]
     if unloaded or unexpected:

@@ -151,3 +151,11 @@ def test_generate_and_verify_take_int8(tiny_ckpt):
     assert report["tolerances"]["logits_rel"] >= 1e-2  # judged as int8, not as fp32
     worst = report["metrics"]["overall"]["ours_vs_f64"]["max_rel"]
     assert 1e-4 < worst < report["tolerances"]["logits_rel"]
+
+
+def test_quantizing_leaves_its_input_alone_and_chunks_agree_with_one_pass():
+    w = torch.randn(300, 48, generator=torch.Generator().manual_seed(6))
+    before = w.clone()
+    whole, chunked = quantize_rows(w, chunk=1000), quantize_rows(w, chunk=7)
+    assert torch.equal(w, before)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
