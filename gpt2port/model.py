@@ -194,7 +194,7 @@ class GPT(nn.Module):
         """Load a converted checkpoint (a directory, or a NAME under ./checkpoints) without random init or copies:
         the model is built on the meta device and the file's memory-mapped tensors are assigned into it.
         dtype "int8": the matrices quantized to int8 as they load, for fast CPU inference (see gpt2port.quant)."""
-        if isinstance(dtype, str) and dtype.lower() == "int8":
+        if dtype is torch.int8 or (isinstance(dtype, str) and dtype.lower() == "int8"):
             from gpt2port.quant import quantized_model
 
             return quantized_model(cls, path, device)

@@ -74,6 +74,7 @@ def test_tiny_int8_logits_within_tolerance_of_fp32_and_the_tied_matrix_stored_on
     ids = torch.randint(0, ref.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
     assert rel_err(logits_of(q, ids), logits_of(ref, ids)) < INT8_LOGITS_REL
     assert q.quantized == "int8" and isinstance(q.tok_emb, Int8Embedding)
+    assert GPT.from_pretrained(tiny_ckpt, dtype=torch.int8).quantized == "int8"  # the torch dtype says the same
     assert q.lm_head.weight.dtype == torch.int8 and q.tok_emb.table is q.lm_head
     assert q.num_params() == ref.num_params()
     # a quarter of the fp32 bytes for every matrix, plus one fp32 scale per row and the fp32 norms and biases
