@@ -336,7 +336,9 @@ def _check_schema(d: dict) -> None:
     assert set(d) >= {"passed", "verdict", "failures", "checkpoint", "reference", "dtype", "weights_dtype", "model",
                       "tolerances", "inputs", "metrics", "localization", "checks", "notes", "timings"}
     assert d["verdict"] == ("PASS" if d["passed"] else "FAIL") and isinstance(d["failures"], list)
-    assert set(d["reference"]) == {"path", "float64", "hf", "hf_version", "hf_note"}
+    assert set(d["reference"]) == {"path", "float64", "hf", "hf_version", "hf_note", "hf_dtype"}
+    assert d["reference"]["hf_dtype"] == (d["dtype"] if d["reference"]["hf"] and d["dtype"] != "int8" else
+                                          "fp32" if d["reference"]["hf"] else None)
     assert set(d["tolerances"]) == {"logits_rel", "kl", "local_rel", "loss", "vs_hf_factor"}
     for inp in d["inputs"]:
         assert set(inp) == {"name", "kind", "shape", "texts"} and inp["kind"] in ("prompt", "known", "random")

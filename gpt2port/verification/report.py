@@ -6,7 +6,7 @@ JSON schema "gpt2port.verify/1" (keys are only ever added, never renamed or remo
     passed        bool; verdict "PASS" | "FAIL"
     failures      [str]: one line per failed check, the localization ("block 7: attention output differs") first
     checkpoint    str; reference {"path", "float64": true, "hf": bool, "hf_version": str|null, "hf_note": str|null,
-                  "hf_dtype": str (when HF ran)}
+                  "hf_dtype": str|null (what HF computed in; null when it did not run)}
     dtype         "fp32" | "fp16" | "bf16" | "int8": what ours computed in (HF: the same, fp32 beside int8);
                   weights_dtype: what the checkpoint stores
     model         {"n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "n_params"}
@@ -126,7 +126,7 @@ def render_text(r: VerifyReport) -> str:
     """The terminal report: what was compared, a metrics table, one line per check, the verdict last."""
     m = r.model
     ref = r.reference
-    hf = f"transformers {ref['hf_version']} GPT2LMHeadModel in {ref.get('hf_dtype', r.dtype)}" if ref.get("hf") else \
+    hf = f"transformers {ref['hf_version']} GPT2LMHeadModel in {ref.get('hf_dtype') or r.dtype}" if ref.get("hf") else \
         f"HF transformers not used ({ref.get('hf_note') or 'not installed'})"
     lines = [
         f"gpt2port verify  {r.checkpoint}",

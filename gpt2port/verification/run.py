@@ -159,7 +159,8 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
     tol = tolerance_for(dlabel, wlabel)
     report = VerifyReport(
         checkpoint=label,
-        reference={"path": str(ref_path), "float64": True, "hf": False, "hf_version": None, "hf_note": None},
+        reference={"path": str(ref_path), "float64": True, "hf": False, "hf_version": None, "hf_note": None,
+                   "hf_dtype": None},
         dtype=dlabel,
         weights_dtype=wlabel,
         model={"n_layer": ours.n_layer, "n_head": ours.n_head, "n_embd": ours.n_embd,
