@@ -79,8 +79,14 @@ def test_every_module_imports_in_a_fresh_process_without_transformers():
             f"for name in {names!r}:\n"
             "    importlib.import_module(name)\n"
             "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
+    in_fresh_python(code)
+
+
+def in_fresh_python(code: str) -> subprocess.CompletedProcess:
+    """Run `code` in a new interpreter (nothing imported yet) and insist that it succeeds."""
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+    return r
 
 
 def test_no_top_level_name_hides_a_submodule():
@@ -104,33 +110,30 @@ def test_no_module_past_a_readable_size():
 def test_help_and_usage_errors_import_neither_torch_nor_transformers():
     """`gpt2port --help`, each command's --help and a usage error answer at once: the heavy modules load only
     inside the commands that need them."""
-    code = ("import sys\n"
-            "from gpt2port.cli import main\n"
-            "for args in (['--help'], *([c, '--help'] for c in main.commands), ['convert'], ['nonsense']):\n"
-            "    try:\n"
-            "        main.main(args=args, prog_name='gpt2port')\n"
-            "    except SystemExit:\n"
-            "        pass\n"
-            "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors', 'numpy') if m in sys.modules)\n"
-            "assert not heavy, f'imported {heavy}'\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = in_fresh_python(
+        "import sys\n"
+        "from gpt2port.cli import main\n"
+        "for args in (['--help'], *([c, '--help'] for c in main.commands), ['convert'], ['nonsense']):\n"
+        "    try:\n"
+        "        main.main(args=args, prog_name='gpt2port')\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors', 'numpy') if m in sys.modules)\n"
+        "assert not heavy, f'imported {heavy}'\n")
     assert "Usage: gpt2port" in r.stdout and "No such command 'nonsense'" in r.stderr
 
 
 def test_the_top_level_names_load_on_first_use():
-    code = ("import sys, gpt2port\n"
-            "assert 'torch' not in sys.modules\n"
-            "assert gpt2port.GPT.__module__ == 'gpt2port.model' and 'torch' in sys.modules\n"
-            "assert set(gpt2port.__all__) <= set(dir(gpt2port))\n"
-            "try:\n"
-            "    gpt2port.nonexistent\n"
-            "except AttributeError as e:\n"
-            "    assert 'nonexistent' in str(e)\n"
-            "else:\n"
-            "    raise AssertionError('no AttributeError')\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    in_fresh_python("import sys, gpt2port\n"
+                    "assert 'torch' not in sys.modules\n"
+                    "assert gpt2port.GPT.__module__ == 'gpt2port.model' and 'torch' in sys.modules\n"
+                    "assert set(gpt2port.__all__) <= set(dir(gpt2port))\n"
+                    "try:\n"
+                    "    gpt2port.nonexistent\n"
+                    "except AttributeError as e:\n"
+                    "    assert 'nonexistent' in str(e)\n"
+                    "else:\n"
+                    "    raise AssertionError('no AttributeError')\n")
 
 
 def test_no_file_cites_a_document_the_project_does_not_contain():
