@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from gpt2port.errors import GPT2PortError
 
 INT8 = "int8"
-# The fallback kernel's activations: bf16, the 16-bit type x86 CPUs compute natively (its fp16 path runs ~20x slower).
+# The fallback kernel's activations: bf16, the 16-bit type x86 CPUs compute natively (its fp16 path: >10x slower).
 ACTIVATION_DTYPE = torch.bfloat16
 # Up to this many rows, int8pack beats dequantizing the weight for one fp32 product (its cost grows with the rows).
 FEW_ROWS = 16
