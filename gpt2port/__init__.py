@@ -20,7 +20,6 @@ Your own GPT class (gpt2port.userclass):
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
 from gpt2port.version import __version__
 
@@ -46,11 +45,7 @@ _EXPORTS = {
     "verify_model": ("gpt2port.verification", "verify_model"),
 }
 
-__all__ = ["GPT", "GPTConfig", "GPT2PortError", "FinetuneSettings", "KVCache", "__version__", "convert", "download",
-           "export", "finetune", "init_empty", "layout_of", "load_into", "load_tokenizer", "save", "save_from", "verify",
-           "verify_model"]
-if set(__all__) != {*_EXPORTS, "__version__"}:
-    raise ImportError("gpt2port.__all__ and its table of exports disagree")
+__all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str):
@@ -66,16 +61,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
-
-if TYPE_CHECKING:  # what the names are, for type checkers and editors
-    from gpt2port.checkpoint import load_tokenizer, save
-    from gpt2port.config import GPTConfig
-    from gpt2port.conversion import convert, export
-    from gpt2port.errors import GPT2PortError
-    from gpt2port.hub import download
-    from gpt2port.model import GPT, KVCache
-    from gpt2port.training.finetune import Settings as FinetuneSettings
-    from gpt2port.training.finetune import finetune
-    from gpt2port.userclass import init_empty, layout_of, load_into, save_from
-    from gpt2port.verification import run_verify as verify
-    from gpt2port.verification import verify_model

@@ -88,13 +88,15 @@ class Int8Linear(nn.Module):
 
 def _pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
     """The weight packed for fbgemm's int8 kernel (a copy of q in its own layout), or None where it is missing."""
-    if not _fbgemm_works():
-        return None
+    return _prepack(q, scale, bias) if _fbgemm_works() else None
+
+
+def _prepack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
     with warnings.catch_warnings():  # PyTorch flags its quantized tensor types as deprecated; the kernel is current
         warnings.simplefilter("ignore")
         zero = torch.zeros(q.size(0), dtype=torch.long)
-        qw = torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0)
-        return torch.ops.quantized.linear_prepack(qw, bias)
+        return torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0),
+                                                  bias)
 
 
 @functools.cache
@@ -106,12 +108,7 @@ def _fbgemm_works() -> bool:
         g = torch.Generator().manual_seed(0)
         w, x = torch.randn(8, 64, generator=g), torch.randn(1, 64, generator=g)
         q, scale = quantize_rows(w)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            zero = torch.zeros(8, dtype=torch.long)
-            packed = torch.ops.quantized.linear_prepack(
-                torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0), None)
-            y = torch.ops.quantized.linear_dynamic(x, packed, _reduce_range())
+        y = torch.ops.quantized.linear_dynamic(x, _prepack(q, scale, None), _reduce_range())
         return bool(torch.allclose(y, F.linear(x, q.float() * scale[:, None]), rtol=5e-2, atol=5e-2))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False

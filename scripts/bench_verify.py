@@ -163,7 +163,8 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, from {', '.join(SIZES)}")
-    ap.add_argument("--dtypes", default="fp32", help="comma-separated checkpoint dtypes: fp32, fp16, bf16; int8 (fp32 weights quantized at load)")
+    ap.add_argument("--dtypes", default="fp32",
+                    help="comma-separated checkpoint dtypes: fp32, fp16, bf16; int8 (fp32 weights quantized at load)")
     ap.add_argument("--tokens", type=int, default=None, help="random-id input length (default: full context)")
     ap.add_argument("--no-hf", action="store_true", help="float64 reference only")
     ap.add_argument("--workdir", type=Path, default=None, help="keep (and reuse) the random checkpoints here")
