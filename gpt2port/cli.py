@@ -307,7 +307,8 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     label = dtype or _dtype_label(model.tok_emb.weight.dtype)
     n_prompt = min(len(ids), model.config.n_positions) or 1
     rate = decoded / decode_s if decode_s > 0 else 0.0
-    click.echo(f"prefill {n_prompt} tokens in {prefill_s:.2f} s; then {decoded} tokens in {decode_s:.2f} s: "
+    times = f" x {num_samples} samples" if num_samples > 1 else ""  # each sample prefills the prompt again
+    click.echo(f"prefill {n_prompt} tokens{times} in {prefill_s:.2f} s; then {decoded} tokens in {decode_s:.2f} s: "
                f"{rate:.1f} tokens/s ({label}, {device})", err=True)
     if verbose and decoded:
         from gpt2port.speed import matvec_bandwidth, weight_bytes_per_token

@@ -353,6 +353,8 @@ def test_cli_reads_stdin_and_makes_reproducible_samples(lively, capsys, monkeypa
     samples = first.out.split("-" * 40 + "\n")
     assert len(samples) == 2 and all(s.startswith("Once upon a time") for s in samples)
     assert samples[0] != samples[1]  # sample i uses seed + i
+    # each sample prefills the prompt and then decodes its other 7 tokens: the report says so
+    assert re.search(r"^prefill 4 tokens x 2 samples in [\d.]+ s; then 14 tokens in ", first.err, re.M), first.err
 
 
 def test_cli_errors_are_one_line(tmp_path, lively, capsys):
