@@ -107,6 +107,30 @@ def test_without_fbgemm_one_row_runs_on_int8pack_within_tolerance(tiny_ckpt, mon
         assert max(teacher_forced_errors(model, ref, prompt, 6)) < INT8_LOGITS_REL
 
 
+def test_the_compiled_fbgemm_call_and_the_plain_op_call_give_the_same_product(monkeypatch):
+    """The decode product goes through a TorchScript function (a cheaper call); where scripting fails, through the op
+    itself: the same numbers either way."""
+    import gpt2port.quant as quant
+
+    if not quant._fbgemm_works():
+        pytest.skip("this PyTorch has no working fbgemm")
+    g = torch.Generator().manual_seed(3)
+    layer = Int8Linear.from_float(torch.randn(48, 32, generator=g), torch.randn(48, generator=g))
+    x = torch.randn(1, 1, 32, generator=g)
+    assert isinstance(quant._fbgemm_linear(), torch.jit.ScriptFunction)
+    with torch.inference_mode():
+        scripted = layer(x)
+        quant._fbgemm_linear.cache_clear()
+        monkeypatch.setattr(torch.jit, "script", lambda fn: (_ for _ in ()).throw(RuntimeError("no TorchScript")))
+        try:
+            assert quant._fbgemm_linear() is torch.ops.quantized.linear_dynamic.default
+            plain = layer(x)
+        finally:
+            quant._fbgemm_linear.cache_clear()
+    assert torch.equal(scripted, plain)
+    assert rel_err(plain, F.linear(x, layer.dequantized(), layer.bias)) < 2e-2
+
+
 @pytest.mark.parametrize("stored", ["fp16", "bf16"])
 def test_quantized_from_any_stored_dtype(tiny_ckpt, tmp_path, stored):
     from gpt2port import export
