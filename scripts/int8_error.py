@@ -1,0 +1,109 @@
+"""How far 8-bit logits stray from fp32, position by position, for gpt2port's int8 and llama.cpp's q8_0 on the same
+weights.
+
+Random-weight GPT-2 (the same hub-layout file scripts/bench_generate.py writes), random token ids, and for every
+position: max |logit - fp32 logit| / max |fp32 logit| at that position. Reported as the median, 90th percentile and
+maximum over the positions, for:
+
+  gpt2port int8, decode    one token at a time through the KV cache, as `generate` runs: fbgemm's kernel, whose
+                           activations are quantized to 8 bits per token (weights and activations both rounded)
+  gpt2port int8, int8pack  the same steps on the fallback kernel (bf16 activations: the weights' rounding alone)
+  gpt2port int8, prefill   the whole sequence in one forward (the dequantized weights in fp32: weights' rounding)
+  llama.cpp q8_0           the checkpoint exported as GGUF q8_0, one token at a time (when llama-cpp-python is
+                           installed); q8_0 keeps a scale per 32 weights where int8 keeps one per row
+
+Usage (from the repository root):
+    python -m scripts.int8_error [--size gpt2] [--tokens 200] [--threads 2] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gpt2port import GPT, export, quant
+from gpt2port.model import KVCache
+from scripts.bench_generate import prepare
+
+
+def per_position(logits: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    """(T, V) logits against (T, V) reference -> T relative errors."""
+    return ((logits.float() - ref).abs().amax(-1) / ref.abs().amax(-1)).tolist()
+
+
+def stepwise(model: GPT, ids: torch.Tensor) -> torch.Tensor:
+    """(T, V) logits of feeding ids (1, T) one token at a time through a KV cache."""
+    cache = KVCache(model.config, 1, ids.size(1), torch.float32, "cpu")
+    return torch.cat([model(ids[:, t : t + 1], cache=cache)[0] for t in range(ids.size(1))])
+
+
+def int8_rows(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor) -> dict[str, list[float]]:
+    rows = {}
+    model = GPT.from_pretrained(ckpt, dtype="int8")
+    rows["gpt2port int8, decode (fbgemm)" if quant._fbgemm_works() else "gpt2port int8, decode"] = \
+        per_position(stepwise(model, ids), ref)
+    rows["gpt2port int8, prefill (dequantized)"] = per_position(model(ids)[0], ref)
+    works = quant._fbgemm_works
+    quant._fbgemm_works = lambda: False  # the fallback kernel, for the weights' share of the error
+    try:
+        rows["gpt2port int8, decode (int8pack)"] = per_position(stepwise(GPT.from_pretrained(ckpt, dtype="int8"), ids),
+                                                                ref)
+    finally:
+        quant._fbgemm_works = works
+    return rows
+
+
+def llama_row(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor, work: Path) -> list[float] | None:
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    import numpy as np
+
+    from gpt2port.formats.gguf import FILE_NAME
+
+    export(ckpt, work, to="gguf", dtype="q8_0", force=True)
+    llm = llama_cpp.Llama(str(work / FILE_NAME), logits_all=True, n_ctx=ids.size(1), n_threads=torch.get_num_threads(),
+                          verbose=False)
+    llm.reset()
+    out = []
+    for t in range(ids.size(1)):
+        llm.eval([int(ids[0, t])])
+        out.append(torch.from_numpy(np.asarray(llm.scores[t], dtype=np.float32)))
+    return per_position(torch.stack(out), ref)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="gpt2")
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--workdir", type=Path, default=None, help="keep the random checkpoints here for reuse")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="int8-error-") as tmp:
+        root = args.workdir or Path(tmp)
+        _, ckpt = prepare(args.size, root)
+        ids = torch.randint(0, 50257, (1, args.tokens), generator=torch.Generator().manual_seed(args.seed))
+        with torch.inference_mode():
+            ref = GPT.from_pretrained(ckpt)(ids)[0]
+            rows = int8_rows(ckpt, ids, ref)
+            llama = llama_row(ckpt, ids, ref, root / f"{args.size}-q8_0-error")
+        if llama is not None:
+            rows["llama.cpp q8_0, decode"] = llama
+    print(f"{args.size}, random weights, {args.tokens} random token ids (seed {args.seed}): per position, "
+          f"max|logit - fp32| / max|fp32 logit|")
+    print("| | median | 90th percentile | max |\n|---|---:|---:|---:|")
+    for name, errs in rows.items():
+        errs = sorted(errs)
+        print(f"| {name} | {statistics.median(errs):.2e} | {errs[int(0.9 * (len(errs) - 1))]:.2e} | {errs[-1]:.2e} |")
+
+
+if __name__ == "__main__":
+    main()
