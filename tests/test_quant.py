@@ -2,8 +2,10 @@
 logits against fp32 within the stated tolerance at tiny and 124M, the tied matrix stored once, loading from any
 stored dtype, the refusals, and `generate`/`verify --dtype int8`.
 
-Tolerance: logits max|int8 - fp32| / max|fp32| <= 3e-2 (the figure llama.cpp's q8_0 reaches on the same random
-124M weights is 2.4e-2; gpt2port's int8 measured 2.1e-2 there, see the README's performance section).
+Tolerance: logits max|int8 - fp32| / max|fp32| <= 3e-2 over the few positions each test looks at. Over 200 positions
+of random 124M weights scripts/int8_error.py measures a median 3.0e-2 and a worst 3.8e-2 for decoding (llama.cpp's
+q8_0: 2.1e-2 and 2.6e-2; see the README's performance section), so the bound guards against regressions on short
+inputs; it is not a bound on every position of a long one.
 """
 
 from __future__ import annotations
