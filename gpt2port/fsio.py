@@ -23,7 +23,6 @@ from gpt2port.errors import GPT2PortError
 PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
 OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
 HASH_CHUNK = 16 << 20
-WRITE_SLICE = 4 << 20
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -307,68 +306,3 @@ def refuse_hf_cache(out: Path) -> None:
     cache = hf_cache_dir()
     if is_inside(out, cache):
         raise GPT2PortError(f"{out}: output must not be inside the Hugging Face cache ({cache})")
-
-
-# --- streaming a large file out ------------------------------------------------------------------------------
-
-def write_in_slices(file, data, flusher: "BackgroundFlusher | None" = None) -> None:
-    """Append `data` (any buffer) to an open binary file a few MB per write() call: one write() of a whole 300 MB
-    tensor runs several times slower than the same bytes in slices, as the kernel throttles a process that dirties
-    many pages at once (README, performance)."""
-    view = memoryview(data).cast("B")
-    for start in range(0, len(view), WRITE_SLICE):
-        file.write(view[start:start + WRITE_SLICE])
-    if flusher is not None:
-        flusher.wrote(len(view))
-
-
-class BackgroundFlusher:
-    """fdatasync on a second thread every FLUSH_EVERY bytes, so the disk writes while we convert and the final
-    fsync has little left to wait for. Errors surface at finish()."""
-
-    FLUSH_EVERY = 256 << 20
-
-    def __init__(self, fd: int):
-        self._fd = fd
-        self._pending = 0
-        self._wake = threading.Event()
-        self._done = False
-        self._error: OSError | None = None
-        self._thread: threading.Thread | None = None
-
-    def wrote(self, n: int) -> None:
-        self._pending += n
-        if self._pending >= self.FLUSH_EVERY:
-            self._pending = 0
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True)
-                self._thread.start()
-            self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._done:
-                return
-            try:
-                os.fdatasync(self._fd)
-            except OSError as e:
-                self._error = e
-                return
-
-    def finish(self) -> None:
-        if self._thread is not None:
-            self._done = True
-            self._wake.set()
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            raise self._error
-
-    def abort(self) -> None:
-        """Stop the thread of a write that is failing anyway; its flush error, if any, would only hide the cause."""
-        try:
-            self.finish()
-        except OSError:
-            pass

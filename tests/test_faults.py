@@ -27,6 +27,7 @@ import pytest
 
 import gpt2port.formats.safetensors as safetensors_mod
 import gpt2port.fsio as fsio_mod
+import gpt2port.outfile as outfile_mod
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import PARTIAL_MARK, staged_directory, sweep_leftovers
 from scripts import fake_hub, fill_fake_hub
@@ -120,18 +121,31 @@ def _open_on_full_disk(file, mode="r", *args, **kwargs):
     return open(file, mode, *args, **kwargs)
 
 
-def full_disk(monkeypatch) -> None:
-    """Every file opened for writing by the weights writer and by fsio (config, manifest) runs out of space."""
-    for mod in (safetensors_mod, fsio_mod):
+def _write_on_full_disk(fd: int, data) -> int:
+    n, left = memoryview(data).nbytes, _FullDisk.budget[0]
+    if n <= left or left:
+        _FullDisk.budget[0] -= min(n, left)
+        return os.write(fd, memoryview(data).cast("B")[: min(n, left)])
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def full_disk(monkeypatch, writes: str = "direct") -> None:
+    """Every file opened for writing by the weights writer and by fsio (config, manifest) runs out of space; the
+    weights go through O_DIRECT (writes="direct") or the page cache ("buffered"), failing at the same byte."""
+    for mod in (safetensors_mod, fsio_mod, outfile_mod):
         monkeypatch.setattr(mod, "open", _open_on_full_disk, raising=False)
+    monkeypatch.setattr(outfile_mod, "_write", _write_on_full_disk)
+    monkeypatch.setattr(outfile_mod, "DIRECT", writes == "direct")
 
 
+@pytest.mark.parametrize("writes", ["direct", "buffered"])
 @pytest.mark.parametrize("prev", ["absent", "existing", "absent, parents too"])
 @pytest.mark.parametrize("where", ["header", "mid-data", "config.json"])
-def test_disk_full_injected(where, prev, tiny_src, tiny_ckpt, dest_for, monkeypatch):
+def test_disk_full_injected(where, prev, writes, tiny_src, tiny_ckpt, dest_for, monkeypatch):
     weights_size = (tiny_ckpt / WEIGHTS).stat().st_size
-    _FullDisk.budget[0] = {"header": 0, "mid-data": weights_size // 2, "config.json": weights_size + 10}[where]
-    full_disk(monkeypatch)
+    written = -(-weights_size // outfile_mod.BLOCK) * outfile_mod.BLOCK if writes == "direct" else weights_size
+    _FullDisk.budget[0] = {"header": 0, "mid-data": weights_size // 2, "config.json": written + 10}[where]
+    full_disk(monkeypatch, writes)
     dest = dest_for(prev)
     if prev == "absent, parents too":  # the directories created for --out go again too
         dest = dest.parent / "new" / "deeper" / "ckpt"

@@ -21,7 +21,8 @@ import torch
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.fsio import BackgroundFlusher, os_reason, write_in_slices
+from gpt2port.fsio import os_reason
+from gpt2port.outfile import BackgroundFlusher, write_in_slices
 from gpt2port.layouts.gguf import GGUF
 from gpt2port.tokenizer import ENDOFTEXT, bpe_tables, write_bpe_files
 
@@ -236,7 +237,7 @@ def stream_gguf(path: Path, items, config: GPTConfig, encoding: str, tokenizer_d
 
 class _Sliced(np.ndarray):
     """A tensor's bytes for the gguf writer, which hands each tensor to ndarray.tofile in one call: written in slices
-    instead, with the disk flushed on a second thread as they go (fsio.write_in_slices, the safetensors writer's way)."""
+    instead, with the disk flushed on a second thread as they go (outfile.write_in_slices, the buffered writers's way)."""
 
     flusher: BackgroundFlusher | None = None
 

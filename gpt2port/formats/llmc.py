@@ -28,7 +28,8 @@ from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
 from gpt2port.formats.safetensors import PreadReader
-from gpt2port.fsio import BackgroundFlusher, close_quietly, os_reason, write_in_slices
+from gpt2port.fsio import os_reason
+from gpt2port.outfile import open_append
 from gpt2port.layouts.llmc import LLMC, VOCAB_MULTIPLE
 from gpt2port.tokenizer import NO_TOKENIZER, vocab_and_merges, write_bpe_files
 
@@ -180,10 +181,9 @@ def write_raw(path: Path, head: bytes, items, progress=None) -> int:
     total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in items)
     done = 0
     try:
-        f = open(path, "xb")
+        f = open_append(path)
     except OSError as e:
         raise GPT2PortError(f"{path}: cannot create: {os_reason(e)}") from None
-    flusher = BackgroundFlusher(f.fileno())
     try:
         f.write(head)
         for key, dtype, shape, produce in items:
@@ -191,22 +191,16 @@ def write_raw(path: Path, head: bytes, items, progress=None) -> int:
             if tuple(t.shape) != tuple(shape):
                 raise GPT2PortError(f"{path}: internal error: {key} has shape {tuple(t.shape)}, declared {shape}")
             # Raw bytes whatever the dtype (numpy has no bfloat16): reinterpret as uint8 without a copy.
-            view = memoryview(t.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy())
-            write_in_slices(f, view, flusher)
+            f.write(memoryview(t.to(dtype).contiguous().reshape(-1).view(torch.uint8).numpy()))
             done += math.prod(shape) * dtype.itemsize
             if progress:
                 progress(done, total)
-        f.flush()
-        flusher.finish()
-        os.fsync(f.fileno())
         f.close()
     except OSError as e:
-        flusher.abort()
-        close_quietly(f)
+        f.abort()
         raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
     except BaseException:
-        flusher.abort()
-        close_quietly(f)
+        f.abort()
         raise
     return len(head) + total
 

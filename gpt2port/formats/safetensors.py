@@ -20,7 +20,8 @@ import torch
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
 from gpt2port.formats.prefetch import Prefetcher
-from gpt2port.fsio import BackgroundFlusher, close_quietly, os_reason, write_in_slices
+from gpt2port.fsio import os_reason
+from gpt2port.outfile import open_append
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -189,8 +190,7 @@ class StreamingSafetensorsWriter:
         self.metadata = metadata
         header, _ = encode_header(entries, metadata)
         self._next = 0
-        self._file = open(self.path, "xb")
-        self._flusher = BackgroundFlusher(self._file.fileno())
+        self._file = open_append(self.path)
         self._write(header)
 
     def write(self, name: str, chunks) -> None:
@@ -208,9 +208,8 @@ class StreamingSafetensorsWriter:
         self._next += 1
 
     def _write(self, data) -> None:
-        view = memoryview(data).cast("B")
         try:
-            write_in_slices(self._file, view, self._flusher)
+            self._file.write(data)
         except OSError as e:
             raise GPT2PortError(f"{self.path}: write failed: {os_reason(e)}") from None
 
@@ -218,18 +217,13 @@ class StreamingSafetensorsWriter:
         if self._next != len(self.entries):
             raise GPT2PortError(f"{self.path}: internal error: {len(self.entries) - self._next} tensors never written")
         try:
-            self._file.flush()
-            self._flusher.finish()
-            os.fsync(self._file.fileno())
-            self._file.close()  # on network filesystems a delayed write error can surface only here
+            self._file.close()
         except OSError as e:
-            close_quietly(self._file)
             raise GPT2PortError(f"{self.path}: write failed: {os_reason(e)}") from None
         check_written(self.path, self.entries, self.metadata)
 
     def abort(self) -> None:
-        self._flusher.abort()
-        close_quietly(self._file)
+        self._file.abort()
 
     def __enter__(self):
         return self
