@@ -1,6 +1,7 @@
 """How a large output file's bytes reach the disk: appended through O_DIRECT where the filesystem allows it, through
-the page cache otherwise. Both behind one small interface, `open_append(path)`: write(buffer) any number of times,
-then close() (everything on disk, fsynced) or abort().
+the page cache otherwise. Both behind one small interface, `open_append(path)`: write(buffer) any number of times
+(tell() is the bytes so far), then close() (everything on disk, fsynced) or abort(); once closed or aborted, both
+do nothing. Enough of a file object for a library that writes through one (the gguf writer).
 
 Why O_DIRECT: a converter writes gigabytes it will not read back. Buffered, every byte is first copied into the
 page cache by the kernel, under the dirty-page throttling and reclaim of a machine whose cache is already full, and
@@ -58,9 +59,12 @@ class DirectAppend:
         self._thread = threading.Thread(target=self._run, name="gpt2port-writer", daemon=True)
         self._thread.start()
 
-    def write(self, data) -> None:
+    def write(self, data) -> int:
+        if self._fd < 0:
+            raise ValueError("write to a closed DirectAppend")
         view = memoryview(data).cast("B")
         self._size += len(view)
+        written = len(view)
         while len(view):
             n = min(len(view), CHUNK - self._fill)
             self._chunk[self._fill : self._fill + n] = view[:n]
@@ -68,6 +72,13 @@ class DirectAppend:
             view = view[n:]
             if self._fill == CHUNK:
                 self._submit(CHUNK)
+        return written
+
+    def tell(self) -> int:
+        return self._size
+
+    def flush(self) -> None:
+        """Nothing to do: a chunk goes out when full, the rest at close()."""
 
     def _submit(self, length: int) -> None:
         if self._error is not None:
@@ -92,6 +103,8 @@ class DirectAppend:
     def close(self) -> None:
         """Write the rest (padded to a block, then the file truncated to its true size), fsync, close. On an error
         the file is closed all the same (abort() after it does nothing)."""
+        if self._fd < 0:
+            return
         try:
             if self._fill:
                 padded = -(-self._fill // BLOCK) * BLOCK
@@ -145,10 +158,19 @@ class BufferedAppend:
         self._file = file
         self._flusher = BackgroundFlusher(file.fileno())
 
-    def write(self, data) -> None:
+    def write(self, data) -> int:
         write_in_slices(self._file, data, self._flusher)
+        return memoryview(data).nbytes
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def close(self) -> None:
+        if self._file.closed:
+            return
         try:
             self._file.flush()
             self._flusher.finish()

@@ -160,15 +160,16 @@ def test_disk_full_injected(where, prev, writes, tiny_src, tiny_ckpt, dest_for, 
         assert not (dest.parent.parent).exists()
 
 
-def test_export_disk_full_keeps_the_previous_export(tiny_ckpt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("to", ["hf", "llmc", "gguf"])
+def test_export_disk_full_keeps_the_previous_export(to, tiny_ckpt, tmp_path, monkeypatch):
     """export writes through the same staging: a failed `export --force` leaves the old export and the
-    checkpoint it reads from as they were."""
+    checkpoint it reads from as they were, whichever writer ran out of space."""
     dest = tmp_path / "exported"
-    assert run_cli("export", tiny_ckpt, "--out", dest, "--to", "hf").exit_code == 0
+    assert run_cli("export", tiny_ckpt, "--out", dest, "--to", to).exit_code == 0
     before_ckpt, before_dest = snapshot(tiny_ckpt), snapshot(dest)
     _FullDisk.budget[0] = 100_000
     full_disk(monkeypatch)
-    result = run_cli("export", tiny_ckpt, "--out", dest, "--to", "hf", "--dtype", "fp16", "--force")
+    result = run_cli("export", tiny_ckpt, "--out", dest, "--to", to, "--dtype", "bf16", "--force")
     assert_clean_failure(result, names=["no space left on device"])
     assert snapshot(dest) == before_dest
     assert snapshot(tiny_ckpt) == before_ckpt

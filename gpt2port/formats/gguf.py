@@ -9,7 +9,6 @@ is converted, so one tensor is in memory at a time. This module is imported only
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
 from gpt2port.fsio import os_reason
-from gpt2port.outfile import BackgroundFlusher, write_in_slices
+from gpt2port.outfile import open_append
 from gpt2port.layouts.gguf import GGUF
 from gpt2port.tokenizer import ENDOFTEXT, bpe_tables, write_bpe_files
 
@@ -204,51 +203,45 @@ def stream_gguf(path: Path, items, config: GPTConfig, encoding: str, tokenizer_d
             raise GPT2PortError(f"{path.parent}: {encoding} needs rows whose length divides by {block}; "
                                 f"{key} has rows of {shape[-1]}")
     writer = gguf.GGUFWriter(path, ARCH)
-    flusher = None
+    try:
+        out = open_append(path)
+    except OSError as e:
+        raise GPT2PortError(f"{path}: cannot create: {os_reason(e)}") from None
     try:
         _describe(writer, config, encoding, tokenizer_dir)
         for key, shape, qtype, _ in plan:
             writer.add_tensor_info(key, shape, _numpy_dtype(qtype), _nbytes(shape, qtype), qtype)
+        # The gguf writer writes through whatever file object it holds once described: ours, so that the weights go
+        # out as every large output does (gpt2port/outfile.py). Its own open would also log a plan of the file.
+        writer.fout, writer.state = [out], gguf.WriterState.EMPTY
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        flusher = BackgroundFlusher(writer.fout[0].fileno())
         total, done = sum(_nbytes(s, q) for _, s, q, _ in plan), 0
         for key, shape, qtype, produce in plan:
-            writer.write_tensor_data(_Sliced.of(_encode(produce(), qtype), flusher))
+            writer.write_tensor_data(_encode(produce(), qtype).view(_Raw))
             done += _nbytes(shape, qtype)
             if progress:
                 progress(done, total)
-        writer.flush()
-        flusher.finish()
-        os.fsync(writer.fout[0].fileno())
-        written = writer.fout[0].tell()
+        written = out.tell()
+        out.close()
     except OSError as e:
         raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
     finally:
-        if flusher is not None:
-            flusher.abort()  # after finish() above this does nothing; on a failure it stops the thread
-        writer.close()
+        out.abort()  # after close() above this does nothing; on a failure it stops the writer and closes the file
+        writer.fout = None
     # Re-parsing the metadata would cost seconds; every byte went through the file object, so its length says all.
     if path.stat().st_size != written:
         raise GPT2PortError(f"{path}: post-write check failed: {path.stat().st_size} bytes on disk, {written} written")
     return written
 
 
-class _Sliced(np.ndarray):
-    """A tensor's bytes for the gguf writer, which hands each tensor to ndarray.tofile in one call: written in slices
-    instead, with the disk flushed on a second thread as they go (outfile.write_in_slices, the buffered writers's way)."""
-
-    flusher: BackgroundFlusher | None = None
-
-    @classmethod
-    def of(cls, array: np.ndarray, flusher: BackgroundFlusher) -> "_Sliced":
-        view = np.ascontiguousarray(array).view(cls)
-        view.flusher = flusher
-        return view
+class _Raw(np.ndarray):
+    """A tensor's bytes for the gguf writer, which hands each tensor to ndarray.tofile: numpy's tofile wants an OS
+    file, and the writer holds an outfile appender, so the bytes are handed to its write() instead."""
 
     def tofile(self, fid, *args, **kwargs) -> None:
-        write_in_slices(fid, self.view(np.ndarray), self.flusher)
+        fid.write(memoryview(np.ascontiguousarray(self.view(np.ndarray))).cast("B"))
 
 
 def _numpy_dtype(qtype: Q) -> np.dtype:
