@@ -11,8 +11,9 @@ that copy was the largest single cost of a conversion measured here: at 1.5B a t
 an aligned chunk (the data arrive in pieces of any size) and a file padded to a block, then truncated to its size.
 
 A writer thread does the write() calls, so the caller fills one chunk while the device takes the other. Where O_DIRECT
-is missing (not Linux), refused at open (some filesystems), or its first write is refused (a filesystem that
-accepts the flag but not the I/O), the same writes go through the page cache instead: slower, same bytes.
+is missing (not Linux), refused at open (some filesystems), or a write is refused as direct I/O (a filesystem that
+accepts the flag but not the I/O, a device wanting larger blocks), the same writes go through the page cache
+instead: slower, same bytes.
 """
 
 from __future__ import annotations
@@ -87,17 +88,15 @@ class DirectAppend:
         self._chunk, self._fill = self._free.get(), 0
 
     def _run(self) -> None:
-        first = True
         while (got := self._full.get()) is not None:
             chunk, length = got
             if self._error is None:  # after an error, chunks are only handed back: the caller raises at its next
                 try:
-                    _write_all(self._fd, memoryview(chunk)[:length], retry_buffered=first)
+                    _write_all(self._fd, memoryview(chunk)[:length])
                 except OSError as e:
                     self._error = e
                 except BaseException as e:  # noqa: BLE001 - any failure must reach the caller, not end the thread
                     self._error = OSError(f"writer thread: {e!r}")
-            first = False
             self._free.put(chunk)
 
     def close(self) -> None:
@@ -134,19 +133,21 @@ class DirectAppend:
             self._thread.join()
 
 
-def _write_all(fd: int, view: memoryview, retry_buffered: bool) -> None:
-    """os.write until every byte is written. The first write of a file may find that the filesystem accepted
-    O_DIRECT at open but refuses its I/O (EINVAL): then the flag is dropped and the bytes go through the cache."""
+def _write_all(fd: int, view: memoryview) -> None:
+    """os.write until every byte is written. A write refused with EINVAL while O_DIRECT is on (a filesystem that
+    accepted the flag at open but not the I/O, or wants other alignment) wrote nothing: the flag is dropped and the
+    same bytes go through the page cache, this write and every later one. EINVAL for any other reason recurs then,
+    and is raised."""
     while len(view):
         try:
             n = _write(fd, view)
         except OSError as e:
-            if not (retry_buffered and e.errno == errno.EINVAL):
-                raise
-            import fcntl
+            import fcntl  # here, not at the top: DirectAppend exists only where O_DIRECT does (not on Windows)
 
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            retry_buffered = False
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if e.errno != errno.EINVAL or not flags & os.O_DIRECT:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
             continue
         view = view[n:]
 
