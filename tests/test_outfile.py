@@ -62,18 +62,22 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_buffered_writes(tmp_path, m
     assert (tmp_path / "out").read_bytes() == b"".join(PIECES)
 
 
-def test_a_filesystem_refusing_direct_io_at_the_first_write_falls_back(tmp_path, direct_works, monkeypatch):
+@pytest.mark.parametrize("refused", [0, 1])
+def test_a_write_refused_as_direct_io_falls_back_to_the_cache(tmp_path, direct_works, monkeypatch, refused):
+    """Refused at the first write (a filesystem taking the flag but not the I/O) or at a later one: the flag is
+    dropped, the refused chunk and every later one go through the cache, the file is whole."""
     calls = []
 
     def refuse_direct(fd, data):
-        calls.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
-        if calls[-1]:
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+        calls.append(direct)
+        if direct and len(calls) == refused + 1:
             raise OSError(errno.EINVAL, "Invalid argument")
         return os.write(fd, data)
 
     monkeypatch.setattr(outfile, "_write", refuse_direct)
     write_pieces(tmp_path / "out")
-    assert calls[0] and not any(calls[1:])  # refused once, then every chunk through the cache
+    assert calls[: refused + 1] == [True] * (refused + 1) and not any(calls[refused + 1 :])
     assert (tmp_path / "out").read_bytes() == b"".join(PIECES)
 
 
