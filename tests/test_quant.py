@@ -133,6 +133,21 @@ def test_the_compiled_fbgemm_call_and_the_plain_op_call_give_the_same_product(mo
     assert rel_err(plain, F.linear(x, layer.dequantized(), layer.bias)) < 2e-2
 
 
+def test_many_rows_go_through_the_weight_dequantized_block_by_block(monkeypatch):
+    """Beyond FEW_ROWS the product is fp32 on the dequantized weight, computed BLOCK_ROWS output rows at a time:
+    the same numbers as one product against the whole dequantized matrix, the last partial block included."""
+    import gpt2port.quant as quant
+
+    monkeypatch.setattr(quant, "BLOCK_ROWS", 64)
+    g = torch.Generator().manual_seed(8)
+    layer = Int8Linear.from_float(torch.randn(150, 40, generator=g), torch.randn(150, generator=g))
+    x = torch.randn(2, quant.FEW_ROWS, 40, generator=g)  # 2 x FEW_ROWS rows: the blockwise path
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (2, quant.FEW_ROWS, 150)
+    torch.testing.assert_close(got, F.linear(x, layer.dequantized(), layer.bias), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("stored", ["fp16", "bf16"])
 def test_quantized_from_any_stored_dtype(tiny_ckpt, tmp_path, stored):
     from gpt2port import export
