@@ -209,15 +209,6 @@ def os_reason(e: OSError) -> str:
     return e.strerror or str(e)
 
 
-def close_quietly(f) -> None:
-    """Close a file whose failure is already being reported: on a full disk close() retries the buffered bytes and
-    raises ENOSPC again, which would replace the one-line error naming the file with a bare OSError."""
-    try:
-        f.close()
-    except OSError:
-        pass
-
-
 # --- where things live -----------------------------------------------------------------------------------------
 
 def hf_cache_dir() -> Path:

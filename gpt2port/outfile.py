@@ -182,6 +182,8 @@ class BufferedAppend:
         self._file.close()  # on network filesystems a delayed write error can surface only here
 
     def abort(self) -> None:
+        """Stop flushing and close, quietly: this runs while a failure is being reported, and on a full disk close()
+        retries the buffered bytes and raises ENOSPC again, which would replace the one line naming the file."""
         self._flusher.abort()
         try:
             self._file.close()
