@@ -64,8 +64,8 @@ class DirectAppend:
         if self._fd < 0:
             raise ValueError("write to a closed DirectAppend")
         view = memoryview(data).cast("B")
-        self._size += len(view)
         written = len(view)
+        self._size += written
         while len(view):
             n = min(len(view), CHUNK - self._fill)
             self._chunk[self._fill : self._fill + n] = view[:n]
