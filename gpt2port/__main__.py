@@ -1,3 +1,3 @@
-from gpt2port.cli import main
+from gpt2port.cli import run
 
-main()
+run()

@@ -22,7 +22,8 @@ from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
-from gpt2port.fsio import BackgroundHasher, copy_file, refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import copy_file, refuse_overlap, staged_directory, write_json
+from gpt2port.hashing import BackgroundHasher
 from gpt2port.layouts import canonical
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE, metadata_for
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory

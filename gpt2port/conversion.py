@@ -20,7 +20,8 @@ from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import stream_safetensors
-from gpt2port.fsio import BackgroundHasher, copy_file, refuse_hf_cache, refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import copy_file, refuse_hf_cache, refuse_overlap, staged_directory, write_json
+from gpt2port.hashing import BackgroundHasher
 from gpt2port.layouts import GGUF, GPT2PORT, HF, canonical, get as get_layout
 from gpt2port.layouts.transforms import merge
 from gpt2port.llmc_export import write_llmc

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 import shutil
 import signal
-import threading
 from pathlib import Path
-from typing import Callable
 
 from gpt2port.errors import GPT2PortError
 
 PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
 OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
-HASH_CHUNK = 16 << 20
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -225,65 +221,6 @@ def is_inside(path: Path, other: Path) -> bool:
     """Whether `path` is `other` or lies under it (both resolved)."""
     path, other = Path(path).resolve(), Path(other).resolve()
     return path == other or other in path.parents
-
-
-# --- hashing ---------------------------------------------------------------------------------------------------
-
-def hash_file(path: Path, progress: Callable[[int], object] = lambda n: None, git: bool = False,
-              stop: threading.Event | None = None) -> tuple[str, str | None]:
-    """(sha256, git blob sha1 or None) of a file in one read; progress(bytes done) after each chunk. A set `stop`
-    ends the read early and returns ("", None)."""
-    size = os.stat(path).st_size
-    sha256 = hashlib.sha256()
-    blob = hashlib.sha1(b"blob %d\0" % size) if git else None
-    done, buffer = 0, bytearray(HASH_CHUNK)  # one buffer for every chunk: a fresh one each read costs page faults
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            if stop is not None and stop.is_set():
-                return "", None
-            chunk = memoryview(buffer)[:n]
-            sha256.update(chunk)
-            if blob is not None:
-                blob.update(chunk)
-            done += n
-            progress(done)
-    return sha256.hexdigest(), blob.hexdigest() if blob is not None else None
-
-
-class BackgroundHasher:
-    """sha256 of each file, computed on a second thread while the caller works on the first (the conversion
-    reads the same files, so the hash mostly costs page-cache reads). `known` names files already hashed."""
-
-    def __init__(self, files: list[Path], known: dict[str, str]):
-        self._files = files
-        self._known = known
-        self._digests: dict[Path, str] = {}
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for f in self._files:
-                if self._stop.is_set():
-                    return
-                if f.name not in self._known:
-                    self._digests[f] = hash_file(f, stop=self._stop)[0]
-        except BaseException as e:  # noqa: BLE001 - reported on the main thread by results()
-            self._error = e
-
-    def cancel(self) -> None:
-        """Stop reading (the caller failed; nobody will need the digests)."""
-        self._stop.set()
-        self._thread.join()
-
-    def results(self) -> list[dict]:
-        self._thread.join()
-        if self._error is not None:
-            raise GPT2PortError(f"hashing the source failed: {self._error}")
-        return [{"name": f.name, "size": f.stat().st_size, "sha256": self._known.get(f.name) or self._digests[f]}
-                for f in self._files]
 
 
 def refuse_overlap(out: Path, source: Path, what: str = "the source") -> None:

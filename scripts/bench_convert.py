@@ -10,7 +10,8 @@ then measures in fresh processes, one after the other in the same run:
 Targets: (a) wall <= 2.5x (c), peak RSS <= 1.5 GB; load <= 1.0x HF.
 
 With --tf DIR (OpenAI's TensorFlow layout, e.g. written by `scripts/tf_fixtures.py DIR --size gpt2-xl`), instead:
-  (a) gpt2port convert DIR (every tensor's crc32c checked)   wall time, peak RSS
+  (a) `gpt2port convert DIR --out OUT` (every tensor's crc32c checked)   wall time, peak RSS
+  (a') the same through the Python API (gpt2port.convert) in a fresh interpreter, for comparison
   (c) cp of DIR's data file(s), flushed to disk (gpt2port flushes its output too)
 Targets: (a) wall <= 1.5x (c), peak RSS <= 1 GB.
 
@@ -110,6 +111,20 @@ def run_step(name: str, src: Path, out: Path) -> dict:
         raise SystemExit(f"step {name} failed:\n{proc.stderr[-3000:]}")
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"step": name, "wall_s": wall, "cpu_user_s": cpu[0], "cpu_sys_s": cpu[1], **facts}
+
+
+def run_cli(src: Path, out: Path) -> dict:
+    """`gpt2port convert SRC --out OUT` as a user runs it: its own process, imports and exit included; its peak RSS
+    from the kernel's account of that one child (wait4)."""
+    t0, cpu0 = time.perf_counter(), machine_cpu()
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2port", "convert", str(src), "--out", str(out), "--quiet"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall, cpu = time.perf_counter() - t0, [b - a for a, b in zip(cpu0, machine_cpu())]
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"gpt2port convert failed:\n{proc.stderr.read().decode()[-3000:]}")
+    return {"step": "cli", "wall_s": wall, "cpu_user_s": cpu[0], "cpu_sys_s": cpu[1],
+            "peak_rss_gb": usage.ru_maxrss * 1024 / 1e9}
 
 
 def machine_cpu() -> tuple[float, float]:
@@ -216,20 +231,21 @@ def bench_tf(args) -> None:
     size_gb = sum(s.stat().st_size for s in shards) / 1e9
     results: dict[str, dict] = {}
     for _ in range(args.repeat):
-        for name in ("cp_flushed", "gpt2port"):
+        for name in ("cp_flushed", "cli", "gpt2port"):
             shutil.rmtree(work / f"out-{name}", ignore_errors=True)
             os.sync()
             for s in shards:
                 warm(s)
-            r = run_step(name, src, work / f"out-{name}")
+            r = run_cli(src, work / "out-cli") if name == "cli" else run_step(name, src, work / f"out-{name}")
             if name not in results or r["wall_s"] < results[name]["wall_s"]:
                 results[name] = r
-    cp, ours = results["cp_flushed"], results["gpt2port"]
+    cp, ours = results["cp_flushed"], results["cli"]
     print(f"\n## convert OpenAI's TensorFlow checkpoint {src} ({size_gb:.2f} GB of data, page cache warm, "
           f"{os.cpu_count()} cores; best of {args.repeat})\n")
     print("| step | wall (s) | x cp | peak RSS (GB) | machine CPU user + sys (s) |")
     print("|---|---:|---:|---:|---:|")
-    for name, r in (("cp + fsync of the data file", cp), ("gpt2port convert (crc32c checked)", ours)):
+    for name, r in (("cp + fsync of the data file", cp), ("`gpt2port convert DIR --out OUT` (crc32c checked)", ours),
+                    ("`gpt2port.convert(DIR, OUT)` in a fresh `python`", results["gpt2port"])):
         print(f"| {name} | {r['wall_s']:.1f} | {r['wall_s'] / cp['wall_s']:.2f} | {r['peak_rss_gb']:.2f} | "
               f"{r['cpu_user_s']:.1f} + {r['cpu_sys_s']:.1f} |")
     print(f"\ntargets: {ours['wall_s'] / cp['wall_s']:.2f}x cp (<= 1.5), peak RSS {ours['peak_rss_gb']:.2f} GB (<= 1)")

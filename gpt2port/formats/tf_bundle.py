@@ -14,15 +14,16 @@ as varints); and a 48-byte footer: the metaindex and index handles, padding, and
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
 import struct
-import warnings
 from pathlib import Path
 
 import torch
 
+from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, refuse_lfs_pointer
 
@@ -40,7 +41,7 @@ def _crc32c(pieces) -> int:
     import google_crc32c  # the C implementation: checking a 6 GB checkpoint takes seconds, not hours
 
     crc = 0
-    for piece in pieces:  # the library takes read-only bytes only (see TFBundleReader.read)
+    for piece in pieces:  # bytes, or buffers it need not release (see _pieces_into)
         crc = google_crc32c.extend(crc, piece)
     return crc
 
@@ -257,23 +258,19 @@ class TFBundleReader(Reader):
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor, checked against its crc32c. Into `into` when given (no fresh memory per tensor: at 1.5B
-        parameters, faulting in a new buffer for every tensor costs more than the checksum); otherwise a read-only
-        view of the bytes read."""
+        parameters, faulting in a new buffer for every tensor costs more than the checksum), the result then a view
+        of it valid until the next read into it; otherwise into fresh memory."""
         info = self.tensors[name]
         if into is not None and into.numel() >= info.nbytes:
-            view = memoryview(into[: info.nbytes].numpy())
-            with open(info.file, "rb", buffering=0) as f:
-                self._check(name, info, _pieces_into(f.fileno(), info.offset, view))
-            return into[: info.nbytes].view(info.dtype).reshape(info.shape)
-        with open(info.file, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.nbytes)
-        self._check(name, info, [data])
-        if not data:
-            return torch.empty(info.shape, dtype=info.dtype)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            return torch.frombuffer(data, dtype=info.dtype).reshape(info.shape)
+            hashing.settle()  # the previous read's bytes in `into` may still be on offer to the source's hash
+            raw = into[: info.nbytes]
+        else:
+            raw = torch.empty(info.nbytes, dtype=torch.uint8)
+        with open(info.file, "rb", buffering=0) as f:
+            self._check(name, info, _pieces_into(f.fileno(), info.offset, raw))
+        if into is None:
+            hashing.settle()  # the caller may change what it gets: the hash must have taken its bytes first
+        return raw.view(info.dtype).reshape(info.shape)
 
     def _check(self, name: str, info: TensorInfo, pieces) -> None:
         got = 0
@@ -291,18 +288,19 @@ class TFBundleReader(Reader):
             raise GPT2PortError(f"{info.file}: tensor {name!r} fails its crc32c check (the file is damaged)")
 
 
-def _pieces_into(fd: int, offset: int, view: memoryview):
-    """Read len(view) bytes at `offset` into `view`, yielding them as bytes pieces of CHUNK for the checksum (which
-    takes only read-only bytes): each piece is read once into a small reused allocation, checked while in cache,
-    then copied into place. Stops early at the end of the file."""
-    done = 0
+def _pieces_into(fd: int, offset: int, raw: torch.Tensor):
+    """Read raw.numel() bytes at `offset` into the uint8 tensor `raw`, a CHUNK at a time, yielding each piece for
+    the checksum while it is in cache and offering it to the hash of the file if one is running. The checksum
+    library takes only buffers it need not release, so a piece goes to it as a ctypes view of the tensor's memory
+    (no copy). Stops early at the end of the file."""
+    view, done = raw.numpy(), 0
     while done < len(view):
-        piece = os.pread(fd, min(CHUNK, len(view) - done), offset + done)
-        if not piece:
+        n = os.preadv(fd, [view[done : done + CHUNK]], offset + done)
+        if not n:
             return
-        view[done : done + len(piece)] = piece
-        done += len(piece)
-        yield piece
+        hashing.offer(fd, offset + done, view[done : done + n])  # the source's sha256 takes the same bytes
+        yield (ctypes.c_char * n).from_address(raw.data_ptr() + done)
+        done += n
 
 
 def _numel(shape) -> int:

@@ -26,7 +26,8 @@ from gpt2port.config import GPTConfig, read_json
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import WEIGHT_FILES
 from gpt2port.formats.shards import shard_names
-from gpt2port.fsio import hash_file, hf_cache_dir
+from gpt2port.fsio import hf_cache_dir
+from gpt2port.hashing import hash_file
 from gpt2port.hub.names import SIDE_FILES, select_files
 from gpt2port.progress import byte_progress
 

@@ -1,0 +1,243 @@
+"""sha256 of source files, computed beside the work that reads them.
+
+A conversion records every source file's sha256 in its manifest. At 1.5B parameters that is 6 GB through sha256,
+about 3.5 s of one core here: more than any other single step of a conversion, so it must not sit on its path.
+Three things keep it off:
+
+- each file is hashed on a thread of its own (hashlib releases the GIL while it hashes);
+- it may start before the conversion does: the command line starts hashing the file(s) it is pointed at before it
+  imports torch, whose import alone keeps one core busy for 1.5 s on a 2-core machine;
+- readers hand it the bytes they read (`offer`), so each byte comes out of the page cache once, not twice. When
+  nothing is on offer for a moment (the reader is transposing, or reading elsewhere), the hasher reads ahead on its
+  own; bytes offered behind where it has got to are dropped. Either way it hashes the file's bytes in order, each once.
+
+A hash in progress is registered under the file's identity (device, inode, size, modification time), so that a
+later request for the same file (`BackgroundHasher`) takes it over rather than starting again. This module imports
+no torch: the command line uses it before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from gpt2port.errors import GPT2PortError
+
+HASH_CHUNK = 16 << 20
+OFFERED = 64  # pieces waiting for the hasher at most (~64 MB of 1 MB pieces); past that, offers are dropped
+PATIENCE_S = 0.005  # how long the hasher waits for an offered piece before reading the next chunk itself...
+FED_S = 0.05  # ...when the last offer came this recently (otherwise nobody is offering: it reads without waiting)
+
+_running: dict[tuple, "FileHash"] = {}  # identity -> a hash in progress (or finished and not yet collected)
+_lock = threading.Lock()
+
+
+def hash_file(path: Path, progress: Callable[[int], object] = lambda n: None, git: bool = False,
+              stop: threading.Event | None = None) -> tuple[str, str | None]:
+    """(sha256, git blob sha1 or None) of a file in one read; progress(bytes done) after each chunk. A set `stop`
+    ends the read early and returns ("", None)."""
+    size = os.stat(path).st_size
+    sha256 = hashlib.sha256()
+    blob = hashlib.sha1(b"blob %d\0" % size) if git else None
+    done, buffer = 0, bytearray(HASH_CHUNK)  # one buffer for every chunk: a fresh one each read costs page faults
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            if stop is not None and stop.is_set():
+                return "", None
+            chunk = memoryview(buffer)[:n]
+            sha256.update(chunk)
+            if blob is not None:
+                blob.update(chunk)
+            done += n
+            progress(done)
+    return sha256.hexdigest(), blob.hexdigest() if blob is not None else None
+
+
+def _identity(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class FileHash:
+    """The sha256 of one file, computed on a thread of its own from offered pieces and its own reads."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        st = os.stat(self.path)
+        self.identity, self.size = _identity(st), st.st_size
+        self.pos = 0  # bytes hashed so far, all of them from the file's start
+        self.claimed = False
+        self._sha = hashlib.sha256()
+        self._pieces: queue.Queue = queue.Queue(OFFERED)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._open = True  # offers are taken until the hasher stops
+        self._fed_at = float("-inf")  # when a piece was last offered
+        self._digest: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"gpt2port-sha256-{self.path.name}", daemon=True)
+        self._thread.start()
+
+    def offer(self, offset: int, data) -> None:
+        """The file's bytes at `offset`, as a reader read them (any buffer). The reader must not change them before
+        settle() returns: the hasher may take them later."""
+        if offset + len(data) <= self.pos:  # already hashed (the hasher read ahead on its own): nothing to do
+            return
+        with self._lock:
+            if self._open:
+                try:
+                    self._pieces.put_nowait((offset, data))
+                    self._fed_at = time.monotonic()
+                except queue.Full:  # the hasher is behind: it reads these itself when it gets there
+                    pass
+
+    def settle(self) -> None:
+        """Wait until the hasher is done with every piece offered so far."""
+        self._pieces.join()
+
+    def result(self) -> str:
+        self._thread.join()
+        _forget(self)
+        if self._error is not None:
+            raise GPT2PortError(f"{self.path}: hashing failed: {self._error}")
+        if self._digest is None:
+            raise GPT2PortError(f"{self.path}: hashing was cancelled")
+        return self._digest
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        _forget(self)
+
+    def _run(self) -> None:
+        buffer = memoryview(bytearray(HASH_CHUNK))
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                while self.pos < self.size and not self._stop.is_set():
+                    # Wait a moment for the reader's next piece only while pieces are coming; otherwise read on.
+                    waiting = time.monotonic() - self._fed_at < FED_S
+                    try:
+                        offset, data = self._pieces.get(timeout=PATIENCE_S) if waiting else self._pieces.get_nowait()
+                    except queue.Empty:
+                        self._read(f.fileno(), buffer, self.pos + HASH_CHUNK)
+                        continue
+                    try:
+                        while self.pos < offset:  # a gap before the offered piece: read it here
+                            self._read(f.fileno(), buffer, offset)
+                        if offset + len(data) > self.pos:
+                            self._sha.update(memoryview(data)[self.pos - offset :])
+                            self.pos = offset + len(data)
+                    finally:
+                        del data
+                        self._pieces.task_done()
+            if self.pos >= self.size:
+                self._digest = self._sha.hexdigest()
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by result()
+            self._error = e
+        finally:  # no more offers are taken; those waiting are let go, so that settle() returns
+            with self._lock:
+                self._open = False
+            while True:
+                try:
+                    self._pieces.get_nowait()
+                except queue.Empty:
+                    break
+                self._pieces.task_done()
+
+    def _read(self, fd: int, buffer: memoryview, until: int) -> None:
+        """Hash the file's bytes from self.pos up to `until` (or its end), read here."""
+        want = min(until, self.size) - self.pos
+        n = os.preadv(fd, [buffer[:want]], self.pos)
+        if n == 0:
+            raise OSError(f"ends at byte {self.pos}, {self.size} expected (truncated while read?)")
+        self._sha.update(buffer[:n])
+        self.pos += n
+
+
+def _forget(h: FileHash) -> None:
+    with _lock:
+        if _running.get(h.identity) is h:
+            del _running[h.identity]
+
+
+def start(path: Path) -> FileHash:
+    """The hash of `path`: the one in progress for this very file if there is one (taken over), else a new one."""
+    st = os.stat(path)
+    with _lock:
+        h = _running.get(_identity(st))
+        if h is None:
+            h = _running[_identity(st)] = FileHash(Path(path))
+        return h
+
+
+def offer(fd: int, offset: int, data) -> None:
+    """Readers call this with each piece of a file they read (fd open on it); free when nobody is hashing it. The
+    bytes must stay as they are until settle() (or use immutable bytes)."""
+    if _running:
+        h = _running.get(_identity(os.fstat(fd)))
+        if h is not None:
+            h.offer(offset, data)
+
+
+def settle() -> None:
+    """Wait until every hash in progress is done with the pieces offered to it: a reader calls this before it
+    reuses a buffer whose bytes it offered."""
+    for h in list(_running.values()):
+        h.settle()
+
+
+def start_early(src: Path) -> list[FileHash]:
+    """Start hashing what a conversion of `src` will most likely read, before the conversion can know (the command
+    line calls this before importing torch): a weights file named directly, or a directory's TensorFlow data shards
+    or model.safetensors. A wrong guess is cancelled as soon as a conversion claims its files (BackgroundHasher)."""
+    src = Path(src)
+    if src.is_file() and src.suffix in (".safetensors", ".bin", ".gguf") or ".data-" in src.name:
+        guesses = [src]
+    elif src.is_dir():
+        guesses = sorted(src.glob("*.data-?????-of-?????")) or [p for p in [src / "model.safetensors"] if p.is_file()]
+    else:
+        guesses = []
+    try:
+        return [start(p) for p in guesses]
+    except OSError:  # whatever is wrong with the path, the conversion itself reports it
+        return []
+
+
+def cancel_unclaimed() -> None:
+    """Stop every hash that no BackgroundHasher took over (guesses that turned out wrong, or a run that failed)."""
+    with _lock:
+        idle = [h for h in _running.values() if not h.claimed]
+    for h in idle:
+        h.cancel()
+
+
+class BackgroundHasher:
+    """sha256 of each file (on threads of their own) while the caller works; `known` names files already hashed."""
+
+    def __init__(self, files: list[Path], known: dict[str, str]):
+        self._files = files
+        self._known = known
+        self._hashes: dict[Path, FileHash] = {}
+        try:
+            for f in files:
+                if f.name not in known:
+                    h = self._hashes[f] = start(f)
+                    h.claimed = True
+        except OSError as e:
+            self.cancel()
+            raise GPT2PortError(f"hashing the source failed: {e}") from None
+        cancel_unclaimed()
+
+    def cancel(self) -> None:
+        """Stop reading (the caller failed; nobody will need the digests)."""
+        for h in self._hashes.values():
+            h.cancel()
+
+    def results(self) -> list[dict]:
+        digests = {f: h.result() for f, h in self._hashes.items()}
+        return [{"name": f.name, "size": f.stat().st_size, "sha256": self._known.get(f.name) or digests[f]}
+                for f in self._files]

@@ -1,0 +1,170 @@
+"""The source's sha256, taken from the bytes readers offer and from the hasher's own reads: whatever the mix, the
+digest is hashlib's of the whole file; a hash started before the conversion is taken over, a wrong guess stopped."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpt2port import convert, hashing
+from gpt2port.errors import GPT2PortError
+from tests.support import run_cli
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tf"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def no_hash_left_running():
+    yield
+    assert not hashing._running, "a hash was left running"
+
+
+def _file(tmp_path: Path, size: int, seed: int = 0) -> tuple[Path, bytes]:
+    data = random.Random(seed).randbytes(size)
+    path = tmp_path / f"data-{seed}"
+    path.write_bytes(data)
+    return path, data
+
+
+@pytest.mark.parametrize("order", ["in order", "shuffled", "overlapping", "with gaps"])
+def test_offered_pieces_in_any_order_give_the_files_digest(order, tmp_path, monkeypatch):
+    monkeypatch.setattr(hashing, "HASH_CHUNK", 1 << 16)  # several of the hasher's own reads in a small file
+    path, data = _file(tmp_path, 3_000_007)
+    rng = random.Random(1)
+    cuts = sorted({0, len(data), *(rng.randrange(len(data)) for _ in range(60))})
+    pieces = [(a, data[a:b]) for a, b in zip(cuts, cuts[1:])]
+    if order == "shuffled":
+        rng.shuffle(pieces)
+    elif order == "overlapping":
+        pieces = [(max(0, a - 1000), data[max(0, a - 1000) : a + len(p) + 1000]) for a, p in pieces]
+    elif order == "with gaps":
+        pieces = pieces[::3]
+    h = hashing.start(path)
+    for offset, piece in pieces:
+        h.offer(offset, piece)
+    assert h.result() == hashlib.sha256(data).hexdigest()
+
+
+def test_a_full_queue_drops_offers_and_the_hasher_reads_them_itself(tmp_path, monkeypatch):
+    monkeypatch.setattr(hashing, "OFFERED", 2)
+    path, data = _file(tmp_path, 5_000_000)
+    h = hashing.start(path)
+    for a in range(0, len(data), 4096):
+        h.offer(a, data[a : a + 4096])
+    assert h.result() == hashlib.sha256(data).hexdigest()
+
+
+def test_settle_waits_until_offered_bytes_are_hashed(tmp_path):
+    """A reader offers a view of its own buffer and, after settle(), overwrites it: the digest is the file's."""
+    path, data = _file(tmp_path, 2_000_000)
+    buffer = np.frombuffer(bytearray(data), dtype=np.uint8)
+    with open(path, "rb") as f:
+        h = hashing.start(path)
+        for a in range(0, len(data), 65536):
+            hashing.offer(f.fileno(), a, buffer[a : a + 65536])
+        hashing.settle()
+        buffer[:] = 0
+    assert h.result() == hashlib.sha256(data).hexdigest()
+
+
+def test_a_file_shorter_than_its_size_fails_naming_it(tmp_path, monkeypatch):
+    """The file ends before the size it had when the hash started (truncated meanwhile): an error naming it."""
+    path, data = _file(tmp_path, 5000)
+    real_stat = os.stat
+
+    def stat_as_before(p, *args, **kwargs):  # the size it had before it was truncated
+        st = real_stat(p, *args, **kwargs)
+        return st if Path(p) != path else os.stat_result((*st[:6], 1_000_000, *st[7:10]))
+
+    monkeypatch.setattr(os, "stat", stat_as_before)
+    with pytest.raises(GPT2PortError, match=str(path)):
+        hashing.start(path).result()
+
+
+def test_an_early_hash_is_taken_over_and_a_wrong_guess_stopped(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "tiny", src)
+    wrong, _ = _file(tmp_path, 1_000_000, seed=3)
+    early = hashing.start_early(src)
+    assert [h.path.name for h in early] == [p.name for p in sorted(src.glob("*.data-*"))]
+    stray = hashing.start(wrong)
+    out = convert(src, tmp_path / "ckpt").out
+    assert stray._stop.is_set() and not stray._thread.is_alive()  # the conversion named its files: the guess stopped
+    files = {f["name"]: f["sha256"] for f in json.loads((out / "manifest.json").read_text())["source"]["files"]}
+    for p in src.iterdir():
+        if p.name in files:
+            assert files[p.name] == hashlib.sha256(p.read_bytes()).hexdigest(), p.name
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "sharded"])
+def test_the_command_line_records_every_source_files_sha256(fixture, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / fixture, src)
+    result = run_cli("convert", src, "--out", tmp_path / "ckpt", "--quiet")
+    assert result.exit_code == 0, result.output
+    files = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["source"]["files"]
+    assert {f["name"] for f in files} >= {p.name for p in src.glob("*.data-*")} | {"model.ckpt.index"}
+    for f in files:
+        assert f["sha256"] == hashlib.sha256((src / f["name"]).read_bytes()).hexdigest(), f["name"]
+
+
+def test_a_failed_command_leaves_no_hash_running(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "tiny", src)
+    (src / "hparams.json").write_text('{"n_layer": 99, "n_head": 2, "n_embd": 8, "n_vocab": 10, "n_ctx": 4}')
+    result = run_cli("convert", src, "--out", tmp_path / "ckpt", "--quiet")
+    assert result.exit_code != 0 and not (tmp_path / "ckpt").exists()
+
+
+def test_the_program_exits_cleanly_after_freezing_its_objects(tmp_path):
+    """`python -m gpt2port` goes through cli.run (gc.freeze before exit): output complete, exit code kept."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "tiny", src)
+    ok = subprocess.run([sys.executable, "-m", "gpt2port", "convert", str(src), "--out", str(tmp_path / "ckpt")],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "wrote" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "gpt2port", "info", str(tmp_path / "nowhere")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: "), bad.stderr
+
+
+def test_a_reader_reusing_its_buffer_waits_for_a_slow_hash(tmp_path, monkeypatch):
+    """The TensorFlow reader reads every tensor into one buffer and offers the hash views of it: with the hash far
+    behind, the next read must wait (settle) rather than overwrite bytes not yet hashed."""
+    from gpt2port.formats import tf_bundle
+
+    real_sha256 = hashlib.sha256
+
+    class SlowSha256:
+        def __init__(self):
+            self._h = real_sha256()
+
+        def update(self, data):
+            time.sleep(0.0002)
+            self._h.update(data)
+
+        def hexdigest(self):
+            return self._h.hexdigest()
+
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "tiny", src)
+    expected = {p.name: real_sha256(p.read_bytes()).hexdigest() for p in src.iterdir()}
+    monkeypatch.setattr(hashlib, "sha256", SlowSha256)
+    monkeypatch.setattr(tf_bundle, "CHUNK", 256)  # many pieces per tensor...
+    monkeypatch.setattr(hashing, "HASH_CHUNK", 256)  # ...and the hasher's own reads as slow as its hashing
+    monkeypatch.setattr(hashing, "FED_S", 60.0)  # the hasher waits for offered pieces rather than reading ahead
+    monkeypatch.setattr(hashing, "PATIENCE_S", 0.05)
+    out = convert(src, tmp_path / "ckpt").out
+    for f in json.loads((out / "manifest.json").read_text())["source"]["files"]:
+        assert f["sha256"] == expected[f["name"]], f["name"]
