@@ -7,9 +7,11 @@ Three things keep it off:
 - each file is hashed on a thread of its own (hashlib releases the GIL while it hashes);
 - it may start before the conversion does: the command line starts hashing the file(s) it is pointed at before it
   imports torch, whose import alone keeps one core busy for 1.5 s on a 2-core machine;
-- readers hand it the bytes they read (`offer`), so each byte comes out of the page cache once, not twice. When
-  nothing is on offer for a moment (the reader is transposing, or reading elsewhere), the hasher reads ahead on its
-  own; bytes offered behind where it has got to are dropped. Either way it hashes the file's bytes in order, each once.
+- readers hand it the bytes they read (`offer`), so each byte comes out of the page cache once, not twice. Until
+  a reader offers anything, the hasher reads on its own (it may have started before any reader could), and pieces
+  offered behind where it has got to are dropped; once pieces come, it takes only those, reading itself only a gap
+  before an offered piece, and at the end (result()) whatever no reader offered. On a machine with few cores a
+  second read of the same bytes costs the reader time. Either way the file's bytes are hashed in order, each once.
 
 A hash in progress is registered under the file's identity (device, inode, size, modification time), so that a
 later request for the same file (`BackgroundHasher`) takes it over rather than starting again. This module imports
@@ -22,16 +24,14 @@ import hashlib
 import os
 import queue
 import threading
-import time
 from pathlib import Path
 from typing import Callable
 
 from gpt2port.errors import GPT2PortError
 
 HASH_CHUNK = 16 << 20
-OFFERED = 64  # pieces waiting for the hasher at most (~64 MB of 1 MB pieces); past that, offers are dropped
-PATIENCE_S = 0.005  # how long the hasher waits for an offered piece before reading the next chunk itself...
-FED_S = 0.05  # ...when the last offer came this recently (otherwise nobody is offering: it reads without waiting)
+OFFERED = 1 << 16  # pieces waiting for the hasher at most (views of a reader's buffer: they cost no memory)
+POLL_S = 0.05  # how often a hasher waiting for offered pieces looks whether it was stopped or told to finish
 
 _running: dict[tuple, "FileHash"] = {}  # identity -> a hash in progress (or finished and not yet collected)
 _lock = threading.Lock()
@@ -76,7 +76,8 @@ class FileHash:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._open = True  # offers are taken until the hasher stops
-        self._fed_at = float("-inf")  # when a piece was last offered
+        self._fed = False  # a reader has offered pieces of this file
+        self._last = threading.Event()  # no more offers will come: what is left, the hasher reads itself
         self._digest: str | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"gpt2port-sha256-{self.path.name}", daemon=True)
@@ -85,13 +86,13 @@ class FileHash:
     def offer(self, offset: int, data) -> None:
         """The file's bytes at `offset`, as a reader read them (any buffer). The reader must not change them before
         settle() returns: the hasher may take them later."""
+        self._fed = True  # a reader is at work on this file: from now on the hasher reads only what it must
         if offset + len(data) <= self.pos:  # already hashed (the hasher read ahead on its own): nothing to do
             return
         with self._lock:
             if self._open:
                 try:
                     self._pieces.put_nowait((offset, data))
-                    self._fed_at = time.monotonic()
                 except queue.Full:  # the hasher is behind: it reads these itself when it gets there
                     pass
 
@@ -100,6 +101,7 @@ class FileHash:
         self._pieces.join()
 
     def result(self) -> str:
+        self._last.set()
         self._thread.join()
         _forget(self)
         if self._error is not None:
@@ -118,12 +120,12 @@ class FileHash:
         try:
             with open(self.path, "rb", buffering=0) as f:
                 while self.pos < self.size and not self._stop.is_set():
-                    # Wait a moment for the reader's next piece only while pieces are coming; otherwise read on.
-                    waiting = time.monotonic() - self._fed_at < FED_S
+                    waiting = self._fed and not self._last.is_set()
                     try:
-                        offset, data = self._pieces.get(timeout=PATIENCE_S) if waiting else self._pieces.get_nowait()
+                        offset, data = self._pieces.get(timeout=POLL_S) if waiting else self._pieces.get_nowait()
                     except queue.Empty:
-                        self._read(f.fileno(), buffer, self.pos + HASH_CHUNK)
+                        if not waiting:
+                            self._read(f.fileno(), buffer, self.pos + HASH_CHUNK)
                         continue
                     try:
                         while self.pos < offset:  # a gap before the offered piece: read it here

@@ -121,11 +121,11 @@ def _open_on_full_disk(file, mode="r", *args, **kwargs):
     return open(file, mode, *args, **kwargs)
 
 
-def _write_on_full_disk(fd: int, data) -> int:
+def _write_on_full_disk(fd: int, data, offset: int) -> int:
     n, left = memoryview(data).nbytes, _FullDisk.budget[0]
     if n <= left or left:
         _FullDisk.budget[0] -= min(n, left)
-        return os.write(fd, memoryview(data).cast("B")[: min(n, left)])
+        return os.pwrite(fd, memoryview(data).cast("B")[: min(n, left)], offset)
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 

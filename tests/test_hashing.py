@@ -163,8 +163,6 @@ def test_a_reader_reusing_its_buffer_waits_for_a_slow_hash(tmp_path, monkeypatch
     monkeypatch.setattr(hashlib, "sha256", SlowSha256)
     monkeypatch.setattr(tf_bundle, "CHUNK", 256)  # many pieces per tensor...
     monkeypatch.setattr(hashing, "HASH_CHUNK", 256)  # ...and the hasher's own reads as slow as its hashing
-    monkeypatch.setattr(hashing, "FED_S", 60.0)  # the hasher waits for offered pieces rather than reading ahead
-    monkeypatch.setattr(hashing, "PATIENCE_S", 0.05)
     out = convert(src, tmp_path / "ckpt").out
     for f in json.loads((out / "manifest.json").read_text())["source"]["files"]:
         assert f["sha256"] == expected[f["name"]], f["name"]

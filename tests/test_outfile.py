@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 
 import pytest
 
@@ -66,23 +67,28 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_buffered_writes(tmp_path, m
 def test_a_write_refused_as_direct_io_falls_back_to_the_cache(tmp_path, direct_works, monkeypatch, refused):
     """Refused at the first write (a filesystem taking the flag but not the I/O) or at a later one: the flag is
     dropped, the refused chunk and every later one go through the cache, the file is whole."""
-    calls = []
+    calls, lock = [], threading.Lock()
 
-    def refuse_direct(fd, data):
-        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
-        calls.append(direct)
-        if direct and len(calls) == refused + 1:
+    def refuse_direct(fd, data, offset):
+        with lock:
+            direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+            calls.append(direct)
+            refuse = direct and len(calls) == refused + 1
+        if refuse:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return os.write(fd, data)
+        return os.pwrite(fd, data, offset)
 
     monkeypatch.setattr(outfile, "_write", refuse_direct)
     write_pieces(tmp_path / "out")
-    assert calls[: refused + 1] == [True] * (refused + 1) and not any(calls[refused + 1 :])
+    # Up to the refusal every write was direct; once a write went through the cache, every later one did (a write of
+    # the other writer thread may have started direct while the flag was being dropped).
+    assert calls[: refused + 1] == [True] * (refused + 1) and False in calls
+    assert not any(calls[calls.index(False) :])
     assert (tmp_path / "out").read_bytes() == b"".join(PIECES)
 
 
 def test_a_write_error_surfaces_and_the_file_is_closed(tmp_path, direct_works, monkeypatch):
-    def full(fd, data):
+    def full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(outfile, "_write", full)
@@ -96,7 +102,7 @@ def test_a_write_error_surfaces_and_the_file_is_closed(tmp_path, direct_works, m
     f.abort()  # idempotent: never closes an fd number twice
     with pytest.raises(OSError):
         os.fstat(fd)
-    assert not f._thread.is_alive()
+    assert not any(t.is_alive() for t in f._threads)
 
 
 def test_an_existing_file_is_never_overwritten(tmp_path, monkeypatch):
@@ -106,3 +112,33 @@ def test_an_existing_file_is_never_overwritten(tmp_path, monkeypatch):
         with pytest.raises(FileExistsError):
             outfile.open_append(tmp_path / "out")
         assert (tmp_path / "out").read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_tensors_poured_into_lent_chunks_come_out_whole(tmp_path, monkeypatch, direct):
+    """The conversion's writer copies each tensor straight into the appender's chunks (O_DIRECT) or through the
+    prefetcher's ring (page cache). Chunks of 3 pages here, so that rows of every size below are cut by a chunk's
+    end: transposed views, casts and 1-D tensors all come out as safetensors wrote them."""
+    import torch
+    from safetensors.torch import load_file
+
+    from gpt2port.formats.safetensors import stream_safetensors
+
+    monkeypatch.setattr(outfile, "CHUNK", 3 * outfile.BLOCK)
+    monkeypatch.setattr(outfile, "DIRECT", direct)
+    g = torch.Generator().manual_seed(0)
+    want = {
+        "a.weight": torch.randn(37, 101, generator=g).t(),  # a transposed view, 37-float rows
+        "b.bias": torch.randn(1001, generator=g),
+        "c.weight": torch.randn(300, 17, generator=g),
+        "d.weight": torch.randn(64, 2000, generator=g).t(),  # rows of 256 bytes in chunks of 12288
+        "e.weight": torch.randn(3, 4099, generator=g),  # rows longer than a chunk's end leaves room for
+    }
+    for dtype in (torch.float32, torch.bfloat16):
+        path = tmp_path / f"{dtype}.safetensors"
+        items = [(k, dtype, tuple(v.shape), lambda v=v: v) for k, v in want.items()]
+        stream_safetensors(path, items, {"format": "pt"})
+        got = load_file(path)
+        assert list(got) == list(want)
+        for k, v in want.items():
+            assert torch.equal(got[k], v.to(dtype)), k

@@ -6,6 +6,10 @@ item's produce() and copies the tensor, in the declared dtype and row-major orde
 buffers; the caller takes the chunks in order and writes them. The two overlap, and memory grows by the ring (a few
 chunks), not by a second copy of the largest tensor.
 
+Given a sink that lends its own buffers (an O_DIRECT appender: `space()` and `commit(n)`, see outfile.py), the worker
+copies each tensor straight into the file's next chunk instead, and the caller only waits for each tensor to be
+done: no ring, and no second copy from the ring into the chunk (0.7 s of CPU time at 1.5B here).
+
 Every tensor is copied into the ring, even one already in the declared dtype and order: produce() may return a
 view of a buffer its next call reuses (a reader's read buffer), and the worker calls it again while the caller is
 still writing the chunks of the previous tensor.
@@ -31,16 +35,18 @@ _END = object()  # the last chunk of a tensor has been handed over
 
 class Prefetcher:
     """Iterate as `for name, chunks in Prefetcher(items)`: the items [(name, dtype, shape, produce)] in order, each
-    with an iterator of memoryviews of its bytes (each valid until the next is taken). Take every chunk of a tensor
+    with an iterator of memoryviews of its bytes (each valid until the next is taken), or, given a sink that lends
+    its buffers, of one int: the tensor's bytes, already in the sink. Take every chunk of a tensor
     before the next tensor. Leaving the loop early, or an error on either side, stops the worker; an error raised by
     a produce() is raised again here, at the tensor it belongs to."""
 
-    def __init__(self, items, chunk_bytes: int = CHUNK_BYTES, ring: int = RING):
+    def __init__(self, items, chunk_bytes: int = CHUNK_BYTES, ring: int = RING, sink=None):
         self._items = list(items)
+        self._sink = sink if hasattr(sink, "space") else None
         rows = (_row_bytes(shape, dtype) for _, dtype, shape, _ in self._items)
         self._size = max([chunk_bytes, *rows])  # one row never splits: a chunk holds at least one
         self._free: queue.Queue = queue.Queue()
-        for _ in range(ring):
+        for _ in range(0 if self._sink else ring):
             self._free.put(torch.empty(self._size, dtype=torch.uint8))
         self._ready: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -72,6 +78,9 @@ class Prefetcher:
                 return
             if isinstance(got, BaseException):
                 raise got
+            if isinstance(got, int):  # bytes poured into the sink
+                yield got
+                continue
             buf, n = got
             try:
                 yield memoryview(buf[:n].numpy())
@@ -85,13 +94,18 @@ class Prefetcher:
                 if tuple(tensor.shape) != tuple(shape):
                     raise GPT2PortError(f"internal error: {name} was produced with shape {tuple(tensor.shape)}, "
                                         f"declared {tuple(shape)}")
-                for piece in _pieces(tensor.cpu(), self._size // max(_row_bytes(shape, dtype), 1)):
-                    buf = self._take()
-                    if buf is None:
-                        return
-                    n = piece.numel() * dtype.itemsize
-                    _copy(buf[:n].view(dtype).view(piece.shape), piece)  # transpose and cast in this one copy
-                    self._ready.put((buf, n))
+                if self._sink is not None:
+                    before = self._sink.tell()
+                    _pour(tensor.cpu(), dtype, self._sink, self._stop)
+                    self._ready.put(self._sink.tell() - before)  # the caller counts the bytes it did not see
+                else:
+                    for piece in _pieces(tensor.cpu(), self._size // max(_row_bytes(shape, dtype), 1)):
+                        buf = self._take()
+                        if buf is None:
+                            return
+                        n = piece.numel() * dtype.itemsize
+                        _copy(buf[:n].view(dtype).view(piece.shape), piece)  # transpose and cast in this one copy
+                        self._ready.put((buf, n))
                 self._ready.put(_END)
                 if self._stop.is_set():
                     return
@@ -118,6 +132,28 @@ def _pieces(tensor: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
         return
     for start in range(0, tensor.shape[0], rows):
         yield tensor[start : start + rows]
+
+
+def _pour(tensor: torch.Tensor, dtype: torch.dtype, sink, stop: threading.Event) -> None:
+    """Copy `tensor`, cast to `dtype`, row-major, into the sink's lent space, as many whole rows at a time as the
+    space holds; a row cut by the end of a chunk goes through sink.write (one row, a few KB, per chunk). A set `stop`
+    ends it early (the caller has given up on the output)."""
+    rows = tensor.reshape(tensor.shape[0], -1) if tensor.dim() >= 2 else tensor.reshape(-1, 1)
+    row_bytes = rows.shape[1] * dtype.itemsize
+    done = 0
+    while done < rows.shape[0] and not stop.is_set():
+        space = sink.space()
+        fit = min(len(space) // row_bytes, rows.shape[0] - done)
+        if fit:
+            dst = torch.frombuffer(space, dtype=torch.uint8, count=fit * row_bytes)
+            _copy(dst.view(dtype).view(fit, rows.shape[1]), rows[done : done + fit])
+            del dst  # the chunk may go to the disk at commit: no view of it outlives this
+            sink.commit(fit * row_bytes)
+            done += fit
+        else:
+            row = rows[done].to(dtype).contiguous()
+            sink.write(memoryview(row.view(torch.uint8).numpy()))
+            done += 1
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

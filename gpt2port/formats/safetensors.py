@@ -195,17 +195,27 @@ class StreamingSafetensorsWriter:
 
     def write(self, name: str, chunks) -> None:
         """The next declared tensor, as consecutive chunks of its bytes (already in its dtype and row-major order:
-        see prefetch.Prefetcher)."""
+        see prefetch.Prefetcher), or their count where the prefetcher poured them into `sink` itself."""
         expected_name, dtype, shape = self.entries[self._next]
         if name != expected_name:
             raise GPT2PortError(f"{self.path}: internal error: got {name}, declared {expected_name}")
         written, nbytes = 0, math.prod(shape) * dtype.itemsize
-        for chunk in chunks:
-            self._write(chunk)
-            written += len(chunk)
+        try:
+            for chunk in chunks:
+                if isinstance(chunk, int):  # that many bytes poured into the file by the prefetcher itself
+                    written += chunk
+                else:
+                    written += self._file.write(chunk)
+        except OSError as e:
+            raise GPT2PortError(f"{self.path}: write failed: {os_reason(e)}") from None
         if written != nbytes:
             raise GPT2PortError(f"{self.path}: internal error: {name} came as {written} bytes, declared {nbytes}")
         self._next += 1
+
+    @property
+    def sink(self):
+        """The open output, for a Prefetcher to copy into directly where it lends its buffers."""
+        return self._file
 
     def _write(self, data) -> None:
         try:
@@ -242,7 +252,7 @@ def stream_safetensors(path: Path, items, metadata: dict[str, str], progress=Non
     sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape, _ in items]
     done = 0
     with StreamingSafetensorsWriter(path, [(n, d, s) for n, d, s, _ in items], metadata) as writer:
-        for (name, chunks), size in zip(Prefetcher(items), sizes):
+        for (name, chunks), size in zip(Prefetcher(items, sink=writer.sink), sizes):
             writer.write(name, chunks)
             done += size
             if progress:
