@@ -74,8 +74,9 @@ class FileHash:
         self._sha = hashlib.sha256()
         self._pieces: queue.Queue = queue.Queue(OFFERED)
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._open = True  # offers are taken until the hasher stops
+        self._offered = self._taken = 0  # pieces queued, pieces the hasher is done with
         self._fed = False  # a reader has offered pieces of this file
         self._last = threading.Event()  # no more offers will come: what is left, the hasher reads itself
         self._digest: str | None = None
@@ -83,22 +84,27 @@ class FileHash:
         self._thread = threading.Thread(target=self._run, name=f"gpt2port-sha256-{self.path.name}", daemon=True)
         self._thread.start()
 
-    def offer(self, offset: int, data) -> None:
-        """The file's bytes at `offset`, as a reader read them (any buffer). The reader must not change them before
-        settle() returns: the hasher may take them later."""
+    def offer(self, offset: int, data) -> int | None:
+        """The file's bytes at `offset`, as a reader read them (any buffer). Returns a ticket when the hasher took
+        them: the reader must not change those bytes before wait(ticket) returns (see Loans)."""
         self._fed = True  # a reader is at work on this file: from now on the hasher reads only what it must
         if offset + len(data) <= self.pos:  # already hashed (the hasher read ahead on its own): nothing to do
-            return
+            return None
         with self._lock:
-            if self._open:
-                try:
-                    self._pieces.put_nowait((offset, data))
-                except queue.Full:  # the hasher is behind: it reads these itself when it gets there
-                    pass
+            if not self._open:
+                return None
+            try:
+                self._pieces.put_nowait((offset, data))
+            except queue.Full:  # the hasher is behind: it reads these itself when it gets there
+                return None
+            self._offered += 1
+            return self._offered
 
-    def settle(self) -> None:
-        """Wait until the hasher is done with every piece offered so far."""
-        self._pieces.join()
+    def wait(self, ticket: int) -> None:
+        """Until the hasher is done with the piece offered under `ticket` (and every piece before it)."""
+        with self._lock:
+            while self._taken < ticket and self._open:
+                self._lock.wait(POLL_S)
 
     def result(self) -> str:
         self._last.set()
@@ -135,20 +141,22 @@ class FileHash:
                             self.pos = offset + len(data)
                     finally:
                         del data
-                        self._pieces.task_done()
+                        with self._lock:
+                            self._taken += 1
+                            self._lock.notify_all()
             if self.pos >= self.size:
                 self._digest = self._sha.hexdigest()
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by result()
             self._error = e
-        finally:  # no more offers are taken; those waiting are let go, so that settle() returns
+        finally:  # no more offers are taken, and no reader waits for those queued
             with self._lock:
                 self._open = False
+                self._lock.notify_all()
             while True:
                 try:
                     self._pieces.get_nowait()
                 except queue.Empty:
                     break
-                self._pieces.task_done()
 
     def _read(self, fd: int, buffer: memoryview, until: int) -> None:
         """Hash the file's bytes from self.pos up to `until` (or its end), read here."""
@@ -176,20 +184,41 @@ def start(path: Path) -> FileHash:
         return h
 
 
-def offer(fd: int, offset: int, data) -> None:
-    """Readers call this with each piece of a file they read (fd open on it); free when nobody is hashing it. The
-    bytes must stay as they are until settle() (or use immutable bytes)."""
+def offer(fd: int, offset: int, data) -> tuple[FileHash, int] | None:
+    """Readers call this with each piece of a file they read (fd open on it): free when nobody is hashing it. Where
+    the hash took the piece, (hash, ticket): the bytes must stay as they are until hash.wait(ticket) (see Loans)."""
     if _running:
         h = _running.get(_identity(os.fstat(fd)))
         if h is not None:
-            h.offer(offset, data)
+            ticket = h.offer(offset, data)
+            return (h, ticket) if ticket is not None else None
+    return None
 
 
-def settle() -> None:
-    """Wait until every hash in progress is done with the pieces offered to it: a reader calls this before it
-    reuses a buffer whose bytes it offered."""
-    for h in list(_running.values()):
-        h.settle()
+class Loans:
+    """The pieces of one reader's reusable buffer on offer to hashes. Before it overwrites bytes [start, end) of the
+    buffer, the reader calls reclaim(start, end), which waits only for the pieces lent from there: the hash may
+    still be taking the rest of the last tensor while the next one is read into the buffer's start."""
+
+    def __init__(self):
+        self._lent: list[tuple[int, int, FileHash, int]] = []  # (buffer start, end, hash, ticket)
+
+    def offer(self, fd: int, offset: int, buffer_start: int, view) -> None:
+        """Offer `view`, read from the file at `offset` into the buffer at `buffer_start`."""
+        taken = offer(fd, offset, view)
+        if taken is not None:
+            self._lent.append((buffer_start, buffer_start + len(view), *taken))
+
+    def reclaim(self, start: int = 0, end: int | None = None) -> None:
+        """Wait until no hash needs bytes [start, end) of the buffer any more (all of it by default)."""
+        kept = []
+        for lent in self._lent:
+            lo, hi, h, ticket = lent
+            if lo < (hi if end is None else end) and hi > start:
+                h.wait(ticket)
+            else:
+                kept.append(lent)
+        self._lent = kept
 
 
 def start_early(src: Path) -> list[FileHash]:

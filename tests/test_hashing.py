@@ -65,15 +65,20 @@ def test_a_full_queue_drops_offers_and_the_hasher_reads_them_itself(tmp_path, mo
     assert h.result() == hashlib.sha256(data).hexdigest()
 
 
-def test_settle_waits_until_offered_bytes_are_hashed(tmp_path):
-    """A reader offers a view of its own buffer and, after settle(), overwrites it: the digest is the file's."""
+def test_a_reclaimed_buffer_was_hashed_before_it_is_overwritten(tmp_path):
+    """A reader offers views of its own buffer and, after reclaiming a region, overwrites it: the digest is the
+    file's; a region not reclaimed may still be on loan."""
     path, data = _file(tmp_path, 2_000_000)
     buffer = np.frombuffer(bytearray(data), dtype=np.uint8)
+    loans = hashing.Loans()
     with open(path, "rb") as f:
         h = hashing.start(path)
         for a in range(0, len(data), 65536):
-            hashing.offer(f.fileno(), a, buffer[a : a + 65536])
-        hashing.settle()
+            loans.offer(f.fileno(), a, a, buffer[a : a + 65536])
+        loans.reclaim(0, 1_000_000)
+        assert h.pos >= 1_000_000
+        buffer[:1_000_000] = 0
+        loans.reclaim()
         buffer[:] = 0
     assert h.result() == hashlib.sha256(data).hexdigest()
 
@@ -139,10 +144,11 @@ def test_the_program_exits_cleanly_after_freezing_its_objects(tmp_path):
     assert bad.returncode == 1 and bad.stderr.startswith("error: "), bad.stderr
 
 
-def test_a_reader_reusing_its_buffer_waits_for_a_slow_hash(tmp_path, monkeypatch):
-    """The TensorFlow reader reads every tensor into one buffer and offers the hash views of it: with the hash far
-    behind, the next read must wait (settle) rather than overwrite bytes not yet hashed."""
-    from gpt2port.formats import tf_bundle
+@pytest.mark.parametrize("source", ["tensorflow", "safetensors"])
+def test_a_reader_reusing_its_buffer_waits_for_a_slow_hash(source, tmp_path, monkeypatch):
+    """Readers read every tensor into one buffer and offer the hash views of it: with the hash far behind, the next
+    read must wait (hashing.Loans) rather than overwrite bytes not yet hashed."""
+    from gpt2port.formats import safetensors, tf_bundle
 
     real_sha256 = hashlib.sha256
 
@@ -158,10 +164,14 @@ def test_a_reader_reusing_its_buffer_waits_for_a_slow_hash(tmp_path, monkeypatch
             return self._h.hexdigest()
 
     src = tmp_path / "src"
-    shutil.copytree(FIXTURES / "tiny", src)
+    if source == "tensorflow":
+        shutil.copytree(FIXTURES / "tiny", src)
+    else:
+        convert(FIXTURES / "tiny", src, to="hf")
     expected = {p.name: real_sha256(p.read_bytes()).hexdigest() for p in src.iterdir()}
     monkeypatch.setattr(hashlib, "sha256", SlowSha256)
     monkeypatch.setattr(tf_bundle, "CHUNK", 256)  # many pieces per tensor...
+    monkeypatch.setattr(safetensors, "READ_PIECE", 256)
     monkeypatch.setattr(hashing, "HASH_CHUNK", 256)  # ...and the hasher's own reads as slow as its hashing
     out = convert(src, tmp_path / "ckpt").out
     for f in json.loads((out / "manifest.json").read_text())["source"]["files"]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
 from gpt2port.formats.prefetch import Prefetcher
@@ -30,6 +31,7 @@ DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024  # the reference implementation's own limit
+READ_PIECE = 16 << 20  # bytes per read: the source's hash takes each piece while the next is read
 
 
 @dataclass(frozen=True)
@@ -108,16 +110,27 @@ def _entry(path: Path, name: str, info, data_start: int) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
 
 
-def read_tensor(f, entry: TensorInfo, into: torch.Tensor | None = None) -> torch.Tensor:
-    """Read one tensor with a positioned read (no mmap: the source's pages stay out of our RSS).
+def read_tensor(f, entry: TensorInfo, into: torch.Tensor | None = None, loans: hashing.Loans | None = None) -> torch.Tensor:
+    """Read one tensor with positioned reads (no mmap: the source's pages stay out of our RSS).
 
     into: a reusable uint8 buffer of at least entry.nbytes; the result is then a view of it, valid until the next
-    read into the same buffer. Reusing one buffer saves the page faults of a fresh allocation per tensor.
+    read into the same buffer. Reusing one buffer saves the page faults of a fresh allocation per tensor. The bytes
+    read are offered to the source's hash if one is running; `loans` keeps track of those lent from `into`.
     """
-    raw = torch.empty(entry.nbytes, dtype=torch.uint8) if into is None else into[: entry.nbytes]
-    got = os.preadv(f.fileno(), [raw.numpy()], entry.offset) if entry.nbytes else 0
-    if got != entry.nbytes:
-        raise GPT2PortError(f"{f.name}: short read of tensor {entry.name!r}")
+    fresh = into is None
+    raw = torch.empty(entry.nbytes, dtype=torch.uint8) if fresh else into[: entry.nbytes]
+    loans = hashing.Loans() if fresh or loans is None else loans
+    view, done = raw.numpy(), 0
+    while done < entry.nbytes:
+        end = min(done + READ_PIECE, entry.nbytes)
+        loans.reclaim(done, end)  # bytes of an earlier read still being hashed are not overwritten
+        got = os.preadv(f.fileno(), [view[done:end]], entry.offset + done)
+        if not got:
+            raise GPT2PortError(f"{f.name}: short read of tensor {entry.name!r}")
+        loans.offer(f.fileno(), entry.offset + done, done, view[done : done + got])  # one read serves the hash too
+        done += got
+    if fresh:
+        loans.reclaim()  # the caller may change what it gets: the hash must have taken its bytes first
     return raw.view(entry.dtype).reshape(entry.shape)
 
 
@@ -157,11 +170,14 @@ class PreadReader(Reader):
     and never mapped. Subclasses set path and tensors."""
 
     _file = None
+    _loans = None  # pieces of the caller's `into` buffer lent to the source's hash
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         if self._file is None:
             self._file = open(self.path, "rb")
-        return read_tensor(self._file, self.tensors[name], into)
+        if self._loans is None:
+            self._loans = hashing.Loans()
+        return read_tensor(self._file, self.tensors[name], into, self._loans)
 
     def close(self) -> None:
         if self._file is not None:

@@ -251,6 +251,7 @@ class TFBundleReader(Reader):
             self.tensors[name] = TensorInfo(name, dtype, shape, self.files[shard], offset, size)
             self._crc[name] = entry.get(6)
         self.metadata = {}
+        self._loans = hashing.Loans()  # pieces of the caller's `into` buffer lent to the source's hash
         self.model_config = _hparams(self.index_file.parent)
         if self.model_config is not None:
             self.config_file = self.index_file.parent / "hparams.json"
@@ -259,17 +260,17 @@ class TFBundleReader(Reader):
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor, checked against its crc32c. Into `into` when given (no fresh memory per tensor: at 1.5B
         parameters, faulting in a new buffer for every tensor costs more than the checksum), the result then a view
-        of it valid until the next read into it; otherwise into fresh memory."""
+        of it valid until the next read into it; otherwise into fresh memory. The bytes read are offered to the
+        source's hash if one is running (hashing.Loans keeps track of those lent from `into`)."""
         info = self.tensors[name]
         if into is not None and into.numel() >= info.nbytes:
-            hashing.settle()  # the previous read's bytes in `into` may still be on offer to the source's hash
-            raw = into[: info.nbytes]
+            raw, loans = into[: info.nbytes], self._loans
         else:
-            raw = torch.empty(info.nbytes, dtype=torch.uint8)
+            raw, loans = torch.empty(info.nbytes, dtype=torch.uint8), hashing.Loans()
         with open(info.file, "rb", buffering=0) as f:
-            self._check(name, info, _pieces_into(f.fileno(), info.offset, raw))
-        if into is None:
-            hashing.settle()  # the caller may change what it gets: the hash must have taken its bytes first
+            self._check(name, info, _pieces_into(f.fileno(), info.offset, raw, loans))
+        if loans is not self._loans:
+            loans.reclaim()  # the caller may change what it gets: the hash must have taken its bytes first
         return raw.view(info.dtype).reshape(info.shape)
 
     def _check(self, name: str, info: TensorInfo, pieces) -> None:
@@ -288,17 +289,19 @@ class TFBundleReader(Reader):
             raise GPT2PortError(f"{info.file}: tensor {name!r} fails its crc32c check (the file is damaged)")
 
 
-def _pieces_into(fd: int, offset: int, raw: torch.Tensor):
+def _pieces_into(fd: int, offset: int, raw: torch.Tensor, loans: hashing.Loans):
     """Read raw.numel() bytes at `offset` into the uint8 tensor `raw`, a CHUNK at a time, yielding each piece for
-    the checksum while it is in cache and offering it to the hash of the file if one is running. The checksum
-    library takes only buffers it need not release, so a piece goes to it as a ctypes view of the tensor's memory
-    (no copy). Stops early at the end of the file."""
+    the checksum while it is in cache and offering it to the hash of the file if one is running (waiting first, if
+    the bytes it overwrites are still on loan to that hash). The checksum library takes only buffers it need not
+    release, so a piece goes to it as a ctypes view of the tensor's memory (no copy). Stops early at the file's end."""
     view, done = raw.numpy(), 0
     while done < len(view):
-        n = os.preadv(fd, [view[done : done + CHUNK]], offset + done)
+        end = min(done + CHUNK, len(view))
+        loans.reclaim(done, end)
+        n = os.preadv(fd, [view[done:end]], offset + done)
         if not n:
             return
-        hashing.offer(fd, offset + done, view[done : done + n])  # the source's sha256 takes the same bytes
+        loans.offer(fd, offset + done, done, view[done : done + n])  # the source's sha256 takes the same bytes
         yield (ctypes.c_char * n).from_address(raw.data_ptr() + done)
         done += n
 
