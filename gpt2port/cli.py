@@ -94,19 +94,11 @@ def run() -> None:
 @_handle_errors
 def convert(src, out, dtype, force, quiet):
     """Convert a local Hugging Face GPT-2 checkpoint (repo directory or weights file) to gpt2port's layout."""
-    from pathlib import Path
+    from gpt2port.conversion import convert as run_convert
+    from gpt2port.progress import byte_progress
 
-    from gpt2port import hashing
-
-    hashing.start_early(Path(src))  # the source's sha256 gets going while torch is imported (a second, one core)
-    try:
-        from gpt2port.conversion import convert as run_convert
-        from gpt2port.progress import byte_progress
-
-        with byte_progress("converting", quiet) as progress:
-            result = run_convert(src, out, dtype=dtype, force=force, progress=progress)
-    finally:
-        hashing.cancel_unclaimed()
+    with byte_progress("converting", quiet) as progress:
+        result = run_convert(src, out, dtype=dtype, force=force, progress=progress)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
     click.echo(f"wrote {result.out} ({result.n_params:,} parameters, {_dtype_label(result.dtype)}, "

@@ -1,21 +1,21 @@
 """sha256 of source files, computed beside the work that reads them.
 
 A conversion records every source file's sha256 in its manifest. At 1.5B parameters that is 6 GB through sha256,
-about 3.5 s of one core here: more than any other single step of a conversion, so it must not sit on its path.
-Three things keep it off:
+about 3.5 s of one core here: as much CPU time as any other part of a conversion, so it must not sit on its path.
 
-- each file is hashed on a thread of its own (hashlib releases the GIL while it hashes);
-- it may start before the conversion does: the command line starts hashing the file(s) it is pointed at before it
-  imports torch, whose import alone keeps one core busy for 1.5 s on a 2-core machine;
-- readers hand it the bytes they read (`offer`), so each byte comes out of the page cache once, not twice. Until
-  a reader offers anything, the hasher reads on its own (it may have started before any reader could), and pieces
-  offered behind where it has got to are dropped; once pieces come, it takes only those, reading itself only a gap
-  before an offered piece, and at the end (result()) whatever no reader offered. On a machine with few cores a
-  second read of the same bytes costs the reader time. Either way the file's bytes are hashed in order, each once.
+- Each file is hashed on a thread of its own (hashlib releases the GIL while it hashes).
+- Readers hand it the bytes they read (`offer`), so each byte comes out of the page cache once, not twice (reading
+  a 1.5B checkpoint a second time cost 1.2 s of kernel copying). Until a reader offers anything, the hasher reads on
+  its own. Once a reader offers pieces, the hasher stops reading ahead: it drops pieces behind where it has got to,
+  waits for the reader to come up, and then takes the reader's pieces, reading itself only a gap before an offered
+  piece and, at the end (result()), whatever no reader offered. On a machine with few cores a hasher reading ahead
+  takes CPU time from the reader, the slower of the two. Either way the file is hashed in order, each byte once.
+- An offered piece is a view of the reader's own buffer, not a copy: the reader must leave those bytes alone until
+  the hash is done with them, and `Loans` tells it when, region by region, so that it can read the next tensor into
+  the start of its buffer while the hash still takes the end of the last one.
 
-A hash in progress is registered under the file's identity (device, inode, size, modification time), so that a
-later request for the same file (`BackgroundHasher`) takes it over rather than starting again. This module imports
-no torch: the command line uses it before torch is loaded.
+A hash in progress is registered under the file's identity (device, inode, size, modification time): that is how
+a reader's offer finds it, and a second request for the same file takes it over rather than starting again.
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ class FileHash:
         st = os.stat(self.path)
         self.identity, self.size = _identity(st), st.st_size
         self.pos = 0  # bytes hashed so far, all of them from the file's start
-        self.claimed = False
         self._sha = hashlib.sha256()
         self._pieces: queue.Queue = queue.Queue(OFFERED)
         self._stop = threading.Event()
@@ -221,31 +220,6 @@ class Loans:
         self._lent = kept
 
 
-def start_early(src: Path) -> list[FileHash]:
-    """Start hashing what a conversion of `src` will most likely read, before the conversion can know (the command
-    line calls this before importing torch): a weights file named directly, or a directory's TensorFlow data shards
-    or model.safetensors. A wrong guess is cancelled as soon as a conversion claims its files (BackgroundHasher)."""
-    src = Path(src)
-    if src.is_file() and src.suffix in (".safetensors", ".bin", ".gguf") or ".data-" in src.name:
-        guesses = [src]
-    elif src.is_dir():
-        guesses = sorted(src.glob("*.data-?????-of-?????")) or [p for p in [src / "model.safetensors"] if p.is_file()]
-    else:
-        guesses = []
-    try:
-        return [start(p) for p in guesses]
-    except OSError:  # whatever is wrong with the path, the conversion itself reports it
-        return []
-
-
-def cancel_unclaimed() -> None:
-    """Stop every hash that no BackgroundHasher took over (guesses that turned out wrong, or a run that failed)."""
-    with _lock:
-        idle = [h for h in _running.values() if not h.claimed]
-    for h in idle:
-        h.cancel()
-
-
 class BackgroundHasher:
     """sha256 of each file (on threads of their own) while the caller works; `known` names files already hashed."""
 
@@ -256,12 +230,10 @@ class BackgroundHasher:
         try:
             for f in files:
                 if f.name not in known:
-                    h = self._hashes[f] = start(f)
-                    h.claimed = True
+                    self._hashes[f] = start(f)
         except OSError as e:
             self.cancel()
             raise GPT2PortError(f"hashing the source failed: {e}") from None
-        cancel_unclaimed()
 
     def cancel(self) -> None:
         """Stop reading (the caller failed; nobody will need the digests)."""

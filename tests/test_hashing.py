@@ -1,5 +1,5 @@
 """The source's sha256, taken from the bytes readers offer and from the hasher's own reads: whatever the mix, the
-digest is hashlib's of the whole file; a hash started before the conversion is taken over, a wrong guess stopped."""
+digest is hashlib's of the whole file, and a reader never overwrites bytes the hash has not taken yet."""
 
 from __future__ import annotations
 
@@ -95,21 +95,6 @@ def test_a_file_shorter_than_its_size_fails_naming_it(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "stat", stat_as_before)
     with pytest.raises(GPT2PortError, match=str(path)):
         hashing.start(path).result()
-
-
-def test_an_early_hash_is_taken_over_and_a_wrong_guess_stopped(tmp_path):
-    src = tmp_path / "src"
-    shutil.copytree(FIXTURES / "tiny", src)
-    wrong, _ = _file(tmp_path, 1_000_000, seed=3)
-    early = hashing.start_early(src)
-    assert [h.path.name for h in early] == [p.name for p in sorted(src.glob("*.data-*"))]
-    stray = hashing.start(wrong)
-    out = convert(src, tmp_path / "ckpt").out
-    assert stray._stop.is_set() and not stray._thread.is_alive()  # the conversion named its files: the guess stopped
-    files = {f["name"]: f["sha256"] for f in json.loads((out / "manifest.json").read_text())["source"]["files"]}
-    for p in src.iterdir():
-        if p.name in files:
-            assert files[p.name] == hashlib.sha256(p.read_bytes()).hexdigest(), p.name
 
 
 @pytest.mark.parametrize("fixture", ["tiny", "sharded"])
