@@ -11,10 +11,10 @@ that copy was the largest single cost of a conversion measured here: at 1.5B a t
 an aligned chunk (the data arrive in pieces of any size) and a file padded to a block, then truncated to its size.
 
 Writer threads do the write calls (two, each writing whole chunks at their offsets), so the caller fills one chunk
-while the device takes the others. Where O_DIRECT
-is missing (not Linux), refused at open (some filesystems), or a write is refused as direct I/O (a filesystem that
-accepts the flag but not the I/O, a device wanting larger blocks), the same writes go through the page cache
-instead: slower, same bytes.
+while the device takes the others; a caller may also copy straight into the chunk being filled (space(), commit()).
+Where O_DIRECT is missing (not Linux), refused at open (some filesystems), or a write is refused as direct I/O (a
+filesystem that accepts the flag but not the I/O, a device wanting larger blocks), the same writes go through the
+page cache instead: slower, same bytes.
 """
 
 from __future__ import annotations
