@@ -19,6 +19,8 @@ from gpt2port import checkpoint
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
+from gpt2port.formats.base import Reader
+from gpt2port.formats.prefetch import Streamed
 from gpt2port.formats.safetensors import stream_safetensors
 from gpt2port.fsio import copy_file, refuse_hf_cache, refuse_overlap, staged_directory, write_json
 from gpt2port.hashing import BackgroundHasher
@@ -79,7 +81,8 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
         refuse_hf_cache(out)
         out_dtype = parse_dtype(dtype) or source.dtype()
         warnings = source.warnings()
-        items, dropped, head = _items(source, target, out_dtype, warnings)
+        # gpt2port's and HF's layouts are written by stream_safetensors, which takes tensors in pieces
+        items, dropped, head = _items(source, target, out_dtype, warnings, streamed=target.name in ("gpt2port", "hf"))
         if out_dtype not in DTYPE_LABELS:
             raise GPT2PortError(f"{source.where}: weights are {out_dtype}; pass --dtype fp32, fp16 or bf16")
         facts = {"dropped_keys": len(dropped), "head": "checked equal to wte" if head else "absent (tied)",
@@ -100,9 +103,12 @@ def export(ckpt, out: str | Path, to: str = "gpt2port", dtype=None, force: bool 
 
 # --- reading: every canonical tensor, in the order the source's bytes lie --------------------------------------
 
-def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str]) -> tuple[list, list[str], str | None]:
+def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str],
+           streamed: bool = False) -> tuple[list, list[str], str | None]:
     """([(key, dtype, shape, produce)] of the target, dropped source keys, the source's untied head key or None).
-    Each produce() reads and transforms its tensor when called; warnings collects NaN/Inf findings."""
+    Each produce() reads and transforms its tensor when called; warnings collects NaN/Inf findings. streamed: for a
+    writer that takes prefetch.Streamed items, a tensor the target stores byte for byte as the source does comes as
+    one (copied from file to file in pieces, never whole in memory)."""
     config, reader = source.config, source.reader
     reads, dropped, head = source.layout.plan_read(list(reader.tensors), config, source.where)
     shapes = canonical.shapes(config)
@@ -116,14 +122,20 @@ def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str]) 
         if info.dtype not in FLOAT_DTYPES:
             raise GPT2PortError(f"{info.file}: tensor {r.key!r} has non-float dtype {info.dtype}")
         parts.setdefault(r.target, []).append(r)
-    buffer = torch.empty(reader.largest(), dtype=torch.uint8)
+    writes = target.plan_write(config)
+    plain = _plain(source, parts, writes, out_dtype, head) if streamed else set()
+    # One read buffer for the tensors read whole, as large as the largest of them: at 1.5B the token embedding
+    # (321 MB) streams instead, and faulting in fresh memory is slow on some machines (0.3-0.6 s for those pages).
+    buffer = torch.empty(max((reader.tensors[r.key].nbytes for name, rs in parts.items() if name not in plain
+                              for r in rs), default=0), dtype=torch.uint8)
 
     def produce(name: str) -> torch.Tensor:
         tensors = []
         for r in parts[name]:
-            t = reader.read(r.key, into=buffer if len(parts[name]) == 1 else None)
+            whole = len(parts[name]) == 1 and buffer.numel() >= reader.tensors[r.key].nbytes
+            t = reader.read(r.key, into=buffer if whole else None)
             if not all_finite(t):
-                warnings.append(f"{reader.tensors[r.key].file}: tensor {r.key!r} contains NaN or Inf")
+                warnings.append(_non_finite(reader, r.key))
             tensors.append((r.transform, t))
         whole = merge(tensors, shapes[name])
         if head is not None and name == canonical.EMBEDDING:
@@ -134,7 +146,6 @@ def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str]) 
     rank = {f: i for i, f in enumerate(reader.files)}
     first = {name: min((rank.get(reader.tensors[r.key].file, 0), reader.tensors[r.key].offset) for r in rs)
              for name, rs in parts.items()}
-    writes = target.plan_write(config)
     writes = target.order(writes) if target.order else sorted(writes, key=lambda w: first[w.source])
     cache: dict[str, torch.Tensor] = {}
 
@@ -144,9 +155,34 @@ def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str]) 
                 cache.clear()
                 cache[w.source] = produce(w.source)
             return w.transform.to_layout(cache[w.source])
-        return run
+
+        def stream():
+            key, found = parts[w.source][0].key, []
+
+            def check(piece: torch.Tensor) -> None:
+                if not found and not all_finite(piece):
+                    found.append(key)
+                    warnings.append(_non_finite(reader, key))
+            return Streamed(reader.tensors[key].nbytes, lambda: reader.stream(key), check, run)
+        return stream if w.source in plain else run
 
     return [(w.key, out_dtype, w.shape, produce_write(w)) for w in writes], dropped, head
+
+
+def _plain(source: Source, parts: dict, writes: list, out_dtype: torch.dtype, head: str | None) -> set[str]:
+    """The canonical tensors that go from source to target byte for byte: read from one stored tensor, in the
+    output's dtype, through transforms that keep bytes both ways, from a format that can stream them."""
+    if type(source.reader).stream is Reader.stream:
+        return set()
+    moved = {w.source for w in writes if not w.transform.keeps_bytes}
+    return {name for name, rs in parts.items()
+            if len(rs) == 1 and rs[0].transform.keeps_bytes and name not in moved
+            and source.reader.tensors[rs[0].key].dtype == out_dtype
+            and not (head is not None and name == canonical.EMBEDDING)}  # the tied-head check reads it whole
+
+
+def _non_finite(reader, key: str) -> str:
+    return f"{reader.tensors[key].file}: tensor {key!r} contains NaN or Inf"
 
 
 def canonical_items(source: Source, dtype=None) -> list:

@@ -84,10 +84,11 @@ class FileHash:
         self._thread.start()
 
     def offer(self, offset: int, data) -> int | None:
-        """The file's bytes at `offset`, as a reader read them (any buffer). Returns a ticket when the hasher took
-        them: the reader must not change those bytes before wait(ticket) returns (see Loans)."""
+        """The file's bytes at `offset`, as a reader read them (any buffer); or, as an int, the count of bytes there
+        that a reader read where it cannot lend them (the hasher reads those itself, now). Returns a ticket when the
+        hasher took a buffer: the reader must not change those bytes before wait(ticket) returns (see Loans)."""
         self._fed = True  # a reader is at work on this file: from now on the hasher reads only what it must
-        if offset + len(data) <= self.pos:  # already hashed (the hasher read ahead on its own): nothing to do
+        if offset + (data if isinstance(data, int) else len(data)) <= self.pos:  # already hashed: nothing to do
             return None
         with self._lock:
             if not self._open:
@@ -133,6 +134,8 @@ class FileHash:
                             self._read(f.fileno(), buffer, self.pos + HASH_CHUNK)
                         continue
                     try:
+                        if isinstance(data, int):  # bytes not lent: read them here
+                            offset, data = offset + data, b""
                         while self.pos < offset:  # a gap before the offered piece: read it here
                             self._read(f.fileno(), buffer, offset)
                         if offset + len(data) > self.pos:

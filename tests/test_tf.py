@@ -165,3 +165,31 @@ def test_load_into_a_users_class_straight_from_the_tensorflow_directory(tmp_path
     ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids), GPT.from_pretrained(ckpt)(ids))
+
+
+@pytest.mark.parametrize("tensor", ["model/wte", "model/h0/mlp/c_fc/w"])
+def test_a_flipped_byte_is_named_whether_the_tensor_streams_or_is_read_whole(tensor, tmp_path):
+    """The token embedding goes from file to file in pieces (same bytes, same dtype), its crc32c carried across
+    them; a kernel is read whole and transposed. Either way a flipped byte is refused naming the tensor."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "tiny", src)
+    info = TFBundleReader(src / "model.ckpt.index").tensors[tensor]
+    b = bytearray(info.file.read_bytes())
+    b[info.offset + info.nbytes - 3] ^= 0x10
+    info.file.write_bytes(bytes(b))
+    r = run_cli("convert", src, "--out", tmp_path / "out")
+    line = assert_clean_failure(r)
+    assert "crc32c" in line and tensor in line, line
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_nan_in_a_streamed_tensor_is_reported(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = convert(FIXTURES / "tiny", tmp_path / "hf", to="hf").out
+    tensors = load_file(hf / "model.safetensors")
+    key = next(k for k in tensors if k.endswith("wpe.weight"))
+    tensors[key][3, 1] = float("nan")
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    result = convert(hf, tmp_path / "ckpt")
+    assert any(key in w and "NaN" in w for w in result.warnings), result.warnings

@@ -6,11 +6,13 @@ and how a tensor must be reshaped to mean it, belongs to gpt2port.layouts.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -59,6 +61,11 @@ class Reader:
         view of it, valid until the next read into the same buffer); formats that cannot use it ignore it."""
         raise NotImplementedError
 
+    def stream(self, name: str) -> "TensorStream | None":
+        """The tensor's stored bytes, to be read piece by piece into buffers the caller gives; None where the format
+        cannot (the caller reads it whole instead)."""
+        return None
+
     def largest(self) -> int:
         return max((t.nbytes for t in self.tensors.values()), default=0)
 
@@ -76,3 +83,34 @@ def refuse_lfs_pointer(path: Path, head: bytes) -> None:
     """A Git LFS pointer saved in place of the weights (a clone without `git lfs pull`) is named as such."""
     if head.startswith(LFS_POINTER_PREFIX):
         raise GPT2PortError(f"{path}: is a Git LFS pointer file, not the weights (fetch the real file)")
+
+
+class TensorStream:
+    """One tensor's stored bytes read with pread, piece by piece, into buffers the caller gives (the tensor is never
+    whole in memory): readinto(view) until info.nbytes are read, then finish() (a format's whole-tensor checks);
+    close() in every case. Formats with more to check per piece override piece() and finish()."""
+
+    def __init__(self, info: TensorInfo):
+        self.info = info
+        self.done = 0
+        self._fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def readinto(self, view) -> int:
+        n = os.preadv(self._fd, [view], self.info.offset + self.done) if len(view) else 0
+        if not n:
+            raise GPT2PortError(f"{self.info.file}: ends inside tensor {self.info.name!r} (truncated?)")
+        self.piece(memoryview(view)[:n])
+        self.done += n
+        return n
+
+    def piece(self, view: memoryview) -> None:
+        """Bytes just read. They go to a buffer that is not ours to lend: the source's hash reads them itself."""
+        hashing.offer(self._fd, self.info.offset + self.done, len(view))
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)

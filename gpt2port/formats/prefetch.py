@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
@@ -90,7 +91,16 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             for name, dtype, shape, produce in self._items:
-                tensor = produce().detach()
+                tensor = produce()
+                if isinstance(tensor, Streamed) and self._sink is not None:
+                    before = self._sink.tell()
+                    _pour_stream(tensor, dtype, self._sink, self._stop)
+                    self._ready.put(self._sink.tell() - before)
+                    self._ready.put(_END)
+                    if self._stop.is_set():
+                        return
+                    continue
+                tensor = (tensor.whole() if isinstance(tensor, Streamed) else tensor).detach()
                 if tuple(tensor.shape) != tuple(shape):
                     raise GPT2PortError(f"internal error: {name} was produced with shape {tuple(tensor.shape)}, "
                                         f"declared {tuple(shape)}")
@@ -119,6 +129,17 @@ class Prefetcher:
             except queue.Empty:
                 continue
         return None
+
+
+@dataclass
+class Streamed:
+    """What a produce() may return instead of a tensor: one stored exactly as it is to be written, to be copied in
+    pieces (open() -> a formats.base.TensorStream) straight into the sink, each piece passed to check() as it lands;
+    whole() gives the tensor in memory, for the ring (a sink that does not lend its buffers)."""
+    nbytes: int
+    open: Callable[[], object]
+    check: Callable[[torch.Tensor], None]
+    whole: Callable[[], torch.Tensor]
 
 
 def _row_bytes(shape, dtype: torch.dtype) -> int:
@@ -154,6 +175,27 @@ def _pour(tensor: torch.Tensor, dtype: torch.dtype, sink, stop: threading.Event)
             row = rows[done].to(dtype).contiguous()
             sink.write(memoryview(row.view(torch.uint8).numpy()))
             done += 1
+
+
+def _pour_stream(item: Streamed, dtype: torch.dtype, sink, stop: threading.Event) -> None:
+    """Read a Streamed tensor's bytes straight into the sink's lent space, piece by piece; its format's checks
+    (a checksum) run when the last piece is in, before the caller counts it written."""
+    stream = item.open()
+    try:
+        done = 0
+        while done < item.nbytes and not stop.is_set():
+            space = sink.space()
+            n = stream.readinto(space[: min(len(space), item.nbytes - done)])
+            if n >= dtype.itemsize:
+                piece = torch.frombuffer(space, dtype=torch.uint8, count=n - n % dtype.itemsize)
+                item.check(piece.view(dtype))
+                del piece  # the chunk may go to the disk at commit: no view of it outlives this
+            sink.commit(n)
+            done += n
+        if not stop.is_set():
+            stream.finish()
+    finally:
+        stream.close()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

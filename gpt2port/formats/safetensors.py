@@ -19,7 +19,7 @@ import torch
 
 from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
+from gpt2port.formats.base import Reader, TensorInfo, TensorStream, refuse_lfs_pointer
 from gpt2port.formats.prefetch import Prefetcher
 from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
@@ -178,6 +178,9 @@ class PreadReader(Reader):
         if self._loans is None:
             self._loans = hashing.Loans()
         return read_tensor(self._file, self.tensors[name], into, self._loans)
+
+    def stream(self, name: str) -> TensorStream:
+        return TensorStream(self.tensors[name])
 
     def close(self) -> None:
         if self._file is not None:

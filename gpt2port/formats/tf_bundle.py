@@ -25,7 +25,7 @@ import torch
 
 from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, refuse_lfs_pointer
+from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, TensorStream, refuse_lfs_pointer
 
 TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER = 48
@@ -49,7 +49,10 @@ def _crc32c(pieces) -> int:
 def masked_crc32c(data: bytes | list) -> int:
     """The checksum TensorFlow stores: crc32c rotated right by 15 bits plus a constant (so that a crc of data
     holding crcs is not itself trivially related to them). data: bytes, or an iterable of bytes pieces."""
-    crc = _crc32c([data] if isinstance(data, bytes) else data)
+    return _mask(_crc32c([data] if isinstance(data, bytes) else data))
+
+
+def _mask(crc: int) -> int:
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
@@ -273,6 +276,9 @@ class TFBundleReader(Reader):
             loans.reclaim()  # the caller may change what it gets: the hash must have taken its bytes first
         return raw.view(info.dtype).reshape(info.shape)
 
+    def stream(self, name: str) -> TensorStream:
+        return _CheckedStream(self.tensors[name], self._crc[name])
+
     def _check(self, name: str, info: TensorInfo, pieces) -> None:
         got = 0
 
@@ -304,6 +310,34 @@ def _pieces_into(fd: int, offset: int, raw: torch.Tensor, loans: hashing.Loans):
         loans.offer(fd, offset + done, done, view[done : done + n])  # the source's sha256 takes the same bytes
         yield (ctypes.c_char * n).from_address(raw.data_ptr() + done)
         done += n
+
+
+class _CheckedStream(TensorStream):
+    """A tensor streamed piece by piece, its crc32c carried across the pieces and compared at finish()."""
+
+    def __init__(self, info: TensorInfo, crc: int | None):
+        super().__init__(info)
+        self._expected, self._crc = crc, 0
+
+    def piece(self, view: memoryview) -> None:
+        super().piece(view)
+        self._crc = self._extend(view)
+
+    def _extend(self, view: memoryview) -> int:
+        import google_crc32c
+
+        piece = (ctypes.c_char * len(view)).from_buffer(view)  # a view the library takes without a copy
+        try:
+            return google_crc32c.extend(self._crc, piece)
+        finally:
+            del piece
+
+    def finish(self) -> None:
+        if self.done != self.info.nbytes:
+            raise GPT2PortError(f"{self.info.file}: ends inside tensor {self.info.name!r} (truncated?)")
+        if self._expected is not None and _mask(self._crc) != self._expected:
+            raise GPT2PortError(f"{self.info.file}: tensor {self.info.name!r} fails its crc32c check (the file is "
+                                f"damaged)")
 
 
 def _numel(shape) -> int:

@@ -19,6 +19,9 @@ class Transform:
     name = "identity"
     # False where the stored shape hides the canonical one (padding), so the tensor cannot tell a model's size.
     exact_shape = True
+    # True where the layout stores the canonical tensor's bytes in the same order (only the shape may differ), so a
+    # converter may copy them from file to file without holding the tensor. Only the identity and AddDim say so.
+    keeps_bytes = False
 
     def to_layout(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -37,7 +40,11 @@ class Transform:
         return self.name
 
 
-IDENTITY = Transform()
+class Identity(Transform):
+    keeps_bytes = True
+
+
+IDENTITY = Identity()
 
 
 class Transpose(Transform):
@@ -66,6 +73,7 @@ class AddDim(Transform):
     """The layout keeps a leading axis of size 1 (TensorFlow's Conv1D weights are [1, in, out])."""
 
     name = "add_dim"
+    keeps_bytes = True
 
     def to_layout(self, t):
         return t.unsqueeze(0)
@@ -136,6 +144,7 @@ class Chain(Transform):
     def __init__(self, *steps: Transform):
         self.steps = steps
         self.name = "+".join(s.name for s in steps)
+        self.keeps_bytes = all(s.keeps_bytes for s in steps)
 
     def to_layout(self, t):
         for s in self.steps:
