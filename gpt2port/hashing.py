@@ -21,6 +21,7 @@ a reader's offer finds it, and a second request for the same file takes it over 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import queue
 import threading
@@ -213,10 +214,11 @@ class Loans:
 
     def reclaim(self, start: int = 0, end: int | None = None) -> None:
         """Wait until no hash needs bytes [start, end) of the buffer any more (all of it by default)."""
+        end = math.inf if end is None else end
         kept = []
         for lent in self._lent:
             lo, hi, h, ticket = lent
-            if lo < (hi if end is None else end) and hi > start:
+            if lo < end and hi > start:
                 h.wait(ticket)
             else:
                 kept.append(lent)

@@ -86,31 +86,62 @@ def refuse_lfs_pointer(path: Path, head: bytes) -> None:
 
 
 class TensorStream:
-    """One tensor's stored bytes read with pread, piece by piece, into buffers the caller gives (the tensor is never
-    whole in memory): readinto(view) until info.nbytes are read, then finish() (a format's whole-tensor checks);
-    close() in every case. Formats with more to check per piece override piece() and finish()."""
+    """One tensor's stored bytes read with pread, piece by piece, into buffers the caller gives: readinto(view)
+    until info.nbytes are read, then finish() (a format's whole-tensor checks); close() in every case. Formats with
+    more to check per piece (a checksum) override piece() and finish(). Each piece goes to the source's hash too:
+    lent, where the caller tracks the buffer's loans (read_whole), or else for the hash to read again itself."""
 
     def __init__(self, info: TensorInfo):
         self.info = info
         self.done = 0
         self._fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
-    def readinto(self, view) -> int:
+    def readinto(self, view, loans: hashing.Loans | None = None, at: int = 0) -> int:
+        """Read the next bytes into `view`; with `loans`, lend them to the source's hash as the caller's buffer
+        bytes from `at` on."""
         n = os.preadv(self._fd, [view], self.info.offset + self.done) if len(view) else 0
         if not n:
             raise GPT2PortError(f"{self.info.file}: ends inside tensor {self.info.name!r} (truncated?)")
-        self.piece(memoryview(view)[:n])
+        got = memoryview(view)[:n]
+        if loans is None:  # a buffer that is not ours to lend: the hash reads these bytes itself
+            hashing.offer(self._fd, self.info.offset + self.done, n)
+        else:
+            loans.offer(self._fd, self.info.offset + self.done, at, got)
+        self.piece(got)
         self.done += n
         return n
 
     def piece(self, view: memoryview) -> None:
-        """Bytes just read. They go to a buffer that is not ours to lend: the source's hash reads them itself."""
-        hashing.offer(self._fd, self.info.offset + self.done, len(view))
+        """Bytes just read, while they are in cache."""
 
     def finish(self) -> None:
-        pass
+        if self.done != self.info.nbytes:
+            raise GPT2PortError(f"{self.info.file}: ends inside tensor {self.info.name!r} (truncated?)")
 
     def close(self) -> None:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+
+def read_whole(stream: TensorStream, into: torch.Tensor | None, loans: hashing.Loans, piece_bytes: int) -> torch.Tensor:
+    """The whole tensor from `stream`, checked, as a tensor of its dtype and shape: read into `into` when it is a
+    uint8 buffer large enough (the result a view of it, valid until the next read into it; `loans` tracks its
+    regions lent to the source's hash, and each is reclaimed before it is read over), else into fresh memory
+    (reclaimed before it is returned: the caller may change it). Pieces of `piece_bytes`."""
+    info = stream.info
+    fresh = into is None or into.numel() < info.nbytes
+    raw = torch.empty(info.nbytes, dtype=torch.uint8) if fresh else into[: info.nbytes]
+    loans = hashing.Loans() if fresh else loans
+    view = raw.numpy()
+    try:
+        while stream.done < info.nbytes:
+            start, end = stream.done, min(stream.done + piece_bytes, info.nbytes)
+            loans.reclaim(start, end)  # bytes of an earlier read still being hashed are not read over
+            stream.readinto(view[start:end], loans, start)
+        stream.finish()
+    finally:
+        stream.close()
+    if fresh:
+        loans.reclaim()
+    return raw.view(info.dtype).reshape(info.shape)

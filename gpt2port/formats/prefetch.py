@@ -92,24 +92,22 @@ class Prefetcher:
         try:
             for name, dtype, shape, produce in self._items:
                 tensor = produce()
-                if isinstance(tensor, Streamed) and self._sink is not None:
-                    before = self._sink.tell()
-                    _pour_stream(tensor, dtype, self._sink, self._stop)
-                    self._ready.put(self._sink.tell() - before)
-                    self._ready.put(_END)
-                    if self._stop.is_set():
-                        return
-                    continue
-                tensor = (tensor.whole() if isinstance(tensor, Streamed) else tensor).detach()
-                if tuple(tensor.shape) != tuple(shape):
-                    raise GPT2PortError(f"internal error: {name} was produced with shape {tuple(tensor.shape)}, "
-                                        f"declared {tuple(shape)}")
+                if isinstance(tensor, Streamed) and self._sink is None:
+                    tensor = tensor.whole()  # the ring takes tensors in memory
+                if not isinstance(tensor, Streamed):
+                    tensor = tensor.detach().cpu()
+                    if tuple(tensor.shape) != tuple(shape):
+                        raise GPT2PortError(f"internal error: {name} was produced with shape "
+                                            f"{tuple(tensor.shape)}, declared {tuple(shape)}")
                 if self._sink is not None:
                     before = self._sink.tell()
-                    _pour(tensor.cpu(), dtype, self._sink, self._stop)
+                    if isinstance(tensor, Streamed):
+                        _pour_stream(tensor, dtype, self._sink, self._stop)
+                    else:
+                        _pour(tensor, dtype, self._sink, self._stop)
                     self._ready.put(self._sink.tell() - before)  # the caller counts the bytes it did not see
                 else:
-                    for piece in _pieces(tensor.cpu(), self._size // max(_row_bytes(shape, dtype), 1)):
+                    for piece in _pieces(tensor, self._size // max(_row_bytes(shape, dtype), 1)):
                         buf = self._take()
                         if buf is None:
                             return

@@ -19,7 +19,7 @@ import torch
 
 from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.base import Reader, TensorInfo, TensorStream, refuse_lfs_pointer
+from gpt2port.formats.base import Reader, TensorInfo, TensorStream, read_whole, refuse_lfs_pointer
 from gpt2port.formats.prefetch import Prefetcher
 from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
@@ -110,30 +110,6 @@ def _entry(path: Path, name: str, info, data_start: int) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
 
 
-def read_tensor(f, entry: TensorInfo, into: torch.Tensor | None = None, loans: hashing.Loans | None = None) -> torch.Tensor:
-    """Read one tensor with positioned reads (no mmap: the source's pages stay out of our RSS).
-
-    into: a reusable uint8 buffer of at least entry.nbytes; the result is then a view of it, valid until the next
-    read into the same buffer. Reusing one buffer saves the page faults of a fresh allocation per tensor. The bytes
-    read are offered to the source's hash if one is running; `loans` keeps track of those lent from `into`.
-    """
-    fresh = into is None
-    raw = torch.empty(entry.nbytes, dtype=torch.uint8) if fresh else into[: entry.nbytes]
-    loans = hashing.Loans() if fresh or loans is None else loans
-    view, done = raw.numpy(), 0
-    while done < entry.nbytes:
-        end = min(done + READ_PIECE, entry.nbytes)
-        loans.reclaim(done, end)  # bytes of an earlier read still being hashed are not overwritten
-        got = os.preadv(f.fileno(), [view[done:end]], entry.offset + done)
-        if not got:
-            raise GPT2PortError(f"{f.name}: short read of tensor {entry.name!r}")
-        loans.offer(f.fileno(), entry.offset + done, done, view[done : done + got])  # one read serves the hash too
-        done += got
-    if fresh:
-        loans.reclaim()  # the caller may change what it gets: the hash must have taken its bytes first
-    return raw.view(entry.dtype).reshape(entry.shape)
-
-
 def encode_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
     """The length-prefixed JSON header for tensors laid out back to back in `entries` order.
 
@@ -166,26 +142,18 @@ def mmap_tensors(header: Header) -> dict[str, torch.Tensor]:
 
 
 class PreadReader(Reader):
-    """A reader of one file whose tensors' offsets are known: each read is one pread, the file opened on first use
-    and never mapped. Subclasses set path and tensors."""
+    """A reader of one file whose tensors' offsets are known: each read is positioned reads (no mmap: the source's
+    pages stay out of our RSS). Subclasses set path and tensors."""
 
-    _file = None
     _loans = None  # pieces of the caller's `into` buffer lent to the source's hash
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
-        if self._file is None:
-            self._file = open(self.path, "rb")
         if self._loans is None:
             self._loans = hashing.Loans()
-        return read_tensor(self._file, self.tensors[name], into, self._loans)
+        return read_whole(self.stream(name), into, self._loans, READ_PIECE)
 
     def stream(self, name: str) -> TensorStream:
         return TensorStream(self.tensors[name])
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 class SafetensorsReader(PreadReader):

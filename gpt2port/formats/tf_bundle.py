@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import re
 import struct
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, TensorStream, refuse_lfs_pointer
+from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, TensorStream, read_whole, refuse_lfs_pointer
 
 TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER = 48
@@ -37,11 +36,10 @@ DTYPE_NAMES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16", 6
                8: "complex64", 9: "int64", 10: "bool", 14: "bfloat16", 19: "float16"}
 
 
-def _crc32c(pieces) -> int:
+def _crc32c(pieces, crc: int = 0) -> int:
     import google_crc32c  # the C implementation: checking a 6 GB checkpoint takes seconds, not hours
 
-    crc = 0
-    for piece in pieces:  # bytes, or buffers it need not release (see _pieces_into)
+    for piece in pieces:  # bytes, or buffers it need not release (see _CheckedStream)
         crc = google_crc32c.extend(crc, piece)
     return crc
 
@@ -261,80 +259,30 @@ class TFBundleReader(Reader):
 
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
-        """One tensor, checked against its crc32c. Into `into` when given (no fresh memory per tensor: at 1.5B
-        parameters, faulting in a new buffer for every tensor costs more than the checksum), the result then a view
-        of it valid until the next read into it; otherwise into fresh memory. The bytes read are offered to the
-        source's hash if one is running (hashing.Loans keeps track of those lent from `into`)."""
-        info = self.tensors[name]
-        if into is not None and into.numel() >= info.nbytes:
-            raw, loans = into[: info.nbytes], self._loans
-        else:
-            raw, loans = torch.empty(info.nbytes, dtype=torch.uint8), hashing.Loans()
-        with open(info.file, "rb", buffering=0) as f:
-            self._check(name, info, _pieces_into(f.fileno(), info.offset, raw, loans))
-        if loans is not self._loans:
-            loans.reclaim()  # the caller may change what it gets: the hash must have taken its bytes first
-        return raw.view(info.dtype).reshape(info.shape)
+        """One tensor, checked against its crc32c, a CHUNK at a time (each piece checked while in cache). Into
+        `into` when given (no fresh memory per tensor: at 1.5B parameters, faulting in a new buffer for every tensor
+        costs more than the checksum); see formats.base.read_whole."""
+        return read_whole(self.stream(name), into, self._loans, CHUNK)
 
     def stream(self, name: str) -> TensorStream:
         return _CheckedStream(self.tensors[name], self._crc[name])
 
-    def _check(self, name: str, info: TensorInfo, pieces) -> None:
-        got = 0
-
-        def counted():
-            nonlocal got
-            for piece in pieces:
-                got += len(piece)
-                yield piece
-
-        crc = masked_crc32c(counted())
-        if got != info.nbytes:
-            raise GPT2PortError(f"{info.file}: ends inside tensor {name!r} (truncated?)")
-        if self._crc[name] is not None and crc != self._crc[name]:
-            raise GPT2PortError(f"{info.file}: tensor {name!r} fails its crc32c check (the file is damaged)")
-
-
-def _pieces_into(fd: int, offset: int, raw: torch.Tensor, loans: hashing.Loans):
-    """Read raw.numel() bytes at `offset` into the uint8 tensor `raw`, a CHUNK at a time, yielding each piece for
-    the checksum while it is in cache and offering it to the hash of the file if one is running (waiting first, if
-    the bytes it overwrites are still on loan to that hash). The checksum library takes only buffers it need not
-    release, so a piece goes to it as a ctypes view of the tensor's memory (no copy). Stops early at the file's end."""
-    view, done = raw.numpy(), 0
-    while done < len(view):
-        end = min(done + CHUNK, len(view))
-        loans.reclaim(done, end)
-        n = os.preadv(fd, [view[done:end]], offset + done)
-        if not n:
-            return
-        loans.offer(fd, offset + done, done, view[done : done + n])  # the source's sha256 takes the same bytes
-        yield (ctypes.c_char * n).from_address(raw.data_ptr() + done)
-        done += n
-
 
 class _CheckedStream(TensorStream):
-    """A tensor streamed piece by piece, its crc32c carried across the pieces and compared at finish()."""
+    """A tensor read piece by piece, its crc32c carried across the pieces and compared at finish()."""
 
     def __init__(self, info: TensorInfo, crc: int | None):
         super().__init__(info)
         self._expected, self._crc = crc, 0
 
     def piece(self, view: memoryview) -> None:
-        super().piece(view)
-        self._crc = self._extend(view)
-
-    def _extend(self, view: memoryview) -> int:
-        import google_crc32c
-
-        piece = (ctypes.c_char * len(view)).from_buffer(view)  # a view the library takes without a copy
-        try:
-            return google_crc32c.extend(self._crc, piece)
-        finally:
-            del piece
+        # The checksum library takes only buffers it need not release: a ctypes view of the bytes is one (no copy).
+        piece = (ctypes.c_char * len(view)).from_buffer(view)
+        self._crc = _crc32c([piece], self._crc)
+        del piece
 
     def finish(self) -> None:
-        if self.done != self.info.nbytes:
-            raise GPT2PortError(f"{self.info.file}: ends inside tensor {self.info.name!r} (truncated?)")
+        super().finish()
         if self._expected is not None and _mask(self._crc) != self._expected:
             raise GPT2PortError(f"{self.info.file}: tensor {self.info.name!r} fails its crc32c check (the file is "
                                 f"damaged)")
