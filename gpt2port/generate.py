@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from gpt2port.decode_step import stepper
 from gpt2port.errors import GPT2PortError
 from gpt2port.model import GPT, KVCache
 from gpt2port.tokenizer import ENDOFTEXT_ID
@@ -87,6 +88,7 @@ def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, t
     # Room for exactly what this call can use: a short generation never allocates the whole context.
     cache = KVCache(model.config, B, min(n_ctx, tokens.size(1) + max_new_tokens), param.dtype, param.device, pad)
     logits = model(tokens, cache=cache, last_only=True)
+    step_one = stepper(model, cache)  # one new token per row: the blocks without Python's per-operation cost
     done = torch.zeros(B, dtype=torch.bool, device=param.device)
     for step in range(max_new_tokens):
         nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)
@@ -98,7 +100,7 @@ def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, t
             return
         tokens = torch.cat([tokens, nxt.view(B, 1)], dim=1)
         if cache.length < cache.max_len:
-            logits = model(tokens[:, -1:], cache=cache, last_only=True)
+            logits = step_one(tokens[:, -1:])
         else:  # the context is full: slide the window and prefill it again
             tokens, pad = _slide(tokens, pad, n_ctx, keep)
             cache.reset(pad)

@@ -1,0 +1,166 @@
+"""One decoding step of gpt2port's GPT with the blocks run by TorchScript instead of Python: the same operations in
+the same order (so the same numbers), minus Python's cost per operation.
+
+A decode step multiplies one token by every weight once; at 124M with int8 weights those products take ~5 ms on two
+cores, and in eager PyTorch the step's other ~250 operations (norms, views, cache writes, attention, residual adds,
+module calls) cost Python and dispatch time of a few microseconds each, ~1.5 ms more. Here the loop over the blocks
+is one TorchScript module that holds every block's weights in lists and calls the same kernels the model's own
+layers call (fbgemm's int8 product, oneDNN's fp32 linear, F.linear otherwise); the embedding, the final norm and the
+head stay the model's own modules. Scripting it takes a few milliseconds, so every `generate` call builds its own.
+
+`stepper(model, cache)` returns the scripted step only for a model it can reproduce exactly: a GPT (not a subclass)
+in eval mode on the CPU, built of the model's own block, norm and linear classes, with no hooks anywhere, and every
+matrix on one kernel. Anything else (a modified model, training, another device, TorchScript missing or failing)
+gets the model's own forward: the step is a speed-up, never a second behaviour. tests/test_decode_step.py holds the
+two to equal logits for every kernel, activation, batch and padding the step accepts.
+"""
+
+# No `from __future__ import annotations` here: TorchScript reads _Blocks' attribute annotations as types, not strings.
+import warnings
+from collections.abc import Callable
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gpt2port import kernels
+from gpt2port.model import GPT, MLP, Block, CausalSelfAttention, KVCache
+
+# The kernels the blocks' products run on, as the model's own Linear layers would choose them.
+PLAIN, ONEDNN, FBGEMM = "plain", "onednn", "fbgemm"
+# The model's activation functions (gpt2port.kernels.ACTIVATIONS' values) by the name the script knows them by.
+_ACTIVATIONS = {kernels._gelu_tanh: "gelu_tanh", F.gelu: "gelu", F.relu: "relu", F.silu: "silu"}
+
+
+class _Blocks(nn.Module):
+    """Every block of one GPT for one new token per row: x (B, C) -> x (B, C), writing each layer's k, v at `length`.
+
+    Per block, what Block.forward does for T=1 in eval mode: x + proj(attention(ln1(x))), then + mlp(ln2(x)).
+    Weights are held per product in block order (qkv, attention proj, fc, mlp proj), norms as (ln1, ln2) pairs.
+    """
+
+    packed: List[torch.classes.quantized.LinearPackedParamsBase]
+    weights: List[torch.Tensor]
+    biases: List[Optional[torch.Tensor]]
+    norms: List[torch.Tensor]
+    scale: Optional[float]
+
+    def __init__(self, model: GPT, kind: str, packed: list, reduce_range: bool):
+        super().__init__()
+        config, layers = model.config, [(b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj) for b in model.blocks]
+        self.kind, self.packed, self.reduce_range = kind, packed, reduce_range
+        self.weights = [] if kind == FBGEMM else [m.weight for layer in layers for m in layer]
+        self.biases = [] if kind == FBGEMM else [m.bias for layer in layers for m in layer]
+        self.norms = [t for b in model.blocks for ln in (b.ln1, b.ln2) for t in (ln.weight, ln.bias)]
+        self.n_head, self.head_dim, self.eps = config.n_head, config.head_dim, float(config.layer_norm_epsilon)
+        self.scale = model.blocks[0].attn.scale
+        self.act = _ACTIVATIONS[model.blocks[0].mlp.act]
+
+    def linear(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if self.kind == "fbgemm":
+            return torch.ops.quantized.linear_dynamic(x, self.packed[i], self.reduce_range)
+        if self.kind == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weights[i], self.biases[i], "none", [], "")
+        return F.linear(x, self.weights[i], self.biases[i])
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act == "gelu_tanh":
+            return F.gelu(x, approximate="tanh")
+        if self.act == "gelu":
+            return F.gelu(x)
+        if self.act == "relu":
+            return F.relu(x)
+        return F.silu(x)
+
+    def norm(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        return F.layer_norm(x, [x.size(1)], self.norms[2 * i], self.norms[2 * i + 1], self.eps)
+
+    def forward(self, x: torch.Tensor, length: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                mask: Optional[torch.Tensor]) -> torch.Tensor:
+        B, C = x.size(0), x.size(1)
+        for layer in range(k_cache.size(0)):
+            # (B, 3C) -> q, k, v (B, H, 1, D): with one position, no permute is needed to reach SDPA's layout
+            q, k, v = self.linear(self.norm(x, 2 * layer), 4 * layer).view(B, 3, self.n_head, 1, self.head_dim) \
+                .unbind(1)
+            keys, values = k_cache[layer], v_cache[layer]
+            keys.narrow(2, length, 1).copy_(k)
+            values.narrow(2, length, 1).copy_(v)
+            y = F.scaled_dot_product_attention(q, keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1),
+                                               attn_mask=mask, scale=self.scale)
+            x = x + self.linear(y.transpose(1, 2).reshape(B, C), 4 * layer + 1)
+            h = self.activation(self.linear(self.norm(x, 2 * layer + 1), 4 * layer + 2))
+            x = x + self.linear(h, 4 * layer + 3)
+        return x
+
+
+def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function idx (B, 1) -> logits (B, 1, vocab) doing what model(idx, cache=cache, last_only=True) does:
+    the scripted step where the model is one it reproduces exactly (see the module's docstring), else that call."""
+    blocks = _scripted_blocks(model, cache)
+    if blocks is None:
+        return lambda idx: model(idx, cache=cache, last_only=True)
+
+    def step(idx: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # the model's Linear picks another kernel under autograd; so does this
+            return model(idx, cache=cache, last_only=True)
+        B = idx.size(0)
+        x = model.embed(idx, cache.length, cache.pad).view(B, -1)
+        mask, _ = cache.attn_mask(1, idx.device)
+        with torch.jit.optimized_execution(False):  # no profiling runs: each step's key count is a new shape
+            x = blocks(x, cache.length, cache.k, cache.v, mask)
+        cache.length += 1
+        return model.lm_head(model.final_norm(x)).view(B, 1, -1)
+
+    return step
+
+
+def _scripted_blocks(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
+    kind = _kind(model, cache)
+    if kind is None:
+        return None
+    packed, reduce_range = [], False
+    if kind == FBGEMM:
+        from gpt2port import quant
+
+        packed = [m._packed for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
+        reduce_range = quant._reduce_range()
+    try:
+        with warnings.catch_warnings():  # PyTorch marks TorchScript deprecated; where it is gone, the plain forward
+            warnings.simplefilter("ignore")
+            return torch.jit.script(_Blocks(model, kind, packed, reduce_range))
+    except Exception:  # noqa: BLE001 -- failing to script only costs speed
+        return None
+
+
+def _kind(model: GPT, cache: KVCache) -> str | None:
+    """The kernel every product of the blocks runs on, or None where the scripted step would not be the model."""
+    if type(model) is not GPT or any(m.training for m in model.modules()) or cache.k.device.type != "cpu" or \
+            not model.blocks or model.blocks[0].mlp.act not in _ACTIVATIONS or _hooked(model):
+        return None
+    for block in model.blocks:
+        parts = [(block, Block), (block.attn, CausalSelfAttention), (block.mlp, MLP), (block.ln1, nn.LayerNorm),
+                 (block.ln2, nn.LayerNorm), (block.attn.resid_dropout, nn.Dropout), (block.mlp.dropout, nn.Dropout)]
+        if any(type(m) is not cls for m, cls in parts) or block.ln1.weight is None or block.ln2.weight is None:
+            return None
+    linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
+    if all(type(m) is kernels.Linear for m in linears):
+        dtypes = {m.weight.dtype for m in linears} | {cache.k.dtype}
+        if len(dtypes) != 1:
+            return None
+        return ONEDNN if dtypes == {torch.float32} and kernels.onednn_linear_enabled() else PLAIN
+    from gpt2port.quant import Int8Linear
+
+    # Int8Linear runs one row on fbgemm and several on another kernel (see gpt2port.quant): one row only here.
+    if cache.k.size(1) == 1 and all(type(m) is Int8Linear and m._packed is not None for m in linears):
+        return FBGEMM
+    return None
+
+
+def _hooked(model: nn.Module) -> bool:
+    """Whether any hook would run in the model's own forward (the scripted step would skip it)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
