@@ -11,8 +11,10 @@ head stay the model's own modules. Scripting it takes a few milliseconds, so eve
 `stepper(model, cache)` returns the scripted step only for a model it can reproduce exactly: a GPT (not a subclass)
 in eval mode on the CPU, built of the model's own block, norm and linear classes, with no hooks anywhere, and every
 matrix on one kernel. Anything else (a modified model, training, another device, TorchScript missing or failing)
-gets the model's own forward: the step is a speed-up, never a second behaviour. tests/test_decode_step.py holds the
-two to equal logits for every kernel, activation, batch and padding the step accepts.
+gets the model's own forward: the step is a speed-up, never a second behaviour. This is checked when the step is
+built, at the start of each generation: a hook added while one is under way is seen from the next.
+tests/test_decode_step.py holds the two to equal logits for every kernel, activation, batch and padding the step
+accepts.
 """
 
 # No `from __future__ import annotations` here: TorchScript reads _Blocks' attribute annotations as types, not strings.
@@ -27,6 +29,8 @@ import torch.nn.functional as F
 from gpt2port import kernels
 from gpt2port.model import GPT, MLP, Block, CausalSelfAttention, KVCache
 
+# Take the scripted step where it applies; a switch for comparisons and debugging (False: always the model's forward).
+SCRIPTED = True
 # The kernels the blocks' products run on, as the model's own Linear layers would choose them.
 PLAIN, ONEDNN, FBGEMM = "plain", "onednn", "fbgemm"
 # The model's activation functions (gpt2port.kernels.ACTIVATIONS' values) by the name the script knows them by.
@@ -97,7 +101,7 @@ class _Blocks(nn.Module):
 def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function idx (B, 1) -> logits (B, 1, vocab) doing what model(idx, cache=cache, last_only=True) does:
     the scripted step where the model is one it reproduces exactly (see the module's docstring), else that call."""
-    blocks = _scripted_blocks(model, cache)
+    blocks = _scripted_blocks(model, cache) if SCRIPTED else None
     if blocks is None:
         return lambda idx: model(idx, cache=cache, last_only=True)
 

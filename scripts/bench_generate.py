@@ -5,14 +5,18 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
 
   decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill.
            Contenders: gpt2port fp32 (its Linear layers on oneDNN, the default), gpt2port fp32 with
-           gpt2port.kernels.USE_ONEDNN = False (F.linear, i.e. MKL, as HF uses), HF generate fp32; they alternate run
-           by run, so all see the same machine load, and the best run of each counts. Then gpt2port bf16. Then
-           (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")) and, when llama-cpp-python is installed,
-           llama.cpp on the same weights exported to GGUF q8_0, greedy through its own sampler, interleaved likewise.
+           gpt2port.kernels.USE_ONEDNN = False (F.linear, i.e. MKL, as HF uses), HF generate fp32, and gpt2port fp32
+           with gpt2port.decode_step.SCRIPTED = False (every step through the model's own forward, as before the
+           scripted step); they alternate run by run, so all see the same machine load, and the best run of each
+           counts. Then gpt2port bf16. Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same
+           with its eager step, and, when llama-cpp-python is installed, llama.cpp on the same weights exported to
+           GGUF q8_0, greedy through its own sampler, interleaved likewise.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
            fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the faster of F.linear and
-           oneDNN). int8 and q8_0 stream their own encodings: about a quarter of the fp32 bytes.
+           oneDNN), probed at the start and again in every round, its best counting as each rate's best does (one
+           probe caught in a burst of load elsewhere once put fp32 at "97% of the floor"). int8 and q8_0 stream
+           their own encodings: about a quarter of the fp32 bytes.
   step     for gpt2port fp32 and int8: a step's time (1 / tokens/s, the prefill spread over the tokens) beside
            that of its matrix products alone, back to back: the difference is attention, norms, Python, dispatch.
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+import gpt2port.decode_step
 import gpt2port.kernels
 from gpt2port import GPT, convert, export
 from gpt2port.generate import steps
@@ -48,6 +53,7 @@ from scripts import hf_fixtures
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
 OURS_INT8, LLAMA_Q8 = "gpt2port int8", "llama.cpp q8_0"
+EAGER, INT8_EAGER = "gpt2port fp32, eager step", "gpt2port int8, eager step"
 
 
 def _sync() -> None:
@@ -86,6 +92,17 @@ def without_onednn(fn):
     return run
 
 
+def eager_step(fn):
+    """fn with every decode step through the model's own forward (gpt2port.decode_step.SCRIPTED off)."""
+    def run(*args):
+        gpt2port.decode_step.SCRIPTED = False
+        try:
+            return fn(*args)
+        finally:
+            gpt2port.decode_step.SCRIPTED = True
+    return run
+
+
 def prefill_seconds(forward, idx: torch.Tensor) -> float:
     with torch.inference_mode():
         return timed(lambda: forward(idx), idx.device)
@@ -105,8 +122,9 @@ def prepare(size: str, root: Path) -> tuple[Path, Path]:
     return hf_dir, ckpt
 
 
-def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: str) -> dict:
-    """Decode and prefill rates of each contender; the fp32 ones run interleaved, repeat by repeat."""
+def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], device: str) -> dict:
+    """Decode and prefill rates of each contender; the fp32 ones run interleaved, repeat by repeat. The bandwidth
+    probe runs in every round too (appended to `bandwidths`): the floor is its best, as each rate is its best run."""
     from transformers import GPT2LMHeadModel
 
     hf_dir, ckpt = prepare(size, root)
@@ -118,7 +136,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
     long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g).to(device)
     fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
             MKL: (without_onednn(lambda p: ours_decode(ours, p)), without_onednn(ours)),
-            HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits)}
+            HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits),
+            EAGER: (eager_step(lambda p: ours_decode(ours, p)), None)}  # decode only: its prefill is OURS's
     if device != "cpu":  # oneDNN vs MKL is a CPU question
         del fp32[MKL]
 
@@ -126,18 +145,21 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
     with torch.inference_mode():
         for decode, forward in fp32.values():
             decode(prompt[:, :4])
-            forward(long[:, :64])
+            if forward is not None:
+                forward(long[:, :64])
     # Round-robin, decode then prefill, so a burst of load elsewhere on the machine hits every contender alike;
     # the best run of each is its speed on a quiet machine.
     rates, prefill, tokens = {name: [] for name in fp32}, {name: [] for name in fp32}, {}
     for r in range(repeats):
+        bandwidths.append(matvec_bandwidth(device, repeats=5))
         for name, (decode, forward) in fp32.items():
             rate, tokens[name] = decode(prompt)
             rates[name].append(rate)
-            prefill[name].append(prefill_seconds(forward, long))
+            if forward is not None:
+                prefill[name].append(prefill_seconds(forward, long))
         print(f"[{size}] run {r + 1}/{repeats}: " + ", ".join(
             f"{k} {v[-1]:.2f} tokens/s, prefill {prefill[k][-1]:.2f} s" for k, v in rates.items()), file=sys.stderr)
-    prefill = {name: min(v) for name, v in prefill.items()}
+    prefill = {name: min(v) for name, v in prefill.items() if v}
     bytes_per_token = {name: weight_bytes_per_token(ours) for name in fp32}
     products_ms = {OURS: products_alone_ms(ours)}
     del hf, ours
@@ -150,14 +172,16 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
     del bf16
     gc.collect()
     if device == "cpu":
-        quantized_rounds(size, ckpt, root, prompt, repeats, rates, tokens, bytes_per_token, products_ms)
+        quantized_rounds(size, ckpt, root, prompt, repeats, rates, tokens, bytes_per_token, products_ms, bandwidths)
 
     best = {k: max(v) for k, v in rates.items()}
+    bandwidth = max(bandwidths)
     return {
         "size": size,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "tokens_per_s": best,
         "all_runs": rates,
+        "bandwidth_bytes_per_s": bandwidth,
         "vs_hf": {k: best[k] / best[HF] for k in best},
         "floor_tokens_per_s": {k: bandwidth / b for k, b in bytes_per_token.items()},
         "fraction_of_floor": {k: best[k] / (bandwidth / bytes_per_token[k]) for k in best},
@@ -172,13 +196,13 @@ def bench_size(size: str, root: Path, repeats: int, bandwidth: float, device: st
 
 
 def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, repeats: int, rates: dict,
-                     tokens: dict, bytes_per_token: dict, products_ms: dict) -> None:
+                     tokens: dict, bytes_per_token: dict, products_ms: dict, bandwidths: list[float]) -> None:
     """gpt2port int8 and, when llama-cpp-python is installed, llama.cpp on the same weights exported as q8_0 GGUF,
     interleaved round by round like the fp32 contenders."""
     int8 = GPT.from_pretrained(ckpt, dtype="int8")
     products_ms[OURS_INT8] = products_alone_ms(int8)
-    contenders = {OURS_INT8: lambda p: ours_decode(int8, p)}
-    bytes_per_token[OURS_INT8] = weight_bytes_per_token(int8)
+    contenders = {OURS_INT8: lambda p: ours_decode(int8, p), INT8_EAGER: eager_step(lambda p: ours_decode(int8, p))}
+    bytes_per_token[OURS_INT8] = bytes_per_token[INT8_EAGER] = weight_bytes_per_token(int8)
     llama = _llama_q8(ckpt, root / f"{size}-q8_0")
     if llama is not None:
         llm, bytes_per_token[LLAMA_Q8] = llama
@@ -190,6 +214,7 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
     for name in contenders:
         rates[name] = []
     for r in range(repeats):
+        bandwidths.append(matvec_bandwidth("cpu", repeats=5))
         for name, decode in contenders.items():
             rate, tokens[name] = decode(prompt)
             rates[name].append(rate)
@@ -279,17 +304,17 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(args.threads)
 
-    bandwidth = matvec_bandwidth(args.device)
+    bandwidths = [matvec_bandwidth(args.device)]
     print(f"torch {torch.__version__}, {args.device}, {args.threads} CPU threads, "
-          f"fp32 matvec bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"fp32 matvec bandwidth {bandwidths[0] / 1e9:.1f} GB/s (probed again each round; the best counts)")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
         root = args.workdir or Path(tmp)
         for size in args.sizes.split(","):
-            results.append(bench_size(size.strip(), root, args.repeats, bandwidth, args.device))
+            results.append(bench_size(size.strip(), root, args.repeats, bandwidths, args.device))
             print(report(results[-1]), flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "bandwidth_bytes_per_s": bandwidth,
+        args.json.write_text(json.dumps({"threads": args.threads, "bandwidth_bytes_per_s": max(bandwidths),
                                          "torch": torch.__version__, "results": results}, indent=2))
 
 

@@ -159,9 +159,11 @@ def test_generation_is_the_same_with_and_without_the_step(monkeypatch):
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13]]
     kwargs = dict(max_new_tokens=70, temperature=0.9, top_k=40, seed=3, stop_token=None, keep=20)
     built, scripted_blocks = [], decode_step._scripted_blocks
-    monkeypatch.setattr(decode_step, "_scripted_blocks", lambda *args: built.append(scripted_blocks(*args)) or built[-1])
+    monkeypatch.setattr(decode_step, "_scripted_blocks",
+                        lambda *args: built.append(scripted_blocks(*args)) or built[-1])
     fast = generate(model, prompts, **kwargs)
     assert len(built) == 1 and built[0] is not None  # generation did take the scripted step
-    monkeypatch.setattr(decode_step, "_scripted_blocks", lambda model, cache: None)
+    monkeypatch.setattr(decode_step, "SCRIPTED", False)  # the switch: every step through the model's forward
     assert fast == generate(model, prompts, **kwargs)
+    assert len(built) == 1  # not even attempted
     assert all(len(row) == 70 for row in fast)
