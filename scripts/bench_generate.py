@@ -81,26 +81,24 @@ def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
     return NEW_TOKENS / seconds, out[0, prompt.size(1):].tolist()
 
 
-def without_onednn(fn):
-    """fn with gpt2port's Linear layers on F.linear (MKL), as everyone else's."""
-    def run(*args):
-        gpt2port.kernels.USE_ONEDNN = False
-        try:
-            return fn(*args)
-        finally:
-            gpt2port.kernels.USE_ONEDNN = True
-    return run
+def switched(module, name: str, value):
+    """A wrapper running fn with module.name set to value (then restored): a contender on another code path."""
+    def wrap(fn):
+        def run(*args):
+            before = getattr(module, name)
+            setattr(module, name, value)
+            try:
+                return fn(*args)
+            finally:
+                setattr(module, name, before)
+        return run
+    return wrap
 
 
-def eager_step(fn):
-    """fn with every decode step through the model's own forward (gpt2port.decode_step.SCRIPTED off)."""
-    def run(*args):
-        gpt2port.decode_step.SCRIPTED = False
-        try:
-            return fn(*args)
-        finally:
-            gpt2port.decode_step.SCRIPTED = True
-    return run
+# fn with gpt2port's Linear layers on F.linear (MKL), as everyone else's
+without_onednn = switched(gpt2port.kernels, "USE_ONEDNN", False)
+# fn with every decode step through the model's own forward (the scripted step off)
+eager_step = switched(gpt2port.decode_step, "SCRIPTED", False)
 
 
 def prefill_seconds(forward, idx: torch.Tensor) -> float:
