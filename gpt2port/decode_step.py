@@ -52,10 +52,10 @@ class _Blocks(nn.Module):
 
     def __init__(self, model: GPT, kind: str, packed: list, reduce_range: bool):
         super().__init__()
-        config, layers = model.config, [(b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj) for b in model.blocks]
+        config, linears = model.config, _linears(model)
         self.kind, self.packed, self.reduce_range = kind, packed, reduce_range
-        self.weights = [] if kind == FBGEMM else [m.weight for layer in layers for m in layer]
-        self.biases = [] if kind == FBGEMM else [m.bias for layer in layers for m in layer]
+        self.weights = [] if kind == FBGEMM else [m.weight for m in linears]
+        self.biases = [] if kind == FBGEMM else [m.bias for m in linears]
         self.norms = [t for b in model.blocks for ln in (b.ln1, b.ln2) for t in (ln.weight, ln.bias)]
         self.n_head, self.head_dim, self.eps = config.n_head, config.head_dim, float(config.layer_norm_epsilon)
         self.scale = model.blocks[0].attn.scale
@@ -127,7 +127,7 @@ def _scripted_blocks(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | Non
     if kind == FBGEMM:
         from gpt2port import quant
 
-        packed = [m._packed for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
+        packed = [m._packed for m in _linears(model)]
         reduce_range = quant._reduce_range()
     try:
         with warnings.catch_warnings():  # PyTorch marks TorchScript deprecated; where it is gone, the plain forward
@@ -147,7 +147,7 @@ def _kind(model: GPT, cache: KVCache) -> str | None:
                  (block.ln2, nn.LayerNorm), (block.attn.resid_dropout, nn.Dropout), (block.mlp.dropout, nn.Dropout)]
         if any(type(m) is not cls for m, cls in parts) or block.ln1.weight is None or block.ln2.weight is None:
             return None
-    linears = [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
+    linears = _linears(model)
     if all(type(m) is kernels.Linear for m in linears):
         dtypes = {m.weight.dtype for m in linears} | {cache.k.dtype}
         if len(dtypes) != 1:
@@ -159,6 +159,11 @@ def _kind(model: GPT, cache: KVCache) -> str | None:
     if cache.k.size(1) == 1 and all(type(m) is Int8Linear and m._packed is not None for m in linears):
         return FBGEMM
     return None
+
+
+def _linears(model: GPT) -> list[nn.Module]:
+    """The blocks' matrices in the order _Blocks indexes them: per block qkv, attention proj, fc, mlp proj."""
+    return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
 
 
 def _hooked(model: nn.Module) -> bool:
