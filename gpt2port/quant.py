@@ -19,7 +19,9 @@ How the products run, by the number of rows (tokens) they multiply:
   (that took 4.3 s of a 17-token prefill at 1.5B, 1.0 s in blocks).
 
 Quantization happens at load, from the checkpoint's tensors in whatever dtype they are stored, one matrix at a time,
-read into one reusable buffer: peak memory is the int8 model plus one stored matrix, never the fp32 model.
+read into one reusable buffer: peak memory is the int8 model plus one stored matrix, never the fp32 model. The int8
+matrices and fbgemm's packed copies are allocated in 2 MB pages where the system allows (gpt2port.hugepages): a
+decode step reads them all, and with 4 KB pages it also walks page tables for most of them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.hugepages import huge_pages
 
 INT8 = "int8"
 # The fallback kernel's activations: bf16, the 16-bit type x86 CPUs compute natively (its fp16 path: >10x slower).
@@ -42,6 +45,9 @@ FEW_ROWS = 16
 # Output rows dequantized per block for many-row products: at 1024, a block of the widest GPT-2 matrix (6400 inputs)
 # is 26 MB of fp32; smaller blocks were slower on 1.5B's matrices (64 rows: up to 1.4x, 256: up to 1.2x).
 BLOCK_ROWS = 1024
+# Room beside the int8 matrices and their packed copies for what quantizing them allocates on the way (the fp32 rows
+# of quantize_rows' chunks: 2 x 4096 rows x 6400 x 4 bytes at most).
+SCRATCH_BYTES = 256 << 20
 
 
 def quantize_rows(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,18 +205,12 @@ def quantized_model(cls, path, device=None):
     # count in this process's memory, so the peak is the int8 model plus one matrix, not the checkpoint's size.
     reader = SafetensorsReader(ckpt_dir / WEIGHTS)
     buffer = torch.empty(reader.largest(), dtype=torch.uint8)
+    names = linear_names(model)
+    int8_bytes = sum(model.get_submodule(name).weight.numel() for name in names)  # the head is the embedding
     try:
-        names = linear_names(model)
-        for name in names:
-            if name == "lm_head":
-                continue
-            owner, attr = _owner(model, name)
-            bias = reader.read(f"{name}.bias").float() if f"{name}.bias" in reader.tensors else None
-            setattr(owner, attr, Int8Linear.from_float(reader.read(f"{name}.weight", into=buffer), bias))
-        head = Int8Linear.from_float(reader.read("tok_emb.weight", into=buffer), None)
-        model.lm_head, model.tok_emb = head, Int8Embedding(head)
-        done = {f"{n}.{part}" for n in names for part in ("weight", "bias")} | {"tok_emb.weight"}
-        rest = {k: reader.read(k).float() for k in reader.tensors if k not in done}  # norms, position table
+        # The int8 matrices and fbgemm's packed copies in 2 MB pages where the system allows (gpt2port.hugepages).
+        with huge_pages(2 * int8_bytes + SCRATCH_BYTES):
+            rest = _quantize_matrices(model, names, reader, buffer)
     finally:
         reader.close()
     missing, unexpected = model.load_state_dict(rest, assign=True, strict=False)
@@ -220,6 +220,21 @@ def quantized_model(cls, path, device=None):
     model.checkpoint_dir = ckpt_dir
     model.quantized = INT8
     return model.eval()
+
+
+def _quantize_matrices(model: nn.Module, names: list[str], reader, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every matrix of the model made int8 in place (the head once, shared with the embedding); returns the other
+    tensors (norms, the position table) in fp32, to be loaded as they are."""
+    for name in names:
+        if name == "lm_head":
+            continue
+        owner, attr = _owner(model, name)
+        bias = reader.read(f"{name}.bias").float() if f"{name}.bias" in reader.tensors else None
+        setattr(owner, attr, Int8Linear.from_float(reader.read(f"{name}.weight", into=buffer), bias))
+    head = Int8Linear.from_float(reader.read("tok_emb.weight", into=buffer), None)
+    model.lm_head, model.tok_emb = head, Int8Embedding(head)
+    done = {f"{n}.{part}" for n in names for part in ("weight", "bias")} | {"tok_emb.weight"}
+    return {k: reader.read(k).float() for k in reader.tensors if k not in done}
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
