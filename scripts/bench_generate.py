@@ -9,7 +9,8 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            with gpt2port.decode_step.SCRIPTED = False (every step through the model's own forward, as before the
            scripted step); they alternate run by run, so all see the same machine load, and the best run of each
            counts. Then gpt2port bf16. Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same
-           with its eager step, and, when llama-cpp-python is installed, llama.cpp on the same weights exported to
+           with its eager step, the same loaded with its matrices in 4 KB pages (gpt2port.hugepages.ENABLED = False:
+           as before that module), and, when llama-cpp-python is installed, llama.cpp on the same weights exported to
            GGUF q8_0, greedy through its own sampler, interleaved likewise.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 import gpt2port.decode_step
+import gpt2port.hugepages
 import gpt2port.kernels
 from gpt2port import GPT, convert, export
 from gpt2port.generate import steps
@@ -54,6 +56,7 @@ PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
 OURS_INT8, LLAMA_Q8 = "gpt2port int8", "llama.cpp q8_0"
 EAGER, INT8_EAGER = "gpt2port fp32, eager step", "gpt2port int8, eager step"
+INT8_SMALL_PAGES = "gpt2port int8, 4 KB pages"
 
 
 def _sync() -> None:
@@ -84,11 +87,11 @@ def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
 def switched(module, name: str, value):
     """A wrapper running fn with module.name set to value (then restored): a contender on another code path."""
     def wrap(fn):
-        def run(*args):
+        def run(*args, **kwargs):
             before = getattr(module, name)
             setattr(module, name, value)
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
                 setattr(module, name, before)
         return run
@@ -156,7 +159,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
             if forward is not None:
                 prefill[name].append(prefill_seconds(forward, long))
         print(f"[{size}] run {r + 1}/{repeats}: " + ", ".join(
-            f"{k} {v[-1]:.2f} tokens/s, prefill {prefill[k][-1]:.2f} s" for k, v in rates.items()), file=sys.stderr)
+            f"{k} {v[-1]:.2f} tokens/s" + (f", prefill {prefill[k][-1]:.2f} s" if prefill[k] else "")
+            for k, v in rates.items()), file=sys.stderr)
     prefill = {name: min(v) for name, v in prefill.items() if v}
     bytes_per_token = {name: weight_bytes_per_token(ours) for name in fp32}
     products_ms = {OURS: products_alone_ms(ours)}
@@ -197,10 +201,15 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
                      tokens: dict, bytes_per_token: dict, products_ms: dict, bandwidths: list[float]) -> None:
     """gpt2port int8 and, when llama-cpp-python is installed, llama.cpp on the same weights exported as q8_0 GGUF,
     interleaved round by round like the fp32 contenders."""
+    # The same weights loaded as before gpt2port.hugepages, every matrix in 4 KB pages: loaded first, as the 2 MB
+    # pages' region stays marked once the other load is done, and a later load's memory may come from it.
+    small_pages = switched(gpt2port.hugepages, "ENABLED", False)(GPT.from_pretrained)(ckpt, dtype="int8")
     int8 = GPT.from_pretrained(ckpt, dtype="int8")
     products_ms[OURS_INT8] = products_alone_ms(int8)
-    contenders = {OURS_INT8: lambda p: ours_decode(int8, p), INT8_EAGER: eager_step(lambda p: ours_decode(int8, p))}
-    bytes_per_token[OURS_INT8] = bytes_per_token[INT8_EAGER] = weight_bytes_per_token(int8)
+    contenders = {OURS_INT8: lambda p: ours_decode(int8, p), INT8_EAGER: eager_step(lambda p: ours_decode(int8, p)),
+                  INT8_SMALL_PAGES: lambda p: ours_decode(small_pages, p)}
+    bytes_per_token[OURS_INT8] = bytes_per_token[INT8_EAGER] = bytes_per_token[INT8_SMALL_PAGES] = \
+        weight_bytes_per_token(int8)
     llama = _llama_q8(ckpt, root / f"{size}-q8_0")
     if llama is not None:
         llm, bytes_per_token[LLAMA_Q8] = llama
