@@ -16,7 +16,9 @@ made next are carved from:
    exit. Blocks that glibc took from free memory elsewhere in its heap are held until the exit too.
 
 Freed, the blocks merge into one free region, from which glibc then serves this thread's large and small requests
-first (it uses free memory before growing the heap or mapping more). On exit the held blocks are freed and glibc is
+(it uses free memory before growing the heap or mapping more). glibc picks the smallest free block that fits, so in
+a process whose heap already holds free blocks of its own, some allocations land there instead, in whatever pages
+those have: a model loaded early in a program, as usual, gets the most from this. On exit the held blocks are freed and glibc is
 asked to return unused free pages (malloc_trim), so what the load did not use costs no memory after it.
 
 Where any step does not hold (not Linux, not glibc, THP "always" or "never", another thread than the main one,

@@ -1,16 +1,23 @@
 """2 MB pages for the int8 weights (gpt2port.hugepages): what is allocated inside huge_pages() lies in huge pages
 where the system allows it, nothing changes where it does not or when switched off, and an int8 model loaded that
-way holds most of its matrices in huge pages and computes exactly what one loaded without does.
+way holds its matrices in huge pages and computes exactly what one loaded without does.
 
 The kernel reports each mapping's huge pages in /proc/self/smaps; these tests read it. They run where the system
-can give 2 MB pages on request (Linux, glibc, transparent huge pages in "madvise" mode) and skip elsewhere.
+can give 2 MB pages on request (Linux, glibc, transparent huge pages in "madvise" mode) and skip elsewhere. Where
+memory lands depends on what the heap already holds (glibc serves a request from the smallest free block that fits,
+which may be one left by an earlier test), so the placement checks run in a fresh interpreter, as a user's program
+loading a model starts.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +51,14 @@ def marked_bytes() -> int:
     return sum(end - start for start, end, b in mappings() if " hg" in re.search(r"VmFlags:(.*)", b).group(1))
 
 
+def in_fresh_python(code: str) -> dict:
+    """Run `code` (which prints one JSON line last) in a new interpreter from the repository root; its result."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def filled(nbytes: int) -> torch.Tensor:
     t = torch.empty(nbytes, dtype=torch.uint8)
     t.fill_(1)  # pages are backed when first touched
@@ -52,11 +67,17 @@ def filled(nbytes: int) -> torch.Tensor:
 
 @needs_madvise_thp
 def test_allocations_inside_lie_in_huge_pages():
-    with hugepages.huge_pages(64 * MB) as marked:
-        t = filled(16 * MB)
-    assert marked
-    # The region starts up to 2 MB before its first 2 MB boundary: look 8 MB into the tensor.
-    assert huge_kib_at(t.data_ptr() + 8 * MB) >= 4 * 1024
+    got = in_fresh_python("""
+import json
+from gpt2port import hugepages
+from tests.test_hugepages import MB, filled, huge_kib_at
+with hugepages.huge_pages(64 * MB) as marked:
+    t = filled(16 * MB)
+# The region starts up to 2 MB before its first 2 MB boundary: look 8 MB into the tensor.
+print(json.dumps({"marked": marked, "huge_kib": huge_kib_at(t.data_ptr() + 8 * MB)}))
+""")
+    assert got["marked"]
+    assert got["huge_kib"] >= 4 * 1024
 
 
 @needs_madvise_thp
@@ -84,11 +105,22 @@ def test_other_threads_are_left_alone():
 
 
 @needs_madvise_thp
-def test_int8_model_matrices_in_huge_pages_and_same_numbers(gpt2_ckpt, monkeypatch):
+def test_int8_model_matrices_in_huge_pages(gpt2_ckpt):
+    got = in_fresh_python(f"""
+import json
+from gpt2port import GPT
+from tests.test_hugepages import MB, huge_kib_at
+model = GPT.from_pretrained({str(gpt2_ckpt)!r}, dtype="int8")
+# The head (50257 x 768 int8, 37 MB) and a block's matrix; fbgemm packs each right after it.
+print(json.dumps({{"head": huge_kib_at(model.lm_head.weight.data_ptr() + 16 * MB),
+                  "fc": huge_kib_at(model.blocks[5].mlp.fc.weight.data_ptr())}}))
+""")
+    assert got["head"] >= 16 * 1024
+    assert got["fc"] > 0
+
+
+def test_int8_model_in_huge_pages_computes_the_same(gpt2_ckpt, monkeypatch):
     model = GPT.from_pretrained(gpt2_ckpt, dtype="int8")
-    # The head (50257 x 768 int8, 37 MB) and a block's matrix, allocated inside; fbgemm packs each right after.
-    assert huge_kib_at(model.lm_head.weight.data_ptr() + 16 * MB) >= 16 * 1024
-    assert huge_kib_at(model.blocks[5].mlp.fc.weight.data_ptr()) > 0
     monkeypatch.setattr(hugepages, "ENABLED", False)
     plain = GPT.from_pretrained(gpt2_ckpt, dtype="int8")
     ids = torch.tensor([[464, 3290, 318, 257]])
