@@ -18,14 +18,15 @@ made next are carved from:
 Freed, the blocks merge into one free region, from which glibc then serves this thread's large and small requests
 (it uses free memory before growing the heap or mapping more). glibc picks the smallest free block that fits, so in
 a process whose heap already holds free blocks of its own, some allocations land there instead, in whatever pages
-those have: a model loaded early in a program, as usual, gets the most from this. On exit the held blocks are freed and glibc is
-asked to return unused free pages (malloc_trim), so what the load did not use costs no memory after it.
+those have: a model loaded early in a program, as usual, gets the most from this. On exit the held blocks are
+freed and glibc is asked to return unused free pages (malloc_trim), so what the load did not use costs no memory.
 
 Where any step does not hold (not Linux, not glibc, THP "always" or "never", another thread than the main one,
 whose allocations go to another of glibc's arenas, blocks not laid out one after another) nothing is marked and
 everything is allocated as before: only the speed differs, never a number. Measured on the 2-core EPYC VM the
-README names: int8 decoding 6-13% faster at 124M, ~4% at 1.5B; fp32 (oneDNN on the checkpoint's own mapped pages)
-was not measurably faster in 2 MB pages and is left as it is.
+README names (scripts/bench_generate.py, which times the int8 model loaded both ways): int8 decoding 4-19% faster
+at 124M round by round, ~6% at 1.5B. fp32 (oneDNN, on the checkpoint's own mapped pages) was not measurably faster
+at 124M with its weights copied into 2 MB pages, and is left as it is.
 """
 
 from __future__ import annotations
