@@ -143,8 +143,8 @@ def _fbgemm_linear():
     """fbgemm's dynamic int8 linear, called through a TorchScript function. Called from Python, PyTorch looks up
     __torch_function__ on each argument, and on the packed weight (a TorchScript object) that lookup fails by way of
     a C++ exception (13.8 against 5.3 us for a small product; a 124M decode step, 49 products, measured 0.8 ms
-    shorter through the compiled function, which hands the object straight to the kernel). PyTorch marks TorchScript deprecated; where scripting fails or is gone, the plain
-    op call (slower, same result)."""
+    shorter through the compiled function, which hands the object straight to the kernel). PyTorch marks TorchScript
+    deprecated; where scripting fails or is gone, the plain op call (slower, same result)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
