@@ -1,23 +1,23 @@
-"""One decoding step of gpt2port's GPT with the blocks run by TorchScript instead of Python: the same operations in
-the same order (so the same numbers), minus Python's cost per operation.
+"""One decoding step of gpt2port's GPT run by TorchScript instead of Python: the same operations in the same order
+(so the same numbers), minus Python's cost per operation.
 
 A decode step multiplies one token by every weight once; at 124M with int8 weights those products take ~5 ms on two
-cores, and in eager PyTorch the step's other ~250 operations (norms, views, cache writes, attention, residual adds,
-module calls) cost Python and dispatch time of a few microseconds each, ~1.5 ms more. Here the loop over the blocks
-is one TorchScript module that holds every block's weights in lists and calls the same kernels the model's own
-layers call (fbgemm's int8 product, oneDNN's fp32 linear, F.linear otherwise); the embedding, the final norm and the
-head stay the model's own modules. Scripting it takes a few milliseconds, so every `generate` call builds its own.
+cores, and in eager PyTorch the step's other ~250 operations (embedding, norms, views, cache writes, attention,
+residual adds, module calls) cost Python and dispatch time of a few microseconds each, ~1.5 ms more. Here the whole
+step, from the token ids to the logits, is one TorchScript module that holds the model's weights in lists and calls
+the same kernels the model's own layers call (fbgemm's int8 product, oneDNN's fp32 linear, F.linear otherwise).
+Scripting it takes a few milliseconds, so every `generate` call builds its own.
 
 `stepper(model, cache)` returns the scripted step only for a model it can reproduce exactly: a GPT (not a subclass)
-in eval mode on the CPU, built of the model's own block, norm and linear classes, with no hooks anywhere, and every
-matrix on one kernel. Anything else (a modified model, training, another device, TorchScript missing or failing)
-gets the model's own forward: the step is a speed-up, never a second behaviour. This is checked when the step is
-built, at the start of each generation: a hook added while one is under way is seen from the next.
+in eval mode on the CPU, built of the model's own embedding, block, norm and linear classes, with no hooks anywhere,
+and every matrix on one kernel. Anything else (a modified model, training, another device, TorchScript missing or
+failing) gets the model's own forward: the step is a speed-up, never a second behaviour. This is checked when the
+step is built, at the start of each generation: a hook added while one is under way is seen from the next.
 tests/test_decode_step.py holds the two to equal logits for every kernel, activation, batch and padding the step
 accepts.
 """
 
-# No `from __future__ import annotations` here: TorchScript reads _Blocks' attribute annotations as types, not strings.
+# No `from __future__ import annotations` here: TorchScript reads _Step's attribute annotations as types, not strings.
 import warnings
 from collections.abc import Callable
 from typing import List, Optional
@@ -37,11 +37,11 @@ PLAIN, ONEDNN, FBGEMM = "plain", "onednn", "fbgemm"
 _ACTIVATIONS = {kernels._gelu_tanh: "gelu_tanh", F.gelu: "gelu", F.relu: "relu", F.silu: "silu"}
 
 
-class _Blocks(nn.Module):
-    """Every block of one GPT for one new token per row: x (B, C) -> x (B, C), writing each layer's k, v at `length`.
-
-    Per block, what Block.forward does for T=1 in eval mode: x + proj(attention(ln1(x))), then + mlp(ln2(x)).
-    Weights are held per product in block order (qkv, attention proj, fc, mlp proj), norms as (ln1, ln2) pairs.
+class _Step(nn.Module):
+    """The whole model for one new token per row: idx (B, 1) -> logits (B, vocab), writing each layer's k, v at
+    `length`. What GPT.forward does for T=1 in eval mode: the token's row plus its position's row, then per block
+    x + proj(attention(ln1(x))), then + mlp(ln2(x)), then the final norm and the head. Products are held in order
+    (per block qkv, attention proj, fc, mlp proj; the head last), norms as (weight, bias) pairs in the same order.
     """
 
     packed: List[torch.classes.quantized.LinearPackedParamsBase]
@@ -49,6 +49,7 @@ class _Blocks(nn.Module):
     biases: List[Optional[torch.Tensor]]
     norms: List[torch.Tensor]
     scale: Optional[float]
+    tok_scale: Optional[torch.Tensor]
 
     def __init__(self, model: GPT, kind: str, packed: list, reduce_range: bool):
         super().__init__()
@@ -56,10 +57,17 @@ class _Blocks(nn.Module):
         self.kind, self.packed, self.reduce_range = kind, packed, reduce_range
         self.weights = [] if kind == FBGEMM else [m.weight for m in linears]
         self.biases = [] if kind == FBGEMM else [m.bias for m in linears]
-        self.norms = [t for b in model.blocks for ln in (b.ln1, b.ln2) for t in (ln.weight, ln.bias)]
-        self.n_head, self.head_dim, self.eps = config.n_head, config.head_dim, float(config.layer_norm_epsilon)
+        norms = [ln for b in model.blocks for ln in (b.ln1, b.ln2)] + [model.final_norm]
+        self.norms = [t for ln in norms for t in (ln.weight, ln.bias)]
+        self.n_layer, self.n_head, self.head_dim = len(model.blocks), config.n_head, config.head_dim
+        self.eps = float(config.layer_norm_epsilon)
         self.scale = model.blocks[0].attn.scale
         self.act = _ACTIVATIONS[model.blocks[0].mlp.act]
+        # The token table: an int8 model's is the head's int8 matrix, each row scaled back on lookup.
+        table = getattr(model.tok_emb, "table", None)
+        self.tok = model.tok_emb.weight if table is None else table.weight
+        self.tok_scale = None if table is None else table.scale
+        self.pos = model.pos_emb.weight
 
     def linear(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self.kind == "fbgemm":
@@ -80,10 +88,22 @@ class _Blocks(nn.Module):
     def norm(self, x: torch.Tensor, i: int) -> torch.Tensor:
         return F.layer_norm(x, [x.size(1)], self.norms[2 * i], self.norms[2 * i + 1], self.eps)
 
-    def forward(self, x: torch.Tensor, length: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, length: int, pad: Optional[torch.Tensor]) -> torch.Tensor:
+        rows = idx.view(-1)
+        x = F.embedding(rows, self.tok)
+        tok_scale = self.tok_scale
+        if tok_scale is not None:
+            x = x.float() * tok_scale[rows].unsqueeze(-1)
+        if pad is None:
+            return x + self.pos[length]
+        # left-padded rows count positions from their first real token (padding gets 0), as GPT.embed
+        return x + F.embedding((length - pad).clamp(min=0), self.pos)
+
+    def forward(self, idx: torch.Tensor, length: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                mask: Optional[torch.Tensor], pad: Optional[torch.Tensor]) -> torch.Tensor:
+        x = self.embed(idx, length, pad)
         B, C = x.size(0), x.size(1)
-        for layer in range(k_cache.size(0)):
+        for layer in range(self.n_layer):
             # (B, 3C) -> q, k, v (B, H, 1, D): with one position, no permute is needed to reach SDPA's layout
             q, k, v = self.linear(self.norm(x, 2 * layer), 4 * layer).view(B, 3, self.n_head, 1, self.head_dim) \
                 .unbind(1)
@@ -95,31 +115,31 @@ class _Blocks(nn.Module):
             x = x + self.linear(y.transpose(1, 2).reshape(B, C), 4 * layer + 1)
             h = self.activation(self.linear(self.norm(x, 2 * layer + 1), 4 * layer + 2))
             x = x + self.linear(h, 4 * layer + 3)
-        return x
+        return self.linear(self.norm(x, 2 * self.n_layer), 4 * self.n_layer)
 
 
 def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function idx (B, 1) -> logits (B, 1, vocab) doing what model(idx, cache=cache, last_only=True) does:
     the scripted step where the model is one it reproduces exactly (see the module's docstring), else that call."""
-    blocks = _scripted_blocks(model, cache) if SCRIPTED else None
-    if blocks is None:
+    scripted = _scripted_step(model, cache) if SCRIPTED else None
+    if scripted is None:
         return lambda idx: model(idx, cache=cache, last_only=True)
+    n_positions = model.config.n_positions
 
     def step(idx: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():  # the model's Linear picks another kernel under autograd; so does this
+        # The model's Linear picks another kernel under autograd; past the context the model says what is wrong.
+        if torch.is_grad_enabled() or cache.length >= n_positions:
             return model(idx, cache=cache, last_only=True)
-        B = idx.size(0)
-        x = model.embed(idx, cache.length, cache.pad).view(B, -1)
         mask, _ = cache.attn_mask(1, idx.device)
         with torch.jit.optimized_execution(False):  # no profiling runs: each step's key count is a new shape
-            x = blocks(x, cache.length, cache.k, cache.v, mask)
+            logits = scripted(idx, cache.length, cache.k, cache.v, mask, cache.pad)
         cache.length += 1
-        return model.lm_head(model.final_norm(x)).view(B, 1, -1)
+        return logits.view(idx.size(0), 1, -1)
 
     return step
 
 
-def _scripted_blocks(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
+def _scripted_step(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
     kind = _kind(model, cache)
     if kind is None:
         return None
@@ -132,38 +152,45 @@ def _scripted_blocks(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | Non
     try:
         with warnings.catch_warnings():  # PyTorch marks TorchScript deprecated; where it is gone, the plain forward
             warnings.simplefilter("ignore")
-            return torch.jit.script(_Blocks(model, kind, packed, reduce_range))
+            return torch.jit.script(_Step(model, kind, packed, reduce_range))
     except Exception:  # noqa: BLE001 -- failing to script only costs speed
         return None
 
 
 def _kind(model: GPT, cache: KVCache) -> str | None:
-    """The kernel every product of the blocks runs on, or None where the scripted step would not be the model."""
+    """The kernel every product of the model runs on, or None where the scripted step would not be the model."""
     if type(model) is not GPT or any(m.training for m in model.modules()) or cache.k.device.type != "cpu" or \
             not model.blocks or model.blocks[0].mlp.act not in _ACTIVATIONS or _hooked(model):
         return None
+    parts = [(model.pos_emb, nn.Embedding), (model.drop, nn.Dropout), (model.final_norm, nn.LayerNorm)]
     for block in model.blocks:
-        parts = [(block, Block), (block.attn, CausalSelfAttention), (block.mlp, MLP), (block.ln1, nn.LayerNorm),
-                 (block.ln2, nn.LayerNorm), (block.attn.resid_dropout, nn.Dropout), (block.mlp.dropout, nn.Dropout)]
-        if any(type(m) is not cls for m, cls in parts) or block.ln1.weight is None or block.ln2.weight is None:
-            return None
+        parts += [(block, Block), (block.attn, CausalSelfAttention), (block.mlp, MLP), (block.ln1, nn.LayerNorm),
+                  (block.ln2, nn.LayerNorm), (block.attn.resid_dropout, nn.Dropout), (block.mlp.dropout, nn.Dropout)]
+    norms = [m for m, cls in parts if cls is nn.LayerNorm]
+    if any(type(m) is not cls for m, cls in parts) or any(ln.weight is None or ln.bias is None for ln in norms) or \
+            model.pos_emb.max_norm is not None:
+        return None
     linears = _linears(model)
     if all(type(m) is kernels.Linear for m in linears):
-        dtypes = {m.weight.dtype for m in linears} | {cache.k.dtype}
+        if type(model.tok_emb) is not nn.Embedding or model.tok_emb.max_norm is not None:
+            return None
+        dtypes = {m.weight.dtype for m in linears} | {cache.k.dtype, model.tok_emb.weight.dtype,
+                                                        model.pos_emb.weight.dtype}
         if len(dtypes) != 1:
             return None
         return ONEDNN if dtypes == {torch.float32} and kernels.onednn_linear_enabled() else PLAIN
-    from gpt2port.quant import Int8Linear
+    from gpt2port.quant import Int8Embedding, Int8Linear
 
     # Int8Linear runs one row on fbgemm and several on another kernel (see gpt2port.quant): one row only here.
-    if cache.k.size(1) == 1 and all(type(m) is Int8Linear and m._packed is not None for m in linears):
+    if cache.k.size(1) == 1 and type(model.tok_emb) is Int8Embedding and model.pos_emb.weight.dtype == torch.float32 \
+            and all(type(m) is Int8Linear and m._packed is not None for m in linears):
         return FBGEMM
     return None
 
 
 def _linears(model: GPT) -> list[nn.Module]:
-    """The blocks' matrices in the order _Blocks indexes them: per block qkv, attention proj, fc, mlp proj."""
-    return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)]
+    """The model's matrices in the order _Step indexes them: per block qkv, attention proj, fc, mlp proj; the head."""
+    return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)] + [model.lm_head]
 
 
 def _hooked(model: nn.Module) -> bool:

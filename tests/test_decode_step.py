@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import gpt2port.kernels as kernels
 from gpt2port import GPT, GPTConfig, quant
-from gpt2port.decode_step import FBGEMM, ONEDNN, PLAIN, _kind, stepper
+from gpt2port.decode_step import FBGEMM, ONEDNN, PLAIN, _kind, _scripted_step, stepper
 from gpt2port.generate import generate
 from gpt2port.model import KVCache
 
@@ -53,6 +53,7 @@ def run_both(model: GPT, prompt: torch.Tensor, steps: int, pad: torch.Tensor | N
         logits = [model(prompt, cache=c, last_only=True) for c in caches]
         if expect is not None:
             assert _kind(model, caches[1]) == expect
+            assert _scripted_step(model, caches[1]) is not None  # scripting it worked: the step below is the script
         step = stepper(model, caches[1])
         for _ in range(steps):
             nxt = logits[0][:, -1].argmax(-1, keepdim=True)
@@ -78,6 +79,11 @@ def test_fp32_on_f_linear_unscaled_attention_and_a_wider_mlp(monkeypatch):
     monkeypatch.setattr(kernels, "USE_ONEDNN", False)
     config = dataclasses.replace(CONFIG, scale_attn_weights=False, n_inner=48, layer_norm_epsilon=1e-3)
     run_both(lively_model(config), prompt(), 8, expect=PLAIN)
+
+
+def test_an_untied_head():
+    run_both(lively_model(dataclasses.replace(CONFIG, tie_word_embeddings=False)), prompt(), 6,
+             expect=ONEDNN if kernels.onednn_linear_enabled() else PLAIN)
 
 
 def test_bf16():
@@ -106,6 +112,11 @@ class Subclass(GPT):
     pass
 
 
+class ScaledEmbedding(nn.Embedding):
+    def forward(self, idx):
+        return super().forward(idx) * 2.0
+
+
 def test_what_the_step_cannot_reproduce_gets_the_models_forward():
     model = lively_model()
     cache = KVCache(model.config, 1, 8)
@@ -116,6 +127,9 @@ def test_what_the_step_cannot_reproduce_gets_the_models_forward():
     assert _kind(model, cache) is None  # any module in training mode
     model.eval()
     model.blocks[0].ln2 = nn.RMSNorm(CONFIG.n_embd)  # a module swapped for another kind
+    assert _kind(model, cache) is None
+    model = lively_model()
+    model.tok_emb = ScaledEmbedding(CONFIG.vocab_size, CONFIG.n_embd)  # the embedding too
     assert _kind(model, cache) is None
 
 
@@ -158,9 +172,9 @@ def test_generation_is_the_same_with_and_without_the_step(monkeypatch):
     model = lively_model()
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13]]
     kwargs = dict(max_new_tokens=70, temperature=0.9, top_k=40, seed=3, stop_token=None, keep=20)
-    built, scripted_blocks = [], decode_step._scripted_blocks
-    monkeypatch.setattr(decode_step, "_scripted_blocks",
-                        lambda *args: built.append(scripted_blocks(*args)) or built[-1])
+    built, scripted_step = [], decode_step._scripted_step
+    monkeypatch.setattr(decode_step, "_scripted_step",
+                        lambda *args: built.append(scripted_step(*args)) or built[-1])
     fast = generate(model, prompts, **kwargs)
     assert len(built) == 1 and built[0] is not None  # generation did take the scripted step
     monkeypatch.setattr(decode_step, "SCRIPTED", False)  # the switch: every step through the model's forward
