@@ -11,7 +11,9 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            counts. Then gpt2port bf16. Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same
            with its eager step, the same loaded with its matrices in 4 KB pages (gpt2port.hugepages.ENABLED = False:
            as before that module), and, when llama-cpp-python is installed, llama.cpp on the same weights exported to
-           GGUF q8_0, greedy through its own sampler, interleaved likewise.
+           GGUF q8_0, greedy through its own sampler, interleaved likewise; these quantized rounds run in a fresh
+           interpreter, as `gpt2port generate --dtype int8` loads its model (where the int8 weights land, and so
+           whether they get 2 MB pages, depends on what the process allocated before).
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
            fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the faster of F.linear and
@@ -37,6 +39,7 @@ import gc
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -174,7 +177,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     del bf16
     gc.collect()
     if device == "cpu":
-        quantized_rounds(size, ckpt, root, prompt, repeats, rates, tokens, bytes_per_token, products_ms, bandwidths)
+        quantized_rounds_fresh(size, ckpt, root, prompt, repeats, rates, tokens, bytes_per_token, products_ms,
+                               bandwidths)
 
     best = {k: max(v) for k, v in rates.items()}
     bandwidth = max(bandwidths)
@@ -227,6 +231,30 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
             rates[name].append(rate)
         print(f"[{size}] quantized run {r + 1}/{repeats}: " + ", ".join(
             f"{k} {rates[k][-1]:.2f} tokens/s" for k in contenders), file=sys.stderr)
+
+
+def quantized_rounds_fresh(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, repeats: int, rates: dict,
+                           tokens: dict, bytes_per_token: dict, products_ms: dict, bandwidths: list[float]) -> None:
+    """quantized_rounds in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model: where glibc puts
+    the int8 weights (and so whether gpt2port.hugepages gets them 2 MB pages) depends on what the heap already holds,
+    and here it would hold the holes the fp32 and bf16 rounds left."""
+    ids = ",".join(str(t) for t in prompt[0].tolist())
+    child = subprocess.run([sys.executable, "-m", "scripts.bench_generate", "--threads", str(torch.get_num_threads()),
+                            "--quantized-child", size, str(ckpt), str(root), str(repeats), ids],
+                           stdout=subprocess.PIPE, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    rates.update(got["rates"])
+    tokens.update(got["tokens"])
+    bytes_per_token.update(got["bytes_per_token"])
+    products_ms.update(got["products_ms"])
+    bandwidths.extend(got["bandwidths"])
+
+
+def _quantized_child(size: str, ckpt: str, root: str, repeats: str, ids: str) -> None:
+    prompt = torch.tensor([[int(t) for t in ids.split(",")]])
+    got: dict = {"rates": {}, "tokens": {}, "bytes_per_token": {}, "products_ms": {}, "bandwidths": []}
+    quantized_rounds(size, Path(ckpt), Path(root), prompt, int(repeats), *got.values())
+    print(json.dumps(got))
 
 
 def products_alone_ms(model) -> float:
@@ -306,10 +334,13 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the random checkpoints here for reuse")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--device", default="cpu", help="cpu (the targets' setting) or cuda")
+    ap.add_argument("--quantized-child", nargs=5, help=argparse.SUPPRESS)  # SIZE CKPT ROOT REPEATS IDS (internal)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     torch.set_num_threads(args.threads)
+    if args.quantized_child:
+        return _quantized_child(*args.quantized_child)
 
     bandwidths = [matvec_bandwidth(args.device)]
     print(f"torch {torch.__version__}, {args.device}, {args.threads} CPU threads, "
