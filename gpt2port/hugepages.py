@@ -24,9 +24,9 @@ freed and glibc is asked to return unused free pages (malloc_trim), so what the 
 Where any step does not hold (not Linux, not glibc, THP "always" or "never", another thread than the main one,
 whose allocations go to another of glibc's arenas, blocks not laid out one after another) nothing is marked and
 everything is allocated as before: only the speed differs, never a number. Measured on the 2-core EPYC VM the
-README names (scripts/bench_generate.py, which times the int8 model loaded both ways): int8 decoding 4-19% faster
-at 124M round by round, ~6% at 1.5B. fp32 (oneDNN, on the checkpoint's own mapped pages) was not measurably faster
-at 124M with its weights copied into 2 MB pages, and is left as it is.
+README names: a 124M int8 step 9-13% shorter in A/B runs within one process, 6% on average over nine pairs of
+fresh processes (single pairs -18% to +3% on that noisy machine), ~6% at 1.5B. fp32 (oneDNN, on the checkpoint's own
+mapped pages) was not measurably faster at 124M with its weights copied into 2 MB pages, and is left as it is.
 """
 
 from __future__ import annotations
