@@ -167,8 +167,8 @@ def _kind(model: GPT, cache: KVCache) -> str | None:
         parts += [(block, Block), (block.attn, CausalSelfAttention), (block.mlp, MLP), (block.ln1, nn.LayerNorm),
                   (block.ln2, nn.LayerNorm), (block.attn.resid_dropout, nn.Dropout), (block.mlp.dropout, nn.Dropout)]
     norms = [m for m, cls in parts if cls is nn.LayerNorm]
-    if any(type(m) is not cls for m, cls in parts) or any(ln.weight is None or ln.bias is None for ln in norms) or \
-            model.pos_emb.max_norm is not None:
+    if any(type(m) is not cls for m, cls in parts) or model.pos_emb.max_norm is not None or \
+            any(ln.weight is None or ln.bias is None or ln.eps != model.config.layer_norm_epsilon for ln in norms):
         return None
     linears = _linears(model)
     if all(type(m) is kernels.Linear for m in linears):
