@@ -24,8 +24,8 @@ freed and glibc is asked to return unused free pages (malloc_trim), so what the 
 Where any step does not hold (not Linux, not glibc, THP "always" or "never", another thread than the main one,
 whose allocations go to another of glibc's arenas, blocks not laid out one after another) nothing is marked and
 everything is allocated as before: only the speed differs, never a number. Measured on the 2-core EPYC VM the
-README names: a 124M int8 step 9-13% shorter in A/B runs within one process, 6% on average over nine pairs of
-fresh processes (single pairs -18% to +3% on that noisy machine), ~6% at 1.5B. fp32 (oneDNN, on the checkpoint's own
+README names: a 124M int8 step 9-13% shorter in A/B runs within one process, 11% on average over nine pairs of
+fresh processes (scripts/bench_hugepages.py; single pairs -24% to +2% on that noisy machine), ~6% at 1.5B. fp32 (oneDNN, on the checkpoint's own
 mapped pages) was not measurably faster at 124M with its weights copied into 2 MB pages, and is left as it is.
 """
 
