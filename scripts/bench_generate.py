@@ -253,7 +253,8 @@ def quantized_rounds_fresh(size: str, ckpt: Path, root: Path, prompt: torch.Tens
 def _quantized_child(size: str, ckpt: str, root: str, repeats: str, ids: str) -> None:
     prompt = torch.tensor([[int(t) for t in ids.split(",")]])
     got: dict = {"rates": {}, "tokens": {}, "bytes_per_token": {}, "products_ms": {}, "bandwidths": []}
-    quantized_rounds(size, Path(ckpt), Path(root), prompt, int(repeats), *got.values())
+    quantized_rounds(size, Path(ckpt), Path(root), prompt, int(repeats), got["rates"], got["tokens"],
+                     got["bytes_per_token"], got["products_ms"], got["bandwidths"])
     print(json.dumps(got))
 
 

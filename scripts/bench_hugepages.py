@@ -19,28 +19,22 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-PROMPT_LEN, NEW_TOKENS, RUNS = 16, 128, 5
+RUNS = 5
 
 
 def child(ckpt: str, enabled: bool, threads: int) -> None:
     import torch
 
     from gpt2port import GPT, hugepages
-    from gpt2port.generate import steps
+    from scripts.bench_generate import PROMPT_LEN, ours_decode
 
     torch.set_num_threads(threads)
     hugepages.ENABLED = enabled
     model = GPT.from_pretrained(ckpt, dtype="int8")
     prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-    ms = []
-    for _ in range(RUNS):
-        start = time.perf_counter()
-        for _ in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None):
-            pass
-        ms.append((time.perf_counter() - start) / NEW_TOKENS * 1e3)
+    ms = [1e3 / ours_decode(model, prompt)[0] for _ in range(RUNS)]
     rollup = Path("/proc/self/smaps_rollup").read_text()
     huge_mb = int(re.search(r"AnonHugePages:\s+(\d+)", rollup).group(1)) // 1024
     print(json.dumps({"median_ms": statistics.median(ms), "huge_mb": huge_mb}))
