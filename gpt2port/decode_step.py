@@ -10,11 +10,12 @@ Scripting it takes a few milliseconds, so every `generate` call builds its own.
 
 `stepper(model, cache)` returns the scripted step only for a model it can reproduce exactly: a GPT (not a subclass)
 in eval mode on the CPU, built of the model's own embedding, block, norm and linear classes, with no hooks anywhere,
-and every matrix on one kernel. Anything else (a modified model, training, another device, TorchScript missing or
-failing) gets the model's own forward: the step is a speed-up, never a second behaviour. This is checked when the
-step is built, at the start of each generation: a hook added while one is under way is seen from the next.
-tests/test_decode_step.py holds the two to equal logits for every kernel, activation, batch and padding the step
-accepts.
+and every matrix on one kernel. On a CUDA device it returns the step recorded as a CUDA graph instead
+(gpt2port/cuda_graph.py), for a GPT of the model's own blocks and attention with no hooks. Anything else (a modified
+model, training, TorchScript or the graph's recording missing or failing) gets the model's own forward: the step is
+a speed-up, never a second behaviour. This is checked when the step is built, at the start of each generation: a
+hook added while one is under way is seen from the next. tests/test_decode_step.py holds the two to equal logits for
+every kernel, activation, batch and padding the step accepts; tests/test_cuda_graph.py does the same for the graph.
 """
 
 # No `from __future__ import annotations` here: TorchScript reads _Step's attribute annotations as types, not strings.
@@ -26,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2port import kernels
+from gpt2port import cuda_graph, kernels
 from gpt2port.model import GPT, MLP, Block, CausalSelfAttention, KVCache
 
 # Take the scripted step where it applies; a switch for comparisons and debugging (False: always the model's forward).
@@ -119,10 +120,11 @@ class _Step(nn.Module):
 
 
 def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function idx (B, 1) -> logits (B, 1, vocab) doing what model(idx, cache=cache, last_only=True) does:
-    the scripted step where the model is one it reproduces exactly (see the module's docstring), else that call."""
-    scripted = _scripted_step(model, cache) if SCRIPTED else None
-    if scripted is None:
+    """A function idx (B, 1) -> logits (B, 1, vocab) doing what model(idx, cache=cache, last_only=True) does: on the
+    CPU the scripted step, on a CUDA device a recorded CUDA graph (gpt2port/cuda_graph.py), where the model is one
+    they reproduce exactly (see the module's docstring); else that call."""
+    fast = _graphed_step(model, cache) if cache.k.device.type == "cuda" else _scripted_call(model, cache)
+    if fast is None:
         return lambda idx: model(idx, cache=cache, last_only=True)
     n_positions = model.config.n_positions
 
@@ -130,13 +132,37 @@ def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor
         # The model's Linear picks another kernel under autograd; past the context the model says what is wrong.
         if torch.is_grad_enabled() or cache.length >= n_positions:
             return model(idx, cache=cache, last_only=True)
-        mask, _ = cache.attn_mask(1, idx.device)
-        with torch.jit.optimized_execution(False):  # no profiling runs: each step's key count is a new shape
-            logits = scripted(idx, cache.length, cache.k, cache.v, mask, cache.pad)
+        logits = fast(idx)
         cache.length += 1
         return logits.view(idx.size(0), 1, -1)
 
     return step
+
+
+def _scripted_call(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """idx (B, 1) -> logits (B, vocab) through the scripted step, writing the cache at cache.length; None where the
+    step does not apply."""
+    scripted = _scripted_step(model, cache) if SCRIPTED else None
+    if scripted is None:
+        return None
+
+    def call(idx: torch.Tensor) -> torch.Tensor:
+        mask, _ = cache.attn_mask(1, idx.device)
+        with torch.jit.optimized_execution(False):  # no profiling runs: each step's key count is a new shape
+            return scripted(idx, cache.length, cache.k, cache.v, mask, cache.pad)
+
+    return call
+
+
+def _graphed_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The recorded step for a model whose blocks cuda_graph.StaticStep writes out exactly as the model computes
+    them: a GPT (not a subclass) in eval mode, of the model's own Block and attention, with no hooks (a graph replays
+    kernels, never Python: a hook would run once, while recording). Its embeddings, norms, products and MLPs are the
+    model's own modules, called as they are."""
+    if type(model) is not GPT or any(m.training for m in model.modules()) or hooked(model) or \
+            any(type(b) is not Block or type(b.attn) is not CausalSelfAttention for b in model.blocks):
+        return None
+    return cuda_graph.graphed_step(model, cache)
 
 
 def _scripted_step(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
@@ -160,7 +186,7 @@ def _scripted_step(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
 def _kind(model: GPT, cache: KVCache) -> str | None:
     """The kernel every product of the model runs on, or None where the scripted step would not be the model."""
     if type(model) is not GPT or any(m.training for m in model.modules()) or cache.k.device.type != "cpu" or \
-            not model.blocks or model.blocks[0].mlp.act not in _ACTIVATIONS or _hooked(model):
+            not model.blocks or model.blocks[0].mlp.act not in _ACTIVATIONS or hooked(model):
         return None
     parts = [(model.pos_emb, nn.Embedding), (model.drop, nn.Dropout), (model.final_norm, nn.LayerNorm)]
     for block in model.blocks:
@@ -193,7 +219,7 @@ def _linears(model: GPT) -> list[nn.Module]:
     return [m for b in model.blocks for m in (b.attn.qkv, b.attn.proj, b.mlp.fc, b.mlp.proj)] + [model.lm_head]
 
 
-def _hooked(model: nn.Module) -> bool:
+def hooked(model: nn.Module) -> bool:
     """Whether any hook would run in the model's own forward (the scripted step would skip it)."""
     from torch.nn.modules import module as nn_module
 

@@ -13,6 +13,7 @@ import time
 import torch
 
 PROBE_BYTES = 256 << 20
+GPU_PROBE_FACTOR, GPU_BATCH = 4, 10
 
 
 def weight_bytes_per_token(model) -> int:
@@ -29,15 +30,27 @@ def weight_bytes_per_token(model) -> int:
 
 
 def matvec_bandwidth(device: str | torch.device = "cpu", repeats: int = 20) -> float:
-    """Bytes/s streamed by a one-row fp32 product against a PROBE_BYTES weight: the faster of F.linear and, on CPU,
-    gpt2port's own Linear (oneDNN), so that no kernel the model uses beats the floor it defines."""
+    """Bytes/s streamed by a one-row product against a PROBE_BYTES weight: the fastest of fp32 F.linear and, on CPU,
+    gpt2port's own Linear (oneDNN), on a GPU bf16 F.linear, so that no kernel the model uses beats the floor it
+    defines. On a GPU the weight is up to GPU_PROBE_FACTOR times larger (a quarter of the free memory at most) and
+    each timing spans GPU_BATCH products: one product there takes ~0.1 ms, of the order of a synchronization."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _best_matvec(device, torch.float32, PROBE_BYTES, repeats, 1, onednn=True)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else PROBE_BYTES * 4
+    probe = max(PROBE_BYTES // 4, min(PROBE_BYTES * GPU_PROBE_FACTOR, free // 4))
+    return max(_best_matvec(device, dtype, probe, repeats, GPU_BATCH) for dtype in (torch.float32, torch.bfloat16))
+
+
+def _best_matvec(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int, batch: int,
+                 onednn: bool = False) -> float:
     from gpt2port.kernels import Linear
 
-    n = int((PROBE_BYTES // 4) ** 0.5)
-    w = torch.randn(n, n, device=device)
-    x = torch.randn(1, n, device=device)
+    n = int((nbytes // dtype.itemsize) ** 0.5)
+    w = torch.randn(n, n, device=device, dtype=dtype)
+    x = torch.randn(1, n, device=device, dtype=dtype)
     products = [lambda: torch.nn.functional.linear(x, w)]
-    if torch.device(device).type == "cpu":
+    if onednn:
         layer = Linear(n, n, bias=False, device="meta")
         layer.weight = torch.nn.Parameter(w, requires_grad=False)
         products.append(lambda: layer(x))
@@ -46,7 +59,7 @@ def matvec_bandwidth(device: str | torch.device = "cpu", repeats: int = 20) -> f
         for product in products:
             product()
             for _ in range(repeats):
-                best = min(best, timed(product, device))
+                best = min(best, timed(lambda: [product() for _ in range(batch)], device) / batch)
     return w.numel() * w.element_size() / best
 
 

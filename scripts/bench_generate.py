@@ -24,8 +24,9 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            that of its matrix products alone, back to back: the difference is attention, norms, Python, dispatch.
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
---device cuda runs the same on a GPU (no MKL contender there; timings synchronize the device). The targets in the
-README are for the CPU run.
+--device cuda runs the same on a GPU (no MKL contender there, the eager step is the one not recorded as a CUDA graph;
+timings synchronize the device). The targets in the README are for the CPU run; scripts/bench_generate_cuda.py sets
+the recorded step against HF's static cache + compile on a GPU.
 
 Usage (from the repository root):
     python -m scripts.bench_generate [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
@@ -47,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+import gpt2port.cuda_graph
 import gpt2port.decode_step
 import gpt2port.hugepages
 import gpt2port.kernels
@@ -105,6 +107,8 @@ def switched(module, name: str, value):
 without_onednn = switched(gpt2port.kernels, "USE_ONEDNN", False)
 # fn with every decode step through the model's own forward (the scripted step off)
 eager_step = switched(gpt2port.decode_step, "SCRIPTED", False)
+# the same on a GPU: every step launched kernel by kernel, not replayed as a CUDA graph
+ungraphed = switched(gpt2port.cuda_graph, "ENABLED", False)
 
 
 def prefill_seconds(forward, idx: torch.Tensor) -> float:
@@ -141,7 +145,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
             MKL: (without_onednn(lambda p: ours_decode(ours, p)), without_onednn(ours)),
             HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits),
-            EAGER: (eager_step(lambda p: ours_decode(ours, p)), None)}  # decode only: its prefill is OURS's
+            EAGER: (eager_step(lambda p: ours_decode(ours, p)) if device == "cpu" else
+                    ungraphed(lambda p: ours_decode(ours, p)), None)}  # decode only: its prefill is OURS's
     if device != "cpu":  # oneDNN vs MKL is a CPU question
         del fp32[MKL]
 
