@@ -156,3 +156,42 @@ def test_graph_in_bf16_and_logits_kept_across_steps(monkeypatch):
     again = [lg.clone() for _, lg in decode(model, PROMPTS, 5, temperature=0, stop_token=None)]
     for a, b in zip(kept, again):
         torch.testing.assert_close(a, b)
+
+
+class Recorded(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every operator a piece of code runs, with its inputs' shapes: what a CUDA graph would record of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = tuple(tuple(a.shape) for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                       if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_static_step_is_recordable():
+    """What makes a step a graph, checked on the CPU: at any position and padding it runs the very same operators on
+    the very same shapes, and none reads a tensor's value back into Python (a host synchronization, which recording
+    forbids: .item(), bool(), nonzero)."""
+    model = lively_model(CONFIG)
+    ids, pad = padded(PROMPTS)
+    runs = []
+    with torch.inference_mode():
+        cache = KVCache(CONFIG, len(PROMPTS), 40, pad=pad)
+        model(ids, cache=cache, last_only=True)
+        static = StaticStep(model, cache)
+        for length, new_pad in ((cache.length, pad), (30, pad), (12, torch.tensor([0, 5, 1]))):
+            cache.length = length
+            cache.pad = new_pad
+            static.sync()
+            with Recorded() as seen:
+                static.forward()
+            runs.append(seen.ops)
+    assert runs[0] == runs[1] == runs[2]
+    names = {op for op, _ in runs[0]}
+    assert not names & {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.is_nonzero.default",
+                        "aten.item.default"}
+    assert "aten.index_copy_.default" in names  # the keys written at the position tensor, not at a Python int
