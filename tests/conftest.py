@@ -19,6 +19,17 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 TINY = hf_fixtures.TINY
 
 
+@pytest.fixture
+def one_thread():
+    """For the tests of decoding (pytestmark = pytest.mark.usefixtures("one_thread")): correctness does not depend
+    on threads, and on a busy 2-core machine each op of a 2-thread team can wait a whole scheduler slice for its
+    partner (seen: 10 ms for a LayerNorm of 32 numbers, 5x slower full-size tests)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_model():
     """A tiny GPT2LMHeadModel (2 layers, 32 wide, 64 positions, full 50257 vocab) with random weights."""

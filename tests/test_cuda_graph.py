@@ -14,10 +14,11 @@ from gpt2port import GPT, GPTConfig
 from gpt2port.cuda_graph import StaticStep
 from gpt2port.generate import decode, generate
 from gpt2port.model import KVCache
-from tests.test_decode_step import lively_model, one_thread  # noqa: F401 -- one_thread: autouse, here too
+from tests.test_decode_step import lively_model
 
 CONFIG = GPTConfig(n_layer=3, n_head=4, n_embd=32, vocab_size=300, n_positions=48)
 PROMPTS = [[5, 17, 250, 3, 99, 12, 7], [42], [8, 8, 9, 100]]  # different lengths: rows 1 and 2 are left-padded
+pytestmark = pytest.mark.usefixtures("one_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 

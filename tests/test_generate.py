@@ -16,18 +16,9 @@ from gpt2port import convert
 from gpt2port.errors import GPT2PortError
 from gpt2port.generate import _left_pad, generate, sample, stream
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 N_NEW = 50
 TINY_PROMPTS = [[464, 3290], [15496, 995, 11, 314, 1101, 257, 3290, 13], [50256], list(range(1000, 1013))]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Correctness does not depend on threads, and on a busy 2-core machine each op of a 2-thread team can wait a
-    whole scheduler slice for its partner (seen: 10 ms for a LayerNorm of 32 numbers, 5x slower full-size tests)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
