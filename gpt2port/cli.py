@@ -329,6 +329,9 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
         floor = bandwidth / per_token
         click.echo(f"decode at {rate / floor:.0%} of the memory-bandwidth floor ({floor:.1f} tokens/s: "
                    f"{per_token / 1e6:.0f} MB of weights per token, {bandwidth / 1e9:.1f} GB/s measured now)", err=True)
+        from gpt2port import decode_step
+
+        click.echo(f"decode steps ran on {decode_step.last_path}", err=True)
 
 
 @main.command()

@@ -32,6 +32,9 @@ from gpt2port.model import GPT, MLP, Block, CausalSelfAttention, KVCache
 
 # Take the scripted step where it applies; a switch for comparisons and debugging (False: always the model's forward).
 SCRIPTED = True
+# How the steps of the latest generation ran, for `generate --verbose`: "TorchScript (<kernel>)", "a CUDA graph" or
+# "the model's forward" (set by stepper; a user asking why decoding is slow sees whether a fast step was taken).
+last_path: str | None = None
 # The kernels the blocks' products run on, as the model's own Linear layers would choose them.
 PLAIN, ONEDNN, FBGEMM = "plain", "onednn", "fbgemm"
 # The model's activation functions (gpt2port.kernels.ACTIVATIONS' values) by the name the script knows them by.
@@ -123,8 +126,13 @@ def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor
     """A function idx (B, 1) -> logits (B, 1, vocab) doing what model(idx, cache=cache, last_only=True) does: on the
     CPU the scripted step, on a CUDA device a recorded CUDA graph (gpt2port/cuda_graph.py), where the model is one
     they reproduce exactly (see the module's docstring); else that call."""
-    fast = _graphed_step(model, cache) if cache.k.device.type == "cuda" else _scripted_call(model, cache)
+    global last_path
+    if cache.k.device.type == "cuda":
+        fast, last_path = _graphed_step(model, cache), "a CUDA graph"
+    else:
+        fast, last_path = _scripted_call(model, cache), f"TorchScript ({_kind(model, cache)})"
     if fast is None:
+        last_path = "the model's forward"
         return lambda idx: model(idx, cache=cache, last_only=True)
     n_positions = model.config.n_positions
 

@@ -137,6 +137,7 @@ def test_graph_decodes_as_the_model_on_cuda(monkeypatch, prompts):
     made = recorded_steps(monkeypatch)
     tokens, logits = decoded(model, prompts, 100, keep=20)
     assert len(made) == 1 and made[0] is not None and made[0].graph is not None
+    assert decode_step.last_path == "a CUDA graph"
     assert tokens == ref_tokens
     for got, ref in zip(logits, ref_logits):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

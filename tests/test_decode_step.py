@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import gpt2port.decode_step as decode_step
 import gpt2port.kernels as kernels
 from gpt2port import GPT, GPTConfig, quant
 from gpt2port.decode_step import FBGEMM, ONEDNN, PLAIN, _kind, _scripted_step, stepper
@@ -134,9 +135,12 @@ def test_hooks_still_run_during_generation():
     handle = model.blocks[2].mlp.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[1]))
     try:
         generate(model, [[1, 2, 3]], max_new_tokens=4, temperature=0, stop_token=None)
+        assert decode_step.last_path == "the model's forward"  # what `generate --verbose` reports
     finally:
         handle.remove()
     assert calls == [3, 1, 1, 1]
+    generate(model, [[1, 2, 3]], max_new_tokens=2, temperature=0, stop_token=None)
+    assert decode_step.last_path.startswith("TorchScript (")
     handle = nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)  # global hooks too
     try:
         assert _kind(model, KVCache(model.config, 1, 8)) is None
