@@ -13,8 +13,8 @@ the model's own modules for the embeddings, norms, products and MLPs; only the c
 attention over the cache are written here, as Block and CausalSelfAttention compute them.
 
 StaticStep runs on any device without a graph (how tests/test_cuda_graph.py checks its numbers on the CPU against the
-model's forward); graphed_step() records it on a CUDA device. Capturing costs two warm-up steps and one recording
-per generation, a few milliseconds; a capture that fails costs only speed (the model's forward takes over).
+model's forward); graphed_step() records it on a CUDA device. Recording costs two warm-up steps and the recording
+itself, once per generation; a recording that fails costs only speed (the model's forward takes over, with a warning).
 """
 
 from __future__ import annotations

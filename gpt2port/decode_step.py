@@ -228,7 +228,7 @@ def _linears(model: GPT) -> list[nn.Module]:
 
 
 def hooked(model: nn.Module) -> bool:
-    """Whether any hook would run in the model's own forward (the scripted step would skip it)."""
+    """Whether any hook would run in the model's own forward (a scripted or recorded step would skip it)."""
     from torch.nn.modules import module as nn_module
 
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
