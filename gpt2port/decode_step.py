@@ -49,6 +49,7 @@ class _Step(nn.Module):
     """
 
     packed: List[torch.classes.quantized.LinearPackedParamsBase]
+    in_scales: List[Optional[torch.Tensor]]
     weights: List[torch.Tensor]
     biases: List[Optional[torch.Tensor]]
     norms: List[torch.Tensor]
@@ -59,6 +60,8 @@ class _Step(nn.Module):
         super().__init__()
         config, linears = model.config, _linears(model)
         self.kind, self.packed, self.reduce_range = kind, packed, reduce_range
+        # int8 products smoothed against outlier channels divide their inputs first (gpt2port.quant: in_scale)
+        self.in_scales = [m.in_scale for m in linears] if kind == FBGEMM else []
         self.weights = [] if kind == FBGEMM else [m.weight for m in linears]
         self.biases = [] if kind == FBGEMM else [m.bias for m in linears]
         norms = [ln for b in model.blocks for ln in (b.ln1, b.ln2)] + [model.final_norm]
@@ -75,6 +78,9 @@ class _Step(nn.Module):
 
     def linear(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self.kind == "fbgemm":
+            in_scale = self.in_scales[i]
+            if in_scale is not None:
+                x = x * in_scale
             return torch.ops.quantized.linear_dynamic(x, self.packed[i], self.reduce_range)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weights[i], self.biases[i], "none", [], "")

@@ -18,8 +18,20 @@ How the products run, by the number of rows (tokens) they multiply:
   by arithmetic, not by reading the weight), without writing out and faulting in a whole fp32 copy of each matrix
   (that took 4.3 s of a 17-token prefill at 1.5B, 1.0 s in blocks).
 
-Quantization happens at load, from the checkpoint's tensors in whatever dtype they are stored, one matrix at a time,
-read into one reusable buffer: peak memory is the int8 model plus one stored matrix, never the fp32 model. The int8
+fbgemm's one scale per row of activations is what outlier channels hurt: where a few input channels run tens of
+times larger than the rest (LayerNorm gains, MLP units; trained models have them, random weights do not), the scale
+is set by them and the other channels keep three or four bits. So quantizing also runs the fp32 model, block by
+block as its matrices are read, over CALIBRATION_TOKENS tokens, and wherever a product's inputs have such channels
+(the largest channel OUTLIER_RATIO times the median one or more) it is smoothed: in fbgemm's packed copy the weight's
+columns are multiplied by s_j = max|x_j|^a / max|w_j|^(1-a) before rounding and its inputs divided by s_j on the way
+in (one product by a vector), which leaves the product unchanged and moves the outliers' range into the weight,
+where every row has its own scale. That trades the weight's precision for the activations': a is chosen per product
+by running fbgemm itself on the calibration's inputs against a sample of the weight's rows, smoothed with each a and
+not at all, keeping what strays least from fp32 (outliers in a few tokens only can make smoothing the worse choice).
+The int8 weight the other kernels use stays as it is. Elsewhere nothing changes.
+
+Quantization happens at load, from the checkpoint's tensors in whatever dtype they are stored, a block's matrices at a
+time: peak memory is the int8 model plus one block's matrices in fp32, never the fp32 model. The int8
 matrices and fbgemm's packed copies are allocated in 2 MB pages where the system allows (gpt2port.hugepages): a
 decode step reads them all, and with 4 KB pages it also walks page tables for most of them.
 """
@@ -47,16 +59,29 @@ FEW_ROWS = 16
 BLOCK_ROWS = 1024
 # Room beside the int8 matrices and their packed copies for what quantizing them allocates on the way (the fp32 rows
 # of quantize_rows' chunks: 2 x 4096 rows x 6400 x 4 bytes at most).
-SCRATCH_BYTES = 256 << 20
+SCRATCH_BYTES = 384 << 20
+# Smoothing (see the module's docstring): tokens of the calibration run; the ratio of the largest input channel's
+# maximum to the median channel's from which a product is considered (random 124M and 1.5B weights: 2-9; three
+# LayerNorm gains and four MLP units per block scaled 10x: 20-40, 30x: 30-70); the exponents a tried, each against
+# not smoothing, on SEARCH_ROWS of the weight's rows.
+CALIBRATION_TOKENS = 32
+OUTLIER_RATIO = 12.0
+SMOOTHING_ALPHAS = (0.25, 0.5, 0.75)
+SEARCH_ROWS = 256
+SMOOTHING = True  # a switch for comparisons: False quantizes every matrix as it is
 
 
-def quantize_rows(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 (N, K), scale fp32 (N,)) with w ~= q * scale[:, None]; an all-zero row gets scale 1 (q is 0).
-    Rows go `chunk` at a time, so the fp32 temporaries stay small whatever the matrix (the head has 50k rows)."""
+def quantize_rows(w: torch.Tensor, chunk: int = 4096, columns: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 (N, K), scale fp32 (N,)) with w * columns ~= q * scale[:, None] (columns: a factor per input channel,
+    or none); an all-zero row gets scale 1 (q is 0). Rows go `chunk` at a time, so the fp32 temporaries stay small
+    whatever the matrix (the head has 50k rows)."""
     q = torch.empty(w.shape, dtype=torch.int8)
     scale = torch.empty(w.size(0), dtype=torch.float32)
     for start in range(0, w.size(0), chunk):
         rows = w[start : start + chunk].float()
+        if columns is not None:
+            rows = rows * columns
         s = rows.abs().amax(dim=1) / 127.0
         s = torch.where(s > 0, s, torch.ones_like(s))
         q[start : start + chunk] = (rows / s[:, None]).round_().clamp_(-127, 127)  # w itself is left as it was
@@ -65,9 +90,15 @@ def quantize_rows(w: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, tor
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (q * scale).T + bias: int8 weight, one fp32 scale per output row (see the module's docstring)."""
+    """y = x @ (q * scale).T + bias: int8 weight, one fp32 scale per output row (see the module's docstring).
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    Smoothed (smoothed=(q_s, scale_s, in_scale)), fbgemm's packed copy holds the weight with its columns times s,
+    q_s * scale_s, and its inputs are multiplied by in_scale = 1 / s first; q and scale stay the weight as it is, for
+    the other kernels and the embedding, which take the activations unrounded (there smoothing would only move
+    rounding into the weight)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 smoothed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.out_features, self.in_features = q.shape
         # Parameters (frozen) rather than buffers: they are the model's weights, counted by num_params() as such.
@@ -75,16 +106,22 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.register_buffer("scale", scale)
         self.register_buffer("kernel_scale", scale.to(ACTIVATION_DTYPE))  # int8pack wants it in x's dtype
-        self._packed = _pack(q, scale, self.bias)
+        self.register_buffer("in_scale", None if smoothed is None else smoothed[2])  # fbgemm's inputs only
+        self._packed = _pack(*(smoothed[:2] if smoothed is not None else (q, scale)), self.bias)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> "Int8Linear":
-        return cls(*quantize_rows(weight), bias)
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
+                   smooth: torch.Tensor | None = None) -> "Int8Linear":
+        """The layer for y = x @ weight.T + bias; smooth (in_features,): fbgemm's copy smoothed by it."""
+        if smooth is None or not _fbgemm_works():
+            return cls(*quantize_rows(weight), bias)
+        return cls(*quantize_rows(weight), bias, (*quantize_rows(weight, columns=smooth), smooth.reciprocal()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.size(0) == 1 and self._packed is not None:
-            y = _fbgemm_linear()(rows.float(), self._packed, _reduce_range())
+            rows = rows.float() if self.in_scale is None else rows.float() * self.in_scale
+            y = _fbgemm_linear()(rows, self._packed, _reduce_range())
         elif rows.size(0) <= FEW_ROWS:
             y = torch._weight_int8pack_mm(rows.to(ACTIVATION_DTYPE), self.weight, self.kernel_scale).float()
             y = y if self.bias is None else y + self.bias
@@ -101,7 +138,7 @@ class Int8Linear(nn.Module):
         return y
 
     def dequantized(self) -> torch.Tensor:
-        """The fp32 weight this layer stands for (for many-row products, checks and verify's stage comparisons)."""
+        """The fp32 weight this layer stands for (for checks and verify's stage comparisons)."""
         return self.weight.float() * self.scale[:, None]
 
 
@@ -201,40 +238,107 @@ def quantized_model(cls, path, device=None):
     check_weights(ckpt_dir / WEIGHTS, config)  # the names, shapes and dtypes the model expects, or one clear line
     with torch.device("meta"):
         model = cls(config)
-    # Each tensor is read with pread into one reusable buffer rather than memory-mapped: the file's pages never
-    # count in this process's memory, so the peak is the int8 model plus one matrix, not the checkpoint's size.
+    # Each tensor is read with pread rather than memory-mapped: the file's pages never count in this process's
+    # memory, so the peak is the int8 model plus one block's matrices, not the checkpoint's size.
     reader = SafetensorsReader(ckpt_dir / WEIGHTS)
-    buffer = torch.empty(reader.largest(), dtype=torch.uint8)
     names = linear_names(model)
     int8_bytes = sum(model.get_submodule(name).weight.numel() for name in names)  # the head is the embedding
+    matrices = {f"{n}.weight" for n in names if n != "lm_head"} | {"tok_emb.weight"}
     try:
+        # Norms, biases and the position table first, as they are (fp32): the calibration runs the blocks with them.
+        small = {k: reader.read(k).float() for k in reader.tensors if k not in matrices}
+        missing, unexpected = model.load_state_dict(small, assign=True, strict=False)
+        unloaded = [k for k in missing if k not in matrices | {"lm_head.weight"}]
+        if unloaded or unexpected:
+            raise GPT2PortError(f"{ckpt_dir}: internal error quantizing: unloaded {unloaded}, unexpected {unexpected}")
+        model.eval()
         # The int8 matrices and fbgemm's packed copies in 2 MB pages where the system allows (gpt2port.hugepages).
         with huge_pages(2 * int8_bytes + SCRATCH_BYTES):
-            rest = _quantize_matrices(model, names, reader, buffer)
+            _quantize_matrices(model, reader)
     finally:
         reader.close()
-    missing, unexpected = model.load_state_dict(rest, assign=True, strict=False)
-    unloaded = [k for k in missing if not k.startswith(("lm_head.", "tok_emb.", *(f"{n}." for n in names)))]
-    if unloaded or unexpected:
-        raise GPT2PortError(f"{ckpt_dir}: internal error quantizing: unloaded {unloaded}, unexpected {unexpected}")
     model.checkpoint_dir = ckpt_dir
     model.quantized = INT8
-    return model.eval()
+    return model.eval()  # the int8 layers too: they were made after the calibration's eval()
 
 
-def _quantize_matrices(model: nn.Module, names: list[str], reader, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every matrix of the model made int8 in place (the head once, shared with the embedding); returns the other
-    tensors (norms, the position table) in fp32, to be loaded as they are."""
-    for name in names:
-        if name == "lm_head":
-            continue
-        owner, attr = _owner(model, name)
-        bias = reader.read(f"{name}.bias").float() if f"{name}.bias" in reader.tensors else None
-        setattr(owner, attr, Int8Linear.from_float(reader.read(f"{name}.weight", into=buffer), bias))
-    head = Int8Linear.from_float(reader.read("tok_emb.weight", into=buffer), None)
+def _quantize_matrices(model: nn.Module, reader) -> None:
+    """Every matrix of the model made int8 in place, block by block, the head last (once, shared with the embedding),
+    each smoothed where the fp32 model's inputs to it have outlier channels (see the module's docstring)."""
+    config = model.config
+    buffer = torch.empty(reader.largest(), dtype=torch.uint8)
+    T = min(CALIBRATION_TOKENS, config.n_positions)
+    ids = torch.randint(0, config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    ids[0, 0] = min(config.vocab_size - 1, 50256)  # <|endoftext|> first, as GPT-2's documents start
+    with torch.no_grad():
+        h = reader.read("tok_emb.weight", into=buffer)[ids].float() + model.pos_emb.weight[:T]
+    name_of = {id(m): name for name, m in model.named_modules()}
+    for block in model.blocks:
+        layers = [block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj]
+        for layer in layers:  # this block's matrices in fp32, into the model's own layers, for one forward
+            layer.weight = nn.Parameter(reader.read(f"{name_of[id(layer)]}.weight").float(), requires_grad=False)
+        h, inputs = _inputs(layers, lambda: block(h))
+        for layer in layers:
+            owner, attr = _owner(model, name_of[id(layer)])
+            smooth = _smoothing(inputs[layer], layer.weight)
+            setattr(owner, attr, Int8Linear.from_float(layer.weight, layer.bias, smooth))
+    with torch.no_grad():
+        head_inputs = model.final_norm(h).flatten(0, 1)
+    table = reader.read("tok_emb.weight", into=buffer)
+    head = Int8Linear.from_float(table, None, _smoothing(head_inputs, table))
     model.lm_head, model.tok_emb = head, Int8Embedding(head)
-    done = {f"{n}.{part}" for n in names for part in ("weight", "bias")} | {"tok_emb.weight"}
-    return {k: reader.read(k).float() for k in reader.tensors if k not in done}
+
+
+def _inputs(layers: list[nn.Module], run) -> tuple[torch.Tensor, dict[nn.Module, torch.Tensor]]:
+    """run()'s result, and the (tokens, in_features) inputs run() fed each layer."""
+    seen: dict[nn.Module, torch.Tensor] = {}
+
+    def record(layer, args):
+        seen[layer] = args[0].detach().flatten(0, -2).clone()
+
+    hooks = [layer.register_forward_pre_hook(record) for layer in layers]
+    try:
+        with torch.no_grad():
+            result = run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return result, seen
+
+
+def _smoothing(x: torch.Tensor, weight: torch.Tensor, chunk: int = 4096) -> torch.Tensor | None:
+    """s per input channel for fbgemm's copy of `weight`, given x (tokens, in_features), the calibration's inputs to
+    it; None where they have no outlier channels, where no a strays less than not smoothing, or SMOOTHING is off."""
+    if not SMOOTHING or not _fbgemm_works():
+        return None
+    a = x.abs().amax(dim=0)
+    median = a.median()
+    if median <= 0 or a.max() < OUTLIER_RATIO * median:
+        return None
+    w = torch.zeros(weight.size(1))
+    for start in range(0, weight.size(0), chunk):  # max |w_j| per column, a chunk of rows at a time (the head)
+        w = torch.maximum(w, weight[start : start + chunk].float().abs().amax(dim=0))
+    rows = weight[:: max(1, weight.size(0) // SEARCH_ROWS)].float()
+    ref = x @ rows.T
+    best, least = None, _fbgemm_error(x, rows, None, ref)
+    for alpha in SMOOTHING_ALPHAS:
+        s = a.clamp(min=1e-5) ** alpha / w.clamp(min=1e-5) ** (1 - alpha)
+        # Only ever shrink a channel's inputs (relative to the median channel's): one that was quiet over the
+        # calibration's tokens may not be on the next, and amplified it would take the whole range (seen: a 30x MLP
+        # unit, off for all 32 tokens, then on: 0.78 relative error in that product).
+        s = (s / s.median()).clamp(min=1.0)
+        err = _fbgemm_error(x, rows, s, ref)
+        if err < least:
+            best, least = s, err
+    return best
+
+
+def _fbgemm_error(x: torch.Tensor, rows: torch.Tensor, s: torch.Tensor | None, ref: torch.Tensor) -> float:
+    """Squared error of fbgemm's x @ rows.T, one token at a time as decoding runs it, smoothed by s (or not)."""
+    packed = _prepack(*quantize_rows(rows, columns=s), None)
+    xs = x if s is None else x / s
+    y = torch.cat([_fbgemm_linear()(xs[t : t + 1], packed, _reduce_range()) for t in range(x.size(0))])
+    return float((y - ref).pow(2).sum())
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -97,6 +97,20 @@ def test_int8_on_fbgemm(tmp_path):
     run_both(int8_model(tmp_path, lively_model()), prompt(), 8, expect=FBGEMM)
 
 
+def test_int8_smoothed_against_outlier_channels(tmp_path):
+    """Products smoothed at load (gpt2port.quant: their inputs divided by s on the way to fbgemm) in the step too."""
+    if not quant._fbgemm_works():
+        pytest.skip("this PyTorch has no working fbgemm")
+    model = lively_model()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ln1.weight[:2] *= 30
+            block.ln2.weight[3:5] *= 30
+    model = int8_model(tmp_path, model)
+    assert any(m.in_scale is not None for m in model.modules() if isinstance(m, quant.Int8Linear))
+    run_both(model, prompt(), 8, expect=FBGEMM)
+
+
 def test_int8_batches_keep_the_models_forward(tmp_path):
     """Int8Linear runs several rows on another kernel than one: a batch is left to the model's own forward."""
     run_both(int8_model(tmp_path, lively_model()), prompt(batch=2), 4, expect=None)

@@ -201,3 +201,67 @@ def test_quantizing_leaves_its_input_alone_and_chunks_agree_with_one_pass():
     whole, chunked = quantize_rows(w, chunk=1000), quantize_rows(w, chunk=7)
     assert torch.equal(w, before)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+def test_a_smoothed_layer_changes_only_fbgemms_copy():
+    """Smoothed, one row goes through fbgemm with its inputs divided by s and its packed weight's columns times s:
+    the same product; the other kernels keep the weight as it is, bit for bit."""
+    import gpt2port.quant as quant
+
+    if not quant._fbgemm_works():
+        pytest.skip("this PyTorch has no working fbgemm")
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(96, 64, generator=g) * 0.02, torch.randn(96, generator=g) * 0.02
+    x = torch.randn(8, 64, generator=g)
+    x[:, :3] *= 40  # three outlier channels, in every token
+    plain = Int8Linear.from_float(w, b)
+    smooth = quant._smoothing(x, w)
+    assert smooth is not None and quant._smoothing(torch.randn(8, 64, generator=g), w) is None  # none without
+    smoothed = Int8Linear.from_float(w, b, smooth)
+    assert torch.equal(smoothed.in_scale, smooth.reciprocal()) and plain.in_scale is None
+    x = x[:1]
+    ref = F.linear(x, w, b)
+    # one activation scale for the row: the outliers leave the other channels a few levels; smoothed, many more
+    assert rel_err(smoothed(x), ref) < 0.8 * rel_err(plain(x), ref)
+    assert rel_err(smoothed(x), ref) < 2e-2
+    for rows in (torch.randn(3, 64, generator=g), torch.randn(40, 64, generator=g)):  # int8pack, blockwise
+        assert torch.equal(smoothed(rows), plain(rows))
+    assert torch.equal(smoothed.dequantized(), plain.dequantized())
+
+
+def outlier_checkpoint(tiny_ckpt, out):
+    """The tiny model with what trained models have and random weights lack: in every block two LayerNorm gains and
+    two MLP units 30x the rest."""
+    model = GPT.from_pretrained(tiny_ckpt)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for block in model.blocks:
+            for ln in (block.ln1, block.ln2):
+                ln.weight[torch.randperm(ln.weight.numel(), generator=g)[:2]] *= 30
+            units = torch.randperm(block.mlp.fc.out_features, generator=g)[:2]
+            block.mlp.fc.weight[units] *= 30
+    model.save_pretrained(out)
+    return out
+
+
+def test_outlier_channels_are_smoothed_and_decode_within_tolerance(tiny_ckpt, tmp_path, monkeypatch):
+    import gpt2port.quant as quant
+
+    if not quant._fbgemm_works():
+        pytest.skip("this PyTorch has no working fbgemm")
+    ckpt = outlier_checkpoint(tiny_ckpt, tmp_path / "outliers")
+    ref = GPT.from_pretrained(ckpt)
+    prompt = torch.randint(0, ref.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(6))
+    smoothed = GPT.from_pretrained(ckpt, dtype="int8")
+    names = [n for n, m in smoothed.named_modules() if isinstance(m, Int8Linear) and m.in_scale is not None]
+    assert {n.split(".", 2)[-1] for n in names} >= {"attn.qkv", "mlp.fc", "mlp.proj"}, names
+    monkeypatch.setattr(quant, "SMOOTHING", False)
+    plain = GPT.from_pretrained(ckpt, dtype="int8")
+    assert not any(isinstance(m, Int8Linear) and m.in_scale is not None for m in plain.modules())
+    _, err_plain = teacher_forced_errors(plain, ref, prompt, 8)
+    _, err_smoothed = teacher_forced_errors(smoothed, ref, prompt, 8)
+    assert err_smoothed < 0.75 * err_plain, (err_smoothed, err_plain)
+    assert err_smoothed < INT8_LOGITS_REL, (err_smoothed, err_plain)
+    # a random model has no such channels: its layers are quantized as they are
+    assert not [n for n, m in GPT.from_pretrained(tiny_ckpt, dtype="int8").named_modules()
+                if isinstance(m, Int8Linear) and m.in_scale is not None and n.endswith(("qkv", "fc"))]
