@@ -12,8 +12,12 @@ maximum over the positions, for:
   llama.cpp q8_0           the checkpoint exported as GGUF q8_0, one token at a time (when llama-cpp-python is
                            installed); q8_0 keeps a scale per 32 weights where int8 keeps one per row
 
+--outliers M gives the random weights what trained models have and random ones lack: in every block --gains (3) gains
+of each LayerNorm and --units (4) MLP units (their fc rows) scaled M times (seeded), and adds the row
+  gpt2port int8, decode, unsmoothed   the decode steps with gpt2port.quant.SMOOTHING off (nothing smoothed at load)
+
 Usage (from the repository root):
-    python -m scripts.int8_error [--size gpt2] [--tokens 200] [--threads 2] [--workdir DIR]
+    python -m scripts.int8_error [--size gpt2] [--tokens 200] [--threads 2] [--workdir DIR] [--outliers 30 [--gains 3] [--units 4]]
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ def int8_rows(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor) -> dict[str, lis
     rows["gpt2port int8, decode (fbgemm)" if quant._fbgemm_works() else "gpt2port int8, decode"] = \
         per_position(stepwise(model, ids), ref)
     rows["gpt2port int8, prefill (dequantized)"] = per_position(model(ids)[0], ref)
+    quant.SMOOTHING = False
+    try:
+        rows["gpt2port int8, decode, unsmoothed"] = per_position(stepwise(GPT.from_pretrained(ckpt, dtype="int8"), ids),
+                                                               ref)
+    finally:
+        quant.SMOOTHING = True
     works = quant._fbgemm_works
     quant._fbgemm_works = lambda: False  # the fallback kernel, for the weights' share of the error
     try:
@@ -56,6 +66,20 @@ def int8_rows(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor) -> dict[str, lis
     finally:
         quant._fbgemm_works = works
     return rows
+
+
+def with_outliers(ckpt: Path, out: Path, factor: float, gains: int = 3, units: int = 4) -> Path:
+    """ckpt's weights with, in every block, `gains` gains of each LayerNorm and `units` MLP units scaled `factor`
+    times."""
+    model = GPT.from_pretrained(ckpt)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for block in model.blocks:
+            for ln in (block.ln1, block.ln2):
+                ln.weight[torch.randperm(ln.weight.numel(), generator=g)[:gains]] *= factor
+            block.mlp.fc.weight[torch.randperm(block.mlp.fc.out_features, generator=g)[:units]] *= factor
+    model.save_pretrained(out, force=True)
+    return out
 
 
 def llama_row(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor, work: Path) -> list[float] | None:
@@ -85,11 +109,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--workdir", type=Path, default=None, help="keep the random checkpoints here for reuse")
+    ap.add_argument("--outliers", type=float, default=None, help="scale a few channels per block this many times")
+    ap.add_argument("--gains", type=int, default=3, help="with --outliers: LayerNorm gains per norm")
+    ap.add_argument("--units", type=int, default=4, help="with --outliers: MLP units per block")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="int8-error-") as tmp:
         root = args.workdir or Path(tmp)
         _, ckpt = prepare(args.size, root)
+        if args.outliers:
+            ckpt = with_outliers(ckpt, root / f"{args.size}-outliers-{args.outliers:g}-{args.gains}-{args.units}",
+                                 args.outliers, args.gains, args.units)
         ids = torch.randint(0, 50257, (1, args.tokens), generator=torch.Generator().manual_seed(args.seed))
         with torch.inference_mode():
             ref = GPT.from_pretrained(ckpt)(ids)[0]
@@ -97,7 +127,9 @@ def main() -> None:
             llama = llama_row(ckpt, ids, ref, root / f"{args.size}-q8_0-error")
         if llama is not None:
             rows["llama.cpp q8_0, decode"] = llama
-    print(f"{args.size}, random weights, {args.tokens} random token ids (seed {args.seed}): per position, "
+    kind = (f"random weights with outlier channels ({args.outliers:g}x: {args.gains} gains per norm, {args.units} MLP "
+            f"units per block)" if args.outliers else "random weights")
+    print(f"{args.size}, {kind}, {args.tokens} random token ids (seed {args.seed}): per position, "
           f"max|logit - fp32| / max|fp32 logit|")
     print("| | median | 90th percentile | max |\n|---|---:|---:|---:|")
     for name, errs in rows.items():
