@@ -332,6 +332,12 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
         from gpt2port import decode_step
 
         click.echo(f"decode steps ran on {decode_step.last_path}", err=True)
+        if getattr(model, "quantized", None):
+            from gpt2port.quant import Int8Linear
+
+            layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+            smoothed = sum(m.in_scale is not None for m in layers)
+            click.echo(f"int8: {smoothed} of {len(layers)} products smoothed against outlier input channels", err=True)
 
 
 @main.command()
