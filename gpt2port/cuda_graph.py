@@ -19,6 +19,7 @@ itself, once per generation; a recording that fails costs only speed (the model'
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 
@@ -27,8 +28,9 @@ import torch.nn.functional as F
 
 from gpt2port.model import GPT, CausalSelfAttention, KVCache
 
-# Record the decode step on CUDA devices; a switch for comparisons and debugging (False: the model's forward).
-ENABLED = True
+# Record the decode step on CUDA devices; a switch for comparisons and debugging (False: the model's forward), which
+# the environment sets for the command line too: GPT2PORT_CUDA_GRAPH=0.
+ENABLED = os.environ.get("GPT2PORT_CUDA_GRAPH", "1") != "0"
 
 
 class StaticStep:

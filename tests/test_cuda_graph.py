@@ -5,6 +5,8 @@ The recording itself needs a CUDA device: those tests are skipped without one.""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -104,6 +106,17 @@ def test_which_models_get_the_graph(monkeypatch, change):
         if change == "global hook":
             handle.remove()
     assert got == ("recorded" if change == "none" else None)
+
+
+def test_the_environment_switches_graphs_off():
+    import subprocess
+    import sys
+
+    code = "import gpt2port.cuda_graph as g; print(g.ENABLED)"
+    for value, expected in (("0", "False"), ("1", "True")):
+        env = {**os.environ, "GPT2PORT_CUDA_GRAPH": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        assert out.strip() == expected
 
 
 def test_graphed_step_needs_a_cuda_device():
