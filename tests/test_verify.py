@@ -537,3 +537,19 @@ def test_verifies_a_user_model_through_its_own_stages_adapter(tiny_ckpt, hub_ref
     broken = verify_model(_UserStages(user), hub_reference, hf=False)
     assert not broken.passed
     assert broken.localization["first_divergence"].startswith("block 1: MLP output differs")
+
+
+def test_a_checkpoint_saved_after_changes_is_not_judged_silently_against_its_source(tiny_ckpt, tmp_path):
+    """Its manifest's source is what it was converted from; verify says so when that comparison fails."""
+    from gpt2port import GPT, verify
+
+    same = GPT.from_pretrained(tiny_ckpt).save_pretrained(tmp_path / "same")
+    report = verify(same, tokens=32, hf=False)
+    assert report.passed and not [n for n in report.notes if "saved from a model" in n]
+    model = GPT.from_pretrained(tiny_ckpt)
+    with torch.no_grad():
+        model.blocks[0].ln1.weight.mul_(3.0)  # an edit, as fine-tuning makes many
+    changed = model.save_pretrained(tmp_path / "changed")
+    report = verify(changed, tokens=32, hf=False)
+    assert not report.passed
+    assert [n for n in report.notes if "saved from a model in memory 1 time(s)" in n and "--reference" in n], report.notes

@@ -69,10 +69,18 @@ def run_verify(ckpt, reference=None, dtype=None, tokens: int | None = None, prog
              and str(source.get("endpoint", OFFICIAL_HUB)).rstrip("/") == OFFICIAL_HUB)
     stored = read_header(ckpt_dir / WEIGHTS).entries
     weights_dtype = stored["tok_emb.weight"].dtype if "tok_emb.weight" in stored else None
-    return _verify(lambda: GPT.from_pretrained(ckpt_dir, dtype=dtype), str(ckpt_dir), ref,
-                   tokenizer_dirs=[ckpt_dir], tokens=tokens, progress=progress, known_answer=known,
-                   use_hf=hf, weights_dtype=weights_dtype,
-                   load_for_grads=(lambda: GPT.from_pretrained(ckpt_dir, dtype="fp32")) if grads else None)
+    report = _verify(lambda: GPT.from_pretrained(ckpt_dir, dtype=dtype), str(ckpt_dir), ref,
+                     tokenizer_dirs=[ckpt_dir], tokens=tokens, progress=progress, known_answer=known,
+                     use_hf=hf, weights_dtype=weights_dtype,
+                     load_for_grads=(lambda: GPT.from_pretrained(ckpt_dir, dtype="fp32")) if grads else None)
+    saves = manifest.get("saves", [])
+    if reference is None and saves and not report.passed:
+        # The manifest's source is where the weights were converted from; a model saved since (fine-tuned, edited)
+        # is not that model, and its "mistakes" are its changes.
+        report.notes.append(f"these weights were saved from a model in memory {len(saves)} time(s) since they were "
+                            f"converted from {ref} (gpt2port info {ckpt_dir} lists when): if that model was changed "
+                            f"(fine-tuned, edited), {ref} is not their reference; pass --reference")
+    return report
 
 
 def verify_model(model, reference, tokens: int | None = None, progress: bool = False, known_answer: bool = False,
