@@ -27,8 +27,9 @@ columns are multiplied by s_j = max|x_j|^a / max|w_j|^(1-a) before rounding and 
 in (one product by a vector), which leaves the product unchanged and moves the outliers' range into the weight,
 where every row has its own scale. That trades the weight's precision for the activations': a is chosen per product
 by running fbgemm itself on the calibration's inputs against a sample of the weight's rows, smoothed with each a and
-not at all, keeping what strays least from fp32 (outliers in a few tokens only can make smoothing the worse choice).
-The int8 weight the other kernels use stays as it is. Elsewhere nothing changes.
+not at all, keeping what strays least from fp32 (outliers in a few tokens only can make smoothing the worse choice);
+and s never enlarges a channel's inputs beyond the median channel's factor (a channel quiet in calibration may not
+be quiet later). The int8 weight the other kernels use stays as it is. Elsewhere nothing changes.
 
 Quantization happens at load, from the checkpoint's tensors in whatever dtype they are stored, a block's matrices at a
 time: peak memory is the int8 model plus one block's matrices in fp32, never the fp32 model. The int8
@@ -57,8 +58,8 @@ FEW_ROWS = 16
 # Output rows dequantized per block for many-row products: at 1024, a block of the widest GPT-2 matrix (6400 inputs)
 # is 26 MB of fp32; smaller blocks were slower on 1.5B's matrices (64 rows: up to 1.4x, 256: up to 1.2x).
 BLOCK_ROWS = 1024
-# Room beside the int8 matrices and their packed copies for what quantizing them allocates on the way (the fp32 rows
-# of quantize_rows' chunks: 2 x 4096 rows x 6400 x 4 bytes at most).
+# Room beside the int8 matrices and their packed copies for what quantizing them allocates on the way: one block's
+# matrices in fp32 (123 MB at 1.5B) and the fp32 rows of quantize_rows' chunks (2 x 4096 x 6400 x 4 bytes at most).
 SCRATCH_BYTES = 384 << 20
 # Smoothing (see the module's docstring): tokens of the calibration run; the ratio of the largest input channel's
 # maximum to the median channel's from which a product is considered (random 124M and 1.5B weights: 2-9; three
