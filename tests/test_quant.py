@@ -269,3 +269,20 @@ def test_outlier_channels_are_smoothed_and_decode_within_tolerance(tiny_ckpt, tm
     monkeypatch.setattr(quant, "SMOOTHING", True)
     assert not [n for n, m in GPT.from_pretrained(tiny_ckpt, dtype="int8").named_modules()
                 if isinstance(m, Int8Linear) and m.in_scale is not None]
+
+
+def test_verify_decodes_an_int8_models_prompts_one_at_a_time(tiny_ckpt):
+    """One row runs on fbgemm, several on int8pack: verify judges the one-row path that `generate` runs a prompt on."""
+    from gpt2port.generate import decode
+    from gpt2port.verification.stages import as_stages
+
+    model = GPT.from_pretrained(tiny_ckpt, dtype="int8")
+    prompt = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        got = list(as_stages(model).greedy(prompt, 5))
+        alone = [list(decode(model, prompt[i : i + 1], 5, temperature=0, stop_token=None)) for i in range(2)]
+        batched = list(decode(model, prompt, 5, temperature=0, stop_token=None))
+    for step, (tokens, logits) in enumerate(got):
+        assert torch.equal(tokens, torch.cat([alone[0][step][0], alone[1][step][0]]))
+        assert torch.equal(logits, torch.cat([alone[0][step][1], alone[1][step][1]]))
+    assert not all(torch.equal(a[1], b[1]) for a, b in zip(got, batched))  # the batch is another kernel
