@@ -271,8 +271,11 @@ def _quantize_matrices(model: nn.Module, reader) -> None:
     T = min(CALIBRATION_TOKENS, config.n_positions)
     ids = torch.randint(0, config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     ids[0, 0] = min(config.vocab_size - 1, 50256)  # <|endoftext|> first, as GPT-2's documents start
+    # Read once: the buffer holds nothing else (a block's matrices get their own memory), so the head quantized last
+    # is still this tensor.
+    table = reader.read("tok_emb.weight", into=buffer)
     with torch.no_grad():
-        h = reader.read("tok_emb.weight", into=buffer)[ids].float() + model.pos_emb.weight[:T]
+        h = table[ids].float() + model.pos_emb.weight[:T]
     name_of = {id(m): name for name, m in model.named_modules()}
     for block in model.blocks:
         layers = [block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj]
@@ -285,7 +288,6 @@ def _quantize_matrices(model: nn.Module, reader) -> None:
             setattr(owner, attr, Int8Linear.from_float(layer.weight, layer.bias, smooth))
     with torch.no_grad():
         head_inputs = model.final_norm(h).flatten(0, 1)
-    table = reader.read("tok_emb.weight", into=buffer)
     head = Int8Linear.from_float(table, None, _smoothing(head_inputs, table))
     model.lm_head, model.tok_emb = head, Int8Embedding(head)
 
