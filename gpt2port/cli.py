@@ -323,21 +323,10 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     click.echo(f"prefill {n_prompt} tokens{times} in {prefill_s:.2f} s; then {decoded} tokens in {decode_s:.2f} s: "
                f"{rate:.1f} tokens/s ({label}, {device})", err=True)
     if verbose and decoded:
-        from gpt2port.speed import matvec_bandwidth, weight_bytes_per_token
+        from gpt2port.speed import decode_report
 
-        bandwidth, per_token = matvec_bandwidth(device), weight_bytes_per_token(model)
-        floor = bandwidth / per_token
-        click.echo(f"decode at {rate / floor:.0%} of the memory-bandwidth floor ({floor:.1f} tokens/s: "
-                   f"{per_token / 1e6:.0f} MB of weights per token, {bandwidth / 1e9:.1f} GB/s measured now)", err=True)
-        from gpt2port import decode_step
-
-        click.echo(f"decode steps ran on {decode_step.last_path}", err=True)
-        if getattr(model, "quantized", None):
-            from gpt2port.quant import Int8Linear
-
-            layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
-            smoothed = sum(m.in_scale is not None for m in layers)
-            click.echo(f"int8: {smoothed} of {len(layers)} products smoothed against outlier input channels", err=True)
+        for line in decode_report(model, device, rate):
+            click.echo(line, err=True)
 
 
 @main.command()

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2port import cuda_graph, kernels
+from gpt2port import cuda_graph, kernels, native
 from gpt2port.model import GPT, MLP, Block, CausalSelfAttention, KVCache
 
 # Take the scripted step where it applies; a switch for comparisons and debugging (False: always the model's forward).
@@ -35,8 +35,10 @@ SCRIPTED = True
 # How the steps of the latest generation ran, for `generate --verbose`: "TorchScript (<kernel>)", "a CUDA graph" or
 # "the model's forward" (set by stepper; a user asking why decoding is slow sees whether a fast step was taken).
 last_path: str | None = None
-# The kernels the blocks' products run on, as the model's own Linear layers would choose them.
-PLAIN, ONEDNN, FBGEMM = "plain", "onednn", "fbgemm"
+# The kernels the blocks' products run on, as the model's own Linear layers would choose them (NATIVE: one row of
+# fp32 on gpt2port's own kernel, gpt2port/native.py), and how `generate --verbose` names them.
+PLAIN, ONEDNN, FBGEMM, NATIVE = "plain", "onednn", "fbgemm", "native"
+_KERNEL_NAMES = {PLAIN: "F.linear", ONEDNN: "oneDNN", FBGEMM: "fbgemm", NATIVE: "gpt2port's one-row kernel"}
 # The model's activation functions (gpt2port.kernels.ACTIVATIONS' values) by the name the script knows them by.
 _ACTIVATIONS = {kernels._gelu_tanh: "gelu_tanh", F.gelu: "gelu", F.relu: "relu", F.silu: "silu"}
 
@@ -82,6 +84,8 @@ class _Step(nn.Module):
             if in_scale is not None:
                 x = x * in_scale
             return torch.ops.quantized.linear_dynamic(x, self.packed[i], self.reduce_range)
+        if self.kind == "native":
+            return torch.ops.gpt2port.matvec(x, self.weights[i], self.biases[i]).view(1, -1)
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weights[i], self.biases[i], "none", [], "")
         return F.linear(x, self.weights[i], self.biases[i])
@@ -136,7 +140,8 @@ def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor
     if cache.k.device.type == "cuda":
         fast, last_path = _graphed_step(model, cache), "a CUDA graph"
     else:
-        fast, last_path = _scripted_call(model, cache), f"TorchScript ({_kind(model, cache)})"
+        kind = _kind(model, cache)
+        fast, last_path = _scripted_call(model, cache), f"TorchScript ({_KERNEL_NAMES.get(kind, kind)})"
     if fast is None:
         last_path = "the model's forward"
         return lambda idx: model(idx, cache=cache, last_only=True)
@@ -218,7 +223,12 @@ def _kind(model: GPT, cache: KVCache) -> str | None:
                                                         model.pos_emb.weight.dtype}
         if len(dtypes) != 1:
             return None
-        return ONEDNN if dtypes == {torch.float32} and kernels.onednn_linear_enabled() else PLAIN
+        if dtypes != {torch.float32}:
+            return PLAIN
+        # One row per step (a batch of one) is what gpt2port's kernel takes, as in the model's Linear
+        if cache.k.size(1) == 1 and all(native.takes(m.weight, m.bias) for m in linears):
+            return NATIVE
+        return ONEDNN if kernels.onednn_linear_enabled() else PLAIN
     from gpt2port.quant import Int8Embedding, Int8Linear
 
     # Int8Linear runs one row on fbgemm and several on another kernel (see gpt2port.quant): one row only here.

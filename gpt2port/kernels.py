@@ -1,5 +1,6 @@
 """The compute pieces gpt2port.model opts into: its activation functions, and a Linear layer whose fp32 inference on
-CPU runs on oneDNN. The model's structure lives in model.py; how its products are computed lives here."""
+CPU runs on oneDNN, or on gpt2port's own kernel for one row. The model's structure lives in model.py; how its
+products are computed lives here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from gpt2port import native
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -38,13 +41,19 @@ class Linear(nn.Linear):
     F.linear calls MKL, whose fp32 matrix-vector and few-row products stream the weight well below what memory
     gives on the CPUs measured, while oneDNN (PyTorch's other CPU library, the one torch.compile puts under linear
     layers) comes much closer. One decoding step is nothing but such products, so generation and prefill get
-    markedly faster (scripts/bench_generate.py compares both paths; the README has the figures). Autograd, other
-    devices and dtypes, and PyTorch builds without the kernel go through F.linear as usual.
+    markedly faster (scripts/bench_generate.py compares both paths; the README has the figures). One row alone (a
+    decode step's every product) goes to gpt2port's own kernel where it is built (gpt2port/native.py), which
+    streams the weight faster still. Autograd, other devices and dtypes, and PyTorch builds without the kernels go
+    through F.linear as usual.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 \
-                or self.weight.dtype != torch.float32 or not onednn_linear_enabled():
+                or self.weight.dtype != torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        if native.applies(x, self.weight, self.bias):  # one row: gpt2port's own kernel (gpt2port/native.py)
+            return torch.ops.gpt2port.matvec(x, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
+        if not onednn_linear_enabled():
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")

@@ -31,29 +31,30 @@ def weight_bytes_per_token(model) -> int:
 
 def matvec_bandwidth(device: str | torch.device = "cpu", repeats: int = 20) -> float:
     """Bytes/s streamed by a one-row product against a PROBE_BYTES weight: the fastest of fp32 F.linear and, on CPU,
-    gpt2port's own Linear (oneDNN), on a GPU bf16 F.linear, so that no kernel the model uses beats the floor it
-    defines. On a GPU the weight is up to GPU_PROBE_FACTOR times larger (a quarter of the free memory at most) and
-    each timing spans GPU_BATCH products: one product there takes ~0.1 ms, of the order of a synchronization."""
+    oneDNN and gpt2port's one-row kernel (gpt2port/native.py), on a GPU bf16 F.linear, so that no kernel the model
+    uses beats the floor it defines. On a GPU the weight is up to GPU_PROBE_FACTOR times larger (a quarter of the
+    free memory at most) and each timing spans GPU_BATCH products: one product there takes ~0.1 ms, of the order of
+    a synchronization."""
     device = torch.device(device)
     if device.type == "cpu":
-        return _best_matvec(device, torch.float32, PROBE_BYTES, repeats, 1, onednn=True)
+        return _best_matvec(device, torch.float32, PROBE_BYTES, repeats, 1, cpu_kernels=True)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else PROBE_BYTES * 4
     probe = max(PROBE_BYTES // 4, min(PROBE_BYTES * GPU_PROBE_FACTOR, free // 4))
     return max(_best_matvec(device, dtype, probe, repeats, GPU_BATCH) for dtype in (torch.float32, torch.bfloat16))
 
 
 def _best_matvec(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int, batch: int,
-                 onednn: bool = False) -> float:
-    from gpt2port.kernels import Linear
+                 cpu_kernels: bool = False) -> float:
+    from gpt2port import kernels, native
 
     n = int((nbytes // dtype.itemsize) ** 0.5)
     w = torch.randn(n, n, device=device, dtype=dtype)
     x = torch.randn(1, n, device=device, dtype=dtype)
     products = [lambda: torch.nn.functional.linear(x, w)]
-    if onednn:
-        layer = Linear(n, n, bias=False, device="meta")
-        layer.weight = torch.nn.Parameter(w, requires_grad=False)
-        products.append(lambda: layer(x))
+    if cpu_kernels and kernels.onednn_linear_enabled():
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+    if cpu_kernels and native.takes(w, None):
+        products.append(lambda: torch.ops.gpt2port.matvec(x, w, None))
     best = float("inf")
     with torch.inference_mode():
         for product in products:
@@ -61,6 +62,28 @@ def _best_matvec(device: torch.device, dtype: torch.dtype, nbytes: int, repeats:
             for _ in range(repeats):
                 best = min(best, timed(lambda: [product() for _ in range(batch)], device) / batch)
     return w.numel() * w.element_size() / best
+
+
+def decode_report(model, device: str | torch.device, rate: float) -> list[str]:
+    """What `generate --verbose` says of a decode that ran at `rate` tokens/s: its fraction of the floor measured
+    now, what the steps ran on, and what made them slower than they could be."""
+    from gpt2port import decode_step, native
+
+    bandwidth, per_token = matvec_bandwidth(device), weight_bytes_per_token(model)
+    floor = bandwidth / per_token
+    lines = [f"decode at {rate / floor:.0%} of the memory-bandwidth floor ({floor:.1f} tokens/s: "
+             f"{per_token / 1e6:.0f} MB of weights per token, {bandwidth / 1e9:.1f} GB/s measured now)",
+             f"decode steps ran on {decode_step.last_path}"]
+    weight = model.lm_head.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and native.why_not() is not None:
+        lines.append(f"gpt2port's one-row kernel is not in use: {native.why_not()}")
+    if getattr(model, "quantized", None):
+        from gpt2port.quant import Int8Linear
+
+        layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+        smoothed = sum(m.in_scale is not None for m in layers)
+        lines.append(f"int8: {smoothed} of {len(layers)} products smoothed against outlier input channels")
+    return lines
 
 
 def timed(fn, device: str | torch.device = "cpu") -> float:

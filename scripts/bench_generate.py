@@ -19,9 +19,13 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the faster of F.linear and
            oneDNN), probed at the start and again in every round, its best counting as each rate's best does (one
            probe caught in a burst of load elsewhere once put fp32 at "97% of the floor"). int8 and q8_0 stream
-           their own encodings: about a quarter of the fp32 bytes.
+           their own encodings: about a quarter of the fp32 bytes. Also each run against its own round's probe,
+           the median over the rounds: this machine's bandwidth swings from minute to minute, and the best rate
+           over the best probe sets two different minutes against each other.
   step     for gpt2port fp32 and int8: a step's time (1 / tokens/s, the prefill spread over the tokens) beside
            that of its matrix products alone, back to back: the difference is attention, norms, Python, dispatch.
+           The products alone are also given as a fraction of a probe taken right after them: the most a step
+           could reach on its kernel, had it nothing else to do.
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
 --device cuda runs the same on a GPU (no MKL contender there, the eager step is the one not recorded as a CUDA graph;
@@ -40,6 +44,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,11 +164,13 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     # Round-robin, decode then prefill, so a burst of load elsewhere on the machine hits every contender alike;
     # the best run of each is its speed on a quiet machine.
     rates, prefill, tokens = {name: [] for name in fp32}, {name: [] for name in fp32}, {}
+    probes: dict[str, list[float]] = {name: [] for name in fp32}  # the round's probe beside each run, for pairing
     for r in range(repeats):
         bandwidths.append(matvec_bandwidth(device, repeats=5))
         for name, (decode, forward) in fp32.items():
             rate, tokens[name] = decode(prompt)
             rates[name].append(rate)
+            probes[name].append(bandwidths[-1])
             if forward is not None:
                 prefill[name].append(prefill_seconds(forward, long))
         print(f"[{size}] run {r + 1}/{repeats}: " + ", ".join(
@@ -171,19 +178,22 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
             for k, v in rates.items()), file=sys.stderr)
     prefill = {name: min(v) for name, v in prefill.items() if v}
     bytes_per_token = {name: weight_bytes_per_token(ours) for name in fp32}
-    products_ms = {OURS: products_alone_ms(ours)}
+    products_ms, products_probe = {OURS: products_alone_ms(ours)}, {OURS: matvec_bandwidth(device, repeats=5)}
     del hf, ours
     gc.collect()
 
     bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16, device=device)
     ours_decode(bf16, prompt[:, :4])
-    rates[OURS_BF16] = [ours_decode(bf16, prompt)[0] for _ in range(repeats)]
+    rates[OURS_BF16], probes[OURS_BF16] = [], []
+    for _ in range(repeats):
+        probes[OURS_BF16].append(matvec_bandwidth(device, repeats=5))
+        rates[OURS_BF16].append(ours_decode(bf16, prompt)[0])
     bytes_per_token[OURS_BF16] = weight_bytes_per_token(bf16)
     del bf16
     gc.collect()
     if device == "cpu":
         quantized_rounds_fresh(size, ckpt, root, prompt, repeats, rates, tokens, bytes_per_token, products_ms,
-                               bandwidths)
+                               bandwidths, probes, products_probe)
 
     best = {k: max(v) for k, v in rates.items()}
     bandwidth = max(bandwidths)
@@ -196,6 +206,14 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
         "vs_hf": {k: best[k] / best[HF] for k in best},
         "floor_tokens_per_s": {k: bandwidth / b for k, b in bytes_per_token.items()},
         "fraction_of_floor": {k: best[k] / (bandwidth / bytes_per_token[k]) for k in best},
+        # Each run against the probe of its own round, the median over rounds: the best rate over the best probe
+        # pairs two different moments of a machine whose bandwidth swings by 1.5x from minute to minute.
+        "paired_fraction_of_floor": {k: statistics.median(r * bytes_per_token[k] / b for r, b in zip(v, probes[k]))
+                                     for k, v in rates.items()},
+        # The matrix products alone against a probe taken right after them: the most the step could reach with
+        # nothing but its products, on the kernel it has.
+        "products_alone_fraction_of_floor": {k: bytes_per_token[k] / (ms / 1e3) / products_probe[k]
+                                             for k, ms in products_ms.items()},
         "greedy_tokens_equal_to_hf": f"{sum(a == b for a, b in zip(tokens[OURS], tokens[HF]))}/{NEW_TOKENS}",
         # int8 and q8_0 round every weight, so their greedy paths may part from fp32's; how soon is worth seeing
         "greedy_prefix_equal_to_fp32": {k: _common_prefix(tokens[k], tokens[OURS]) for k in (OURS_INT8, LLAMA_Q8)
@@ -207,7 +225,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
 
 
 def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, repeats: int, rates: dict,
-                     tokens: dict, bytes_per_token: dict, products_ms: dict, bandwidths: list[float]) -> None:
+                     tokens: dict, bytes_per_token: dict, products_ms: dict, bandwidths: list[float], probes: dict,
+                     products_probe: dict) -> None:
     """gpt2port int8 and, when llama-cpp-python is installed, llama.cpp on the same weights exported as q8_0 GGUF,
     interleaved round by round like the fp32 contenders."""
     # The same weights loaded as before gpt2port.hugepages, every matrix in 4 KB pages: loaded first, as the 2 MB
@@ -215,6 +234,7 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
     small_pages = switched(gpt2port.hugepages, "ENABLED", False)(GPT.from_pretrained)(ckpt, dtype="int8")
     int8 = GPT.from_pretrained(ckpt, dtype="int8")
     products_ms[OURS_INT8] = products_alone_ms(int8)
+    products_probe[OURS_INT8] = matvec_bandwidth("cpu", repeats=5)
     contenders = {OURS_INT8: lambda p: ours_decode(int8, p), INT8_EAGER: eager_step(lambda p: ours_decode(int8, p)),
                   INT8_SMALL_PAGES: lambda p: ours_decode(small_pages, p)}
     bytes_per_token[OURS_INT8] = bytes_per_token[INT8_EAGER] = bytes_per_token[INT8_SMALL_PAGES] = \
@@ -228,18 +248,20 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
     for decode in contenders.values():
         decode(prompt[:, :4])
     for name in contenders:
-        rates[name] = []
+        rates[name], probes[name] = [], []
     for r in range(repeats):
         bandwidths.append(matvec_bandwidth("cpu", repeats=5))
         for name, decode in contenders.items():
             rate, tokens[name] = decode(prompt)
             rates[name].append(rate)
+            probes[name].append(bandwidths[-1])
         print(f"[{size}] quantized run {r + 1}/{repeats}: " + ", ".join(
             f"{k} {rates[k][-1]:.2f} tokens/s" for k in contenders), file=sys.stderr)
 
 
 def quantized_rounds_fresh(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, repeats: int, rates: dict,
-                           tokens: dict, bytes_per_token: dict, products_ms: dict, bandwidths: list[float]) -> None:
+                           tokens: dict, bytes_per_token: dict, products_ms: dict, bandwidths: list[float],
+                           probes: dict, products_probe: dict) -> None:
     """quantized_rounds in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model: where glibc puts
     the int8 weights (and so whether gpt2port.hugepages gets them 2 MB pages) depends on what the heap already holds,
     and here it would hold the holes the fp32 and bf16 rounds left."""
@@ -253,13 +275,17 @@ def quantized_rounds_fresh(size: str, ckpt: Path, root: Path, prompt: torch.Tens
     bytes_per_token.update(got["bytes_per_token"])
     products_ms.update(got["products_ms"])
     bandwidths.extend(got["bandwidths"])
+    probes.update(got["probes"])
+    products_probe.update(got["products_probe"])
 
 
 def _quantized_child(size: str, ckpt: str, root: str, repeats: str, ids: str) -> None:
     prompt = torch.tensor([[int(t) for t in ids.split(",")]])
-    got: dict = {"rates": {}, "tokens": {}, "bytes_per_token": {}, "products_ms": {}, "bandwidths": []}
+    got: dict = {"rates": {}, "tokens": {}, "bytes_per_token": {}, "products_ms": {}, "bandwidths": [], "probes": {},
+                 "products_probe": {}}
     quantized_rounds(size, Path(ckpt), Path(root), prompt, int(repeats), got["rates"], got["tokens"],
-                     got["bytes_per_token"], got["products_ms"], got["bandwidths"])
+                     got["bytes_per_token"], got["products_ms"], got["bandwidths"], got["probes"],
+                     got["products_probe"])
     print(json.dumps(got))
 
 
@@ -319,10 +345,12 @@ def report(result: dict) -> str:
     for k, rate in result["tokens_per_s"].items():
         lines.append(f"  {k:28s} {rate:7.2f} tokens/s  {result['vs_hf'][k]:5.2f}x HF   "
                      f"{result['fraction_of_floor'][k]:6.1%} of its bandwidth floor "
-                     f"({result['floor_tokens_per_s'][k]:.1f} tokens/s)")
+                     f"({result['floor_tokens_per_s'][k]:.1f} tokens/s; run by run against the round's probe, "
+                     f"median {result['paired_fraction_of_floor'][k]:.1%})")
     for k, ms in result["products_alone_ms"].items():
         lines.append(f"  {k}: a step takes {1e3 / result['tokens_per_s'][k]:.2f} ms, its matrix products alone "
-                     f"{ms:.2f} ms")
+                     f"{ms:.2f} ms ({result['products_alone_fraction_of_floor'][k]:.1%} of the floor probed right "
+                     f"after them)")
     lines.append(f"  greedy tokens equal to HF's: {result['greedy_tokens_equal_to_hf']}")
     for k, n in result["greedy_prefix_equal_to_fp32"].items():
         lines.append(f"  {k}: greedy tokens equal to gpt2port fp32's for the first {n}")

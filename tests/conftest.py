@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# gpt2port's one-row kernel is built afresh for each run (and by the CLI runs it starts), not taken from ~/.cache
+_NATIVE_CACHE = tempfile.mkdtemp(prefix="gpt2port-native-")
+atexit.register(shutil.rmtree, _NATIVE_CACHE, True)
+os.environ["GPT2PORT_NATIVE_CACHE"] = _NATIVE_CACHE
 
 TINY = hf_fixtures.TINY
 

@@ -12,8 +12,8 @@ import torch.nn as nn
 
 import gpt2port.decode_step as decode_step
 import gpt2port.kernels as kernels
-from gpt2port import GPT, GPTConfig, quant
-from gpt2port.decode_step import FBGEMM, ONEDNN, PLAIN, _kind, _scripted_step, stepper
+from gpt2port import GPT, GPTConfig, native, quant
+from gpt2port.decode_step import FBGEMM, NATIVE, ONEDNN, PLAIN, _kind, _scripted_step, stepper
 from gpt2port.generate import generate
 from gpt2port.model import KVCache
 
@@ -64,22 +64,35 @@ def prompt(batch: int = 1, length: int = 5, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def one_row_fp32() -> str:
+    """The kernel one row of fp32 takes here, as the model's Linear chooses it."""
+    return NATIVE if native.available() else ONEDNN if kernels.onednn_linear_enabled() else PLAIN
+
+
 @pytest.mark.parametrize("activation", ["gelu_new", "gelu", "relu", "silu"])
-def test_fp32_on_onednn_every_activation(activation):
+def test_fp32_on_gpt2ports_kernel_every_activation(activation):
+    if not native.available():
+        pytest.skip(f"gpt2port's one-row kernel is not available: {native.why_not()}")
+    run_both(lively_model(dataclasses.replace(CONFIG, activation=activation)), prompt(), 8, expect=NATIVE)
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "silu"])
+def test_fp32_on_onednn(activation, monkeypatch):
     if not kernels.onednn_linear_enabled():
         pytest.skip("this PyTorch has no oneDNN linear")
+    monkeypatch.setattr(native, "ENABLED", False)
     run_both(lively_model(dataclasses.replace(CONFIG, activation=activation)), prompt(), 8, expect=ONEDNN)
 
 
 def test_fp32_on_f_linear_unscaled_attention_and_a_wider_mlp(monkeypatch):
     monkeypatch.setattr(kernels, "USE_ONEDNN", False)
+    monkeypatch.setattr(native, "ENABLED", False)
     config = dataclasses.replace(CONFIG, scale_attn_weights=False, n_inner=48, layer_norm_epsilon=1e-3)
     run_both(lively_model(config), prompt(), 8, expect=PLAIN)
 
 
 def test_an_untied_head():
-    run_both(lively_model(dataclasses.replace(CONFIG, tie_word_embeddings=False)), prompt(), 6,
-             expect=ONEDNN if kernels.onednn_linear_enabled() else PLAIN)
+    run_both(lively_model(dataclasses.replace(CONFIG, tie_word_embeddings=False)), prompt(), 6, expect=one_row_fp32())
 
 
 def test_bf16():

@@ -1,0 +1,213 @@
+"""gpt2port's one-row fp32 product (matvec.c), built on first use with the machine's C compiler and offered to
+PyTorch as the operator torch.ops.gpt2port.matvec, which the model's Linear layers and the scripted decode step call
+for one row of fp32 activations on the CPU.
+
+Why: a decode step is ~50 one-row products, and on the CPUs measured the kernels PyTorch ships stream GPT-2's narrow
+weights at ~70% of what the memory gives (matvec.c says why and how its loops differ); this one comes within a few
+percent of it. It is an accelerator, never a requirement: without a C compiler with OpenMP, with
+GPT2PORT_NATIVE=0 or `ENABLED = False`, or if the built library disagrees with F.linear on a probe, every product
+stays on oneDNN and `why_not()` says why.
+
+The library is built once per machine into a cache (GPT2PORT_NATIVE_CACHE, else $XDG_CACHE_HOME/gpt2port/native,
+else ~/.cache/gpt2port/native), under a name derived from the source, the compiler, the flags and the CPU: a
+library built with -march=native for another CPU would crash on this one, so one is never loaded on the wrong CPU.
+Building takes ~1 s; a failed build or a broken cached file costs only the speed-up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("matvec.c")
+LIBRARY_NAME = "libgpt2port_matvec.so"
+# Tried in order: the machine's own vector instructions, then the compiler's defaults.
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"])
+BUILD_TIMEOUT_S = 120
+ENABLED = os.environ.get("GPT2PORT_NATIVE", "1") != "0"
+
+_why_not: str | None = None
+
+# The operator, declared whether or not the library builds: the scripted decode step names it in a branch that
+# TorchScript compiles either way. Its kernel is only ever called once available() has said yes.
+_OPS = torch.library.Library("gpt2port", "DEF")
+_OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: k fp32 numbers (any shape); weight (n, k) and bias (n,) as takes() wants them -> (n,)."""
+    n, k = weight.shape
+    if x.numel() != k or not takes(weight, bias):
+        raise ValueError(f"gpt2port::matvec takes {k} fp32 numbers and a contiguous fp32 weight; got x "
+                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    x = x.contiguous()
+    y = torch.empty(n, dtype=torch.float32)
+    library().gpt2port_matvec(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                              y.data_ptr(), n, k, torch.get_num_threads())
+    return y
+
+
+_OPS.impl("matvec", _matvec, "CPU")
+
+
+def available() -> bool:
+    """Whether one-row fp32 products take gpt2port's kernel now: switched on, built (or cached) and probed right."""
+    return ENABLED and library() is not None
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the product x @ weight.T (+ bias) is one the kernel computes: one row of fp32 on a weight it takes."""
+    return x.numel() == weight.size(1) and x.dtype == torch.float32 and takes(weight, bias)
+
+
+def takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the kernel multiplies by this weight (and bias): fp32 on the CPU, contiguous (a transposed view would
+    be read in the wrong order), and the kernel available."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and \
+        weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())) and \
+        available()
+
+
+def why_not() -> str | None:
+    """Why the kernel is not in use (switched off, no compiler, build or probe failed), or None when it is."""
+    if not ENABLED:
+        return "switched off (GPT2PORT_NATIVE=0 or gpt2port.native.ENABLED = False)"
+    return None if library() is not None else _why_not
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, once per process (None where it cannot be had; see why_not)."""
+    global _why_not
+    lib, _why_not = load(cache_dir(), compiler())
+    return lib
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: $CC if set, else the first of cc, gcc, clang on the PATH."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return next((path for name in ("cc", "gcc", "clang") if (path := shutil.which(name))), None)
+
+
+def cache_dir() -> Path:
+    if os.environ.get("GPT2PORT_NATIVE_CACHE"):
+        return Path(os.environ["GPT2PORT_NATIVE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gpt2port" / "native"
+
+
+def load(cache: Path, cc: str | None) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None), built into `cache` if not there yet, or (None, why not)."""
+    if cc is None:
+        return None, "no C compiler found (cc, gcc or clang on the PATH, or $CC)"
+    source = SOURCE.read_bytes()
+    version = _run([cc, "--version"])
+    if version is None:
+        return None, f"the C compiler {cc} does not run"
+    errors = []
+    for flags in FLAG_SETS:
+        path = cache / _key(source, cc, version, flags) / LIBRARY_NAME
+        lib = _open(path)
+        if lib is None:
+            error = _build(cc, flags, path)
+            if error is not None:
+                errors.append(f"{' '.join(flags)}: {error}")
+                continue
+            lib = _open(path)
+        if lib is None:
+            errors.append(f"{path} does not load")
+            continue
+        if not _agrees(lib):
+            return None, f"{path} disagrees with F.linear on a probe"
+        return lib, None
+    return None, f"building {SOURCE.name} with {cc} failed: " + "; ".join(errors)
+
+
+def _key(source: bytes, cc: str, version: str, flags: list[str]) -> str:
+    """A name for one build: what it was built from, by what, for which CPU."""
+    h = hashlib.sha256(source)
+    for part in (cc, version, " ".join(flags), platform.machine(), _cpu_identity()):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:20]
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for), as far as the system tells."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
+
+
+def _open(path: Path) -> ctypes.CDLL | None:
+    if not path.is_file():
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        fn = lib.gpt2port_matvec
+    except (OSError, AttributeError):
+        path.unlink(missing_ok=True)  # a broken or foreign file: built again next time
+        return None
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    return lib
+
+
+def _build(cc: str, flags: list[str], path: Path) -> str | None:
+    """Compile into a temporary file beside `path`, then rename it there (two processes building at once each
+    rename a whole library); the error's last line, or None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        return f"cannot write the cache {path.parent}: {e.strerror}"
+    try:
+        proc = subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            lines = (proc.stderr or proc.stdout).strip().splitlines()
+            return lines[-1] if lines else f"exit status {proc.returncode}"
+        os.replace(tmp, path)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _agrees(lib: ctypes.CDLL) -> bool:
+    """The built kernel against F.linear on shapes that exercise its every branch (runs of rows and rows left
+    over, whole and partial vectors of a row, with and without bias), from a private generator."""
+    g = torch.Generator().manual_seed(0)
+    for n, k, with_bias in ((37, 50, True), (8, 16, False), (3, 5, True), (130, 768, False)):
+        w, x, b = torch.randn(n, k, generator=g), torch.randn(k, generator=g), torch.randn(n, generator=g)
+        bias = b if with_bias else None
+        y = torch.full((n,), float("nan"))  # a kernel that writes nothing fails
+        for threads in (1, 2):
+            lib.gpt2port_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                n, k, threads)
+            if not torch.allclose(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5):
+                return False
+    return True

@@ -1,0 +1,201 @@
+"""gpt2port's one-row fp32 kernel (gpt2port/native.py, matvec.c): its numbers against F.linear on every branch of
+its loops, where the model uses it, and what happens without a compiler, with a broken cache, a failing build, a
+kernel that computes wrong, or the switch off: the products stay on oneDNN and nothing else changes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2port import GPT, GPTConfig, native
+from gpt2port.model import KVCache
+
+needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no one-row kernel here: {native.why_not()}")
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=48, vocab_size=203, n_positions=32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 8, 9, 33, 130])
+@pytest.mark.parametrize("k", [1, 5, 16, 17, 48, 770])
+def test_equals_f_linear_on_every_shape(n, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(1, k, generator=g), torch.randn(n, generator=g)
+    for bias in (b, None):
+        want = F.linear(x, w, bias)[0]
+        got = torch.ops.gpt2port.matvec(x, w, bias)
+        assert got.shape == (n,)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_threads_do_not_change_the_numbers():
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(1001, 767, generator=g), torch.randn(767, generator=g)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(torch.ops.gpt2port.matvec(x, w, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_kernel
+def test_refuses_what_it_would_read_wrong():
+    w = torch.randn(8, 6)
+    with pytest.raises(ValueError, match="contiguous fp32 weight"):
+        torch.ops.gpt2port.matvec(torch.randn(8), w.t(), None)  # a transposed view
+    with pytest.raises(ValueError, match="6 fp32 numbers"):
+        torch.ops.gpt2port.matvec(torch.randn(5), w, None)
+    x = torch.randn(12)[::2]  # a strided row is copied, not misread
+    torch.testing.assert_close(torch.ops.gpt2port.matvec(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def logits_one_token(model: GPT) -> torch.Tensor:
+    idx = torch.tensor([[5, 17, 101, 3]])
+    with torch.inference_mode():
+        cache = KVCache(model.config, 1, 8)
+        model(idx[:, :3], cache=cache)
+        return model(idx[:, 3:], cache=cache, last_only=True)
+
+
+class Counting:
+    """The built library, counting the products it is handed (their n, k)."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, []
+
+    def gpt2port_matvec(self, *args):
+        self.calls.append(tuple(args[4:6]))
+        return self.lib.gpt2port_matvec(*args)
+
+
+@needs_kernel
+def test_the_model_takes_it_for_one_row_only(monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    counting = Counting(native.library())
+    monkeypatch.setattr(native, "library", lambda: counting)
+    with_kernel = logits_one_token(model)
+    C = CONFIG.n_embd
+    per_block = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
+    assert counting.calls == per_block * CONFIG.n_layer + [(CONFIG.vocab_size, C)]  # the prefill: none
+    monkeypatch.setattr(native, "ENABLED", False)
+    counting.calls.clear()
+    without = logits_one_token(model)
+    assert counting.calls == []
+    torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
+
+
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")
+
+
+@needs_compiler
+@pytest.mark.skipif(sys.platform != "linux", reason="elsewhere the compiler may lack OpenMP")
+def test_built_and_in_use_where_a_compiler_is():
+    # else every test above would skip, and a kernel the probe refuses would go unnoticed
+    assert native.available(), native.why_not()
+
+
+def builds(monkeypatch) -> list:
+    """Record every compiler run that builds (not the version query)."""
+    runs, real = [], subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if "-shared" in cmd:
+            runs.append(cmd)
+        return real(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(native.subprocess, "run", run)
+    return runs
+
+
+@needs_compiler
+def test_built_once_then_taken_from_the_cache(tmp_path, monkeypatch):
+    runs = builds(monkeypatch)
+    lib, why = native.load(tmp_path, native.compiler())
+    assert why is None and lib is not None and len(runs) == 1
+    lib, why = native.load(tmp_path, native.compiler())
+    assert why is None and lib is not None and len(runs) == 1
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [native.LIBRARY_NAME]  # no temporary left
+
+
+@needs_compiler
+def test_a_broken_cached_library_is_built_again(tmp_path, monkeypatch):
+    native.load(tmp_path / "a", native.compiler())
+    (built,) = (tmp_path / "a").rglob(native.LIBRARY_NAME)
+    # the same place in another cache (a loaded library is never written over: its pages are mapped)
+    path = tmp_path / "b" / built.relative_to(tmp_path / "a")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a library")
+    runs = builds(monkeypatch)
+    lib, why = native.load(tmp_path / "b", native.compiler())
+    assert why is None and lib is not None and len(runs) == 1
+    assert path.read_bytes()[:4] == b"\x7fELF" or sys.platform != "linux"
+
+
+@needs_compiler
+def test_another_cpu_gets_a_build_of_its_own(tmp_path, monkeypatch):
+    native.load(tmp_path, native.compiler())
+    monkeypatch.setattr(native, "_cpu_identity", lambda: "flags: none of the above")
+    runs = builds(monkeypatch)
+    native.load(tmp_path, native.compiler())
+    assert len(runs) == 1 and len(list(tmp_path.rglob(native.LIBRARY_NAME))) == 2
+
+
+def test_without_a_compiler(tmp_path):
+    assert native.load(tmp_path, None) == (None, "no C compiler found (cc, gcc or clang on the PATH, or $CC)")
+
+
+def test_a_compiler_that_fails(tmp_path):
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; exit 0; fi\n'
+                  'echo "matvec.c:1: error: no such thing" >&2; exit 1\n')
+    cc.chmod(0o755)
+    lib, why = native.load(tmp_path / "cache", str(cc))
+    assert lib is None
+    assert why.startswith(f"building matvec.c with {cc} failed: -O3 -march=native -fopenmp: matvec.c:1: error")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-built left
+
+
+@needs_compiler
+def test_a_kernel_that_computes_wrong_is_refused(tmp_path, monkeypatch):
+    class Wrong:
+        def gpt2port_matvec(self, w, x, b, y, n, k, threads):
+            pass  # leaves y as it was: not the product
+
+    assert not native._agrees(Wrong())
+    monkeypatch.setattr(native, "_open", lambda path: Wrong() if path.parent.exists() else None)
+    lib, why = native.load(tmp_path, native.compiler())
+    assert lib is None and why.endswith("disagrees with F.linear on a probe")
+
+
+def test_switched_off_by_the_environment():
+    code = "from gpt2port import native; print(native.available()); print(native.why_not())"
+    env = {**os.environ, "GPT2PORT_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
+    assert out == ["False", "switched off (GPT2PORT_NATIVE=0 or gpt2port.native.ENABLED = False)"]
+
+
+def test_without_the_kernel_the_model_runs_on_onednn(monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval()
+    want = logits_one_token(model)
+    monkeypatch.setattr(native, "library", lambda: None)
+    monkeypatch.setattr(native, "_why_not", "no C compiler found (cc, gcc or clang on the PATH, or $CC)")
+    assert not native.available() and native.why_not().startswith("no C compiler")
+    torch.testing.assert_close(logits_one_token(model), want, rtol=1e-5, atol=1e-5)
+    from gpt2port.speed import decode_report
+
+    monkeypatch.setattr("gpt2port.speed.matvec_bandwidth", lambda device: 1e10)
+    lines = decode_report(model, "cpu", 100.0)
+    assert "gpt2port's one-row kernel is not in use: no C compiler found" in lines[-1]
