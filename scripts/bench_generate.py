@@ -4,10 +4,11 @@ For each size: a random-weight hub-layout checkpoint is written (hf_fixtures.wri
 gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the same files. Then:
 
   decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill.
-           Contenders: gpt2port fp32 (its Linear layers on oneDNN, the default), gpt2port fp32 with
-           gpt2port.kernels.USE_ONEDNN = False (F.linear, i.e. MKL, as HF uses), HF generate fp32, and gpt2port fp32
-           with gpt2port.decode_step.SCRIPTED = False (every step through the model's own forward, as before the
-           scripted step); they alternate run by run, so all see the same machine load, and the best run of each
+           Contenders: gpt2port fp32 (the default: one-row products on gpt2port's own kernel, gpt2port/native.py,
+           others on oneDNN), gpt2port fp32 with one row on oneDNN too (gpt2port.native.ENABLED = False, as before
+           that kernel), gpt2port fp32 with neither (F.linear, i.e. MKL, as HF uses), HF generate fp32, and
+           gpt2port fp32 with gpt2port.decode_step.SCRIPTED = False (every step through the model's own forward, as
+           before the scripted step); they alternate run by run, so all see the same machine load, and the best run of each
            counts. Then gpt2port bf16. Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same
            with its eager step, the same loaded with its matrices in 4 KB pages (gpt2port.hugepages.ENABLED = False:
            as before that module), and, when llama-cpp-python is installed, llama.cpp on the same weights exported to
@@ -16,8 +17,8 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            whether they get 2 MB pages, depends on what the process allocated before).
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
-           fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the faster of F.linear and
-           oneDNN), probed at the start and again in every round, its best counting as each rate's best does (one
+           fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the fastest of F.linear,
+           oneDNN and gpt2port's kernel), probed at the start and again in every round, its best counting as each rate's best does (one
            probe caught in a burst of load elsewhere once put fp32 at "97% of the floor"). int8 and q8_0 stream
            their own encodings: about a quarter of the fp32 bytes. Also each run against its own round's probe,
            the median over the rounds: this machine's bandwidth swings from minute to minute, and the best rate
@@ -57,6 +58,7 @@ import gpt2port.cuda_graph
 import gpt2port.decode_step
 import gpt2port.hugepages
 import gpt2port.kernels
+import gpt2port.native
 from gpt2port import GPT, convert, export
 from gpt2port.generate import steps
 from gpt2port.speed import matvec_bandwidth, timed, weight_bytes_per_token
@@ -66,6 +68,7 @@ PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
 OURS_INT8, LLAMA_Q8 = "gpt2port int8", "llama.cpp q8_0"
 EAGER, INT8_EAGER = "gpt2port fp32, eager step", "gpt2port int8, eager step"
+ONEDNN_ROW = "gpt2port fp32, one row on oneDNN"
 INT8_SMALL_PAGES = "gpt2port int8, 4 KB pages"
 
 
@@ -108,8 +111,15 @@ def switched(module, name: str, value):
     return wrap
 
 
-# fn with gpt2port's Linear layers on F.linear (MKL), as everyone else's
-without_onednn = switched(gpt2port.kernels, "USE_ONEDNN", False)
+# fn with one-row products on oneDNN, as before gpt2port's own kernel (gpt2port/native.py)
+without_native = switched(gpt2port.native, "ENABLED", False)
+
+
+def without_onednn(fn):
+    """fn with gpt2port's Linear layers on F.linear (MKL), as everyone else's: neither oneDNN nor gpt2port's kernel."""
+    return without_native(switched(gpt2port.kernels, "USE_ONEDNN", False)(fn))
+
+
 # fn with every decode step through the model's own forward (the scripted step off)
 eager_step = switched(gpt2port.decode_step, "SCRIPTED", False)
 # the same on a GPU: every step launched kernel by kernel, not replayed as a CUDA graph
@@ -149,11 +159,12 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g).to(device)
     fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
             MKL: (without_onednn(lambda p: ours_decode(ours, p)), without_onednn(ours)),
+            ONEDNN_ROW: (without_native(lambda p: ours_decode(ours, p)), None),  # prefill: many rows, as OURS
             HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits),
             EAGER: (eager_step(lambda p: ours_decode(ours, p)) if device == "cpu" else
                     ungraphed(lambda p: ours_decode(ours, p)), None)}  # decode only: its prefill is OURS's
-    if device != "cpu":  # oneDNN vs MKL is a CPU question
-        del fp32[MKL]
+    if device != "cpu":  # oneDNN vs MKL vs gpt2port's kernel is a CPU question
+        del fp32[MKL], fp32[ONEDNN_ROW]
 
     print(f"[{size}] warm-up", file=sys.stderr)
     with torch.inference_mode():

@@ -3,9 +3,12 @@
 A decode step multiplies one row of activations by every weight matrix once, so its speed is the bytes of weight
 each kernel streams per second. Here each matrix shape of GPT-2 124M (and the large square probe that
 gpt2port.speed uses for the bandwidth floor) is multiplied by one row, with enough distinct copies of the weight
-(~400 MB of fp32, ~100 MB of int8) that they come from memory rather than cache, as in a real step.
+(~400 MB of fp32, ~100 MB of int8) that they come from memory rather than cache, as in a real step. The last row
+runs the products of one whole 124M step in order, each weight once (494 MB of fp32): what a step's products cost
+back to back, the most a decode step could reach on that kernel.
 
-Kernels: fp32 on oneDNN (gpt2port's Linear), fp32 on F.linear (MKL, as HF), int8 on fbgemm
+Kernels: fp32 on oneDNN (gpt2port's Linear for several rows), fp32 on gpt2port's own one-row kernel
+(gpt2port/native.py: what fp32 decoding runs where it is built), fp32 on F.linear (MKL, as HF), int8 on fbgemm
 (torch.ops.quantized.linear_dynamic, what `--dtype int8` decodes with) and on torch._weight_int8pack_mm with bf16
 activations (its fallback).
 
@@ -20,14 +23,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpt2port import quant
+from gpt2port import native, quant
 
 SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072), (50257, 768), (8192, 8192)]  # (out, in)
-FP32_BYTES, INT8_BYTES = 400_000_000, 100_000_000
+FP32_BYTES = 400_000_000  # of distinct copies per shape, so that each product reads memory, not cache
 
 
-def seconds_per_product(products, repeats: int = 5) -> float:
-    """Best-of-`repeats` time of running every product once, per product."""
+# The products of one GPT-2 124M decode step, in order: per block qkv, attention proj, mlp fc, mlp proj; the head
+STEP_124M = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12 + [(50257, 768)]
+
+
+def seconds(products, repeats: int = 5) -> float:
+    """Best-of-`repeats` time of running every product once."""
     for p in products:
         p()
     best = float("inf")
@@ -36,28 +43,33 @@ def seconds_per_product(products, repeats: int = 5) -> float:
         for p in products:
             p()
         best = min(best, time.perf_counter() - t)
-    return best / len(products)
+    return best
 
 
-def kernels(n: int, k: int) -> dict[str, float]:
-    """GB/s of weight streamed by each kernel for one row against an (n, k) weight."""
-    x = torch.randn(1, k)
-    fp32 = [torch.randn(n, k) for _ in range(max(1, FP32_BYTES // (4 * n * k)))]
-    int8 = [quant.quantize_rows(torch.randn(n, k)) for _ in range(max(1, INT8_BYTES // (n * k)))]
-    xb = x.to(quant.ACTIVATION_DTYPE)
+def kernels(shapes: list[tuple[int, int]]) -> dict[str, float]:
+    """GB/s of weight streamed by each kernel for one row against each (n, k) weight of `shapes` in turn."""
+    xs = {k: torch.randn(1, k) for _, k in shapes}
+    fp32 = [torch.randn(n, k) for n, k in shapes]
+    int8 = [quant.quantize_rows(w) for w in fp32]
+    # kernel -> (its weights, weight -> a function running one product)
     out = {
-        "fp32 oneDNN": (fp32, 4, lambda w: lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
-        "fp32 F.linear": (fp32, 4, lambda w: lambda: F.linear(x, w)),
-        "int8pack bf16": (int8, 1, lambda qs: (lambda s: lambda: torch._weight_int8pack_mm(xb, qs[0], s))(
-            qs[1].to(quant.ACTIVATION_DTYPE))),
+        "fp32 oneDNN": (fp32, lambda w, x: lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
+        "fp32 gpt2port": (fp32, lambda w, x: lambda: torch.ops.gpt2port.matvec(x, w, None)),
+        "fp32 F.linear": (fp32, lambda w, x: lambda: F.linear(x, w)),
+        "int8pack bf16": (int8, lambda qs, x: (lambda xb, s: lambda: torch._weight_int8pack_mm(xb, qs[0], s))(
+            x.to(quant.ACTIVATION_DTYPE), qs[1].to(quant.ACTIVATION_DTYPE))),
     }
+    if not native.available():
+        del out["fp32 gpt2port"]
     if quant._fbgemm_works():
-        out["int8 fbgemm"] = (int8, 1, lambda qs: (lambda p: lambda: torch.ops.quantized.linear_dynamic.default(
+        out["int8 fbgemm"] = (int8, lambda qs, x: (lambda p: lambda: torch.ops.quantized.linear_dynamic.default(
             x, p, quant._reduce_range()))(quant._pack(qs[0], qs[1], None)))
     rates = {}
     with torch.inference_mode():
-        for name, (weights, size, make) in out.items():
-            rates[name] = n * k * size / seconds_per_product([make(w) for w in weights]) / 1e9
+        for name, (weights, make) in out.items():
+            products = [make(w, xs[k]) for w, (_, k) in zip(weights, shapes)]
+            nbytes = sum(n * k for n, k in shapes) * (1 if name.startswith("int8") else 4)
+            rates[name] = nbytes / seconds(products) / 1e9
     return rates
 
 
@@ -68,13 +80,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads; GB/s of weight streamed for one token")
     header = None
-    for n, k in SHAPES:
-        rates = kernels(n, k)
+    rows = [(f"{n} x {k}", [(n, k)] * max(1, FP32_BYTES // (4 * n * k))) for n, k in SHAPES]
+    rows.append(("124M step, in order", STEP_124M))
+    for label, shapes in rows:
+        rates = kernels(shapes)
         if header is None:
             header = list(rates)
-            print(f"| {'weight (out, in)':<17} | " + " | ".join(header) + " |")
+            print(f"| {'weight (out, in)':<19} | " + " | ".join(header) + " |")
             print("|---|" + "---:|" * len(header))
-        print(f"| {f'{n} x {k}':<17} | " + " | ".join(f"{rates[h]:.1f}" for h in header) + " |", flush=True)
+        print(f"| {label:<19} | " + " | ".join(f"{rates[h]:.1f}" for h in header) + " |", flush=True)
 
 
 if __name__ == "__main__":
