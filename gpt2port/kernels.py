@@ -48,8 +48,9 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # torch.compile picks kernels of its own (and cannot trace oneDNN's op on a plain weight)
         if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 \
-                or self.weight.dtype != torch.float32:
+                or self.weight.dtype != torch.float32 or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         if native.applies(x, self.weight, self.bias):  # one row: gpt2port's own kernel (gpt2port/native.py)
             return torch.ops.gpt2port.matvec(x, self.weight, self.bias).view(*x.shape[:-1], self.out_features)

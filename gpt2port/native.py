@@ -58,6 +58,8 @@ def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 _OPS.impl("matvec", _matvec, "CPU")
+# Shapes only, for whatever traces the model without running it (torch.compile, meta-device models)
+_OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(weight.size(0)), "Meta")
 
 
 def available() -> bool:

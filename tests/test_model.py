@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2port import GPTConfig, kernels, native
+from gpt2port import GPT, GPTConfig, kernels, native
 from gpt2port.errors import GPT2PortError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +89,17 @@ def test_onednn_linear_is_for_fp32_inference_only(pointwise_calls):
     with torch.inference_mode():
         layer.to(torch.bfloat16)(x.to(torch.bfloat16))
     assert not pointwise_calls
+
+
+def test_torch_compile_for_inference():
+    # Under torch.compile the Linear layers leave the kernel choice to the compiler: oneDNN's op on a plain weight
+    # cannot be traced, and gpt2port's kernel is a Python operator.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=48, vocab_size=203, n_positions=32)).eval()
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        for idx in (torch.tensor([[7]]), torch.tensor([[3, 1, 4, 1, 5]])):
+            torch.testing.assert_close(compiled(idx), model(idx), rtol=1e-5, atol=1e-5)
 
 
 def test_config_accepts_exactly_the_activations_the_model_implements():
