@@ -1,18 +1,18 @@
 """How fast each CPU kernel a decode step can use streams one weight matrix for one token, at GPT-2's shapes.
 
 A decode step multiplies one row of activations by every weight matrix once, so its speed is the bytes of weight
-each kernel streams per second. Here each matrix shape of GPT-2 124M (and the large square probe that
-gpt2port.speed uses for the bandwidth floor) is multiplied by one row, with enough distinct copies of the weight
-(~400 MB of fp32, ~100 MB of int8) that they come from memory rather than cache, as in a real step. The last row
-runs the products of one whole 124M step in order, each weight once (494 MB of fp32): what a step's products cost
-back to back, the most a decode step could reach on that kernel.
+each kernel streams per second. Here each matrix shape of a GPT-2 size (124M by default; --size gpt2-xl for 1.5B)
+and the large square probe that gpt2port.speed uses for the bandwidth floor is multiplied by one row, with enough
+distinct copies of the weight (~400 MB of fp32, ~100 MB of int8) that they come from memory rather than cache, as
+in a real step. The last row runs the products of one whole step in order, each weight once (124M: 494 MB of
+fp32, 1.5B: 6.2 GB): what a step's products cost back to back, the most a decode step could reach on that kernel.
 
 Kernels: fp32 on oneDNN (gpt2port's Linear for several rows), fp32 on gpt2port's own one-row kernel
 (gpt2port/native.py: what fp32 decoding runs where it is built), fp32 on F.linear (MKL, as HF), int8 on fbgemm
 (torch.ops.quantized.linear_dynamic, what `--dtype int8` decodes with) and on torch._weight_int8pack_mm with bf16
 activations (its fallback).
 
-Usage (from the repository root):  python -m scripts.bench_matvec [--threads 2]
+Usage (from the repository root):  python -m scripts.bench_matvec [--size gpt2] [--threads 2]
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ import torch
 import torch.nn.functional as F
 
 from gpt2port import native, quant
+from gpt2port.config import GPTConfig, canonical_name
 
-SHAPES = [(2304, 768), (768, 768), (3072, 768), (768, 3072), (50257, 768), (8192, 8192)]  # (out, in)
+PROBE = (8192, 8192)  # (out, in), as gpt2port.speed's bandwidth probe
 FP32_BYTES = 400_000_000  # of distinct copies per shape, so that each product reads memory, not cache
 
 
-# The products of one GPT-2 124M decode step, in order: per block qkv, attention proj, mlp fc, mlp proj; the head
-STEP_124M = [(2304, 768), (768, 768), (3072, 768), (768, 3072)] * 12 + [(50257, 768)]
+def step_shapes(config: GPTConfig) -> list[tuple[int, int]]:
+    """The (out, in) weights of one decode step, in order: per block qkv, attention proj, mlp fc, mlp proj; the head."""
+    d, inner = config.n_embd, config.mlp_width
+    return [(3 * d, d), (d, d), (inner, d), (d, inner)] * config.n_layer + [(config.vocab_size, d)]
 
 
 def seconds(products, repeats: int = 5) -> float:
@@ -75,13 +78,16 @@ def kernels(shapes: list[tuple[int, int]]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="gpt2", help="a GPT-2 size or alias (gpt2, gpt2-xl, 1.5B, ...)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads; GB/s of weight streamed for one token")
+    size = canonical_name(args.size)
+    step = step_shapes(GPTConfig.preset(size))
+    print(f"torch {torch.__version__}, {args.threads} threads, {size}; GB/s of weight streamed for one token")
     header = None
-    rows = [(f"{n} x {k}", [(n, k)] * max(1, FP32_BYTES // (4 * n * k))) for n, k in SHAPES]
-    rows.append(("124M step, in order", STEP_124M))
+    rows = [(f"{n} x {k}", [(n, k)] * max(1, FP32_BYTES // (4 * n * k))) for n, k in [*dict.fromkeys(step), PROBE]]
+    rows.append((f"{size} step, in order", step))
     for label, shapes in rows:
         rates = kernels(shapes)
         if header is None:
