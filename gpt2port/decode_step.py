@@ -36,7 +36,7 @@ SCRIPTED = True
 # "the model's forward" (set by stepper; a user asking why decoding is slow sees whether a fast step was taken).
 last_path: str | None = None
 # The kernels the blocks' products run on, as the model's own Linear layers would choose them (NATIVE: one row of
-# fp32 on gpt2port's own kernel, gpt2port/native.py), and how `generate --verbose` names them.
+# fp32 or bf16 on gpt2port's own kernel, gpt2port/native.py), and how `generate --verbose` names them.
 PLAIN, ONEDNN, FBGEMM, NATIVE = "plain", "onednn", "fbgemm", "native"
 _KERNEL_NAMES = {PLAIN: "F.linear", ONEDNN: "oneDNN", FBGEMM: "fbgemm", NATIVE: "gpt2port's one-row kernel"}
 # The model's activation functions (gpt2port.kernels.ACTIVATIONS' values) by the name the script knows them by.
@@ -223,11 +223,11 @@ def _kind(model: GPT, cache: KVCache) -> str | None:
                                                         model.pos_emb.weight.dtype}
         if len(dtypes) != 1:
             return None
-        if dtypes != {torch.float32}:
-            return PLAIN
-        # One row per step (a batch of one) is what gpt2port's kernel takes, as in the model's Linear
+        # One row per step (a batch of one) is what gpt2port's kernel takes (fp32, bf16), as in the model's Linear
         if cache.k.size(1) == 1 and all(native.takes(m.weight, m.bias) for m in linears):
             return NATIVE
+        if dtypes != {torch.float32}:
+            return PLAIN
         return ONEDNN if kernels.onednn_linear_enabled() else PLAIN
     from gpt2port.quant import Int8Embedding, Int8Linear
 

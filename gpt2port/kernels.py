@@ -42,19 +42,18 @@ class Linear(nn.Linear):
     gives on the CPUs measured, while oneDNN (PyTorch's other CPU library, the one torch.compile puts under linear
     layers) comes much closer. One decoding step is nothing but such products, so generation and prefill get
     markedly faster (scripts/bench_generate.py compares both paths; the README has the figures). One row alone (a
-    decode step's every product) goes to gpt2port's own kernel where it is built (gpt2port/native.py), which
-    streams the weight faster still. Autograd, other devices and dtypes, and PyTorch builds without the kernels go
-    through F.linear as usual.
+    decode step's every product), fp32 or bf16, goes to gpt2port's own kernel where it is built
+    (gpt2port/native.py), which streams the weight faster still. Autograd, other devices and dtypes, and PyTorch
+    builds without the kernels go through F.linear as usual.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch.compile picks kernels of its own (and cannot trace oneDNN's op on a plain weight)
-        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 \
-                or self.weight.dtype != torch.float32 or torch.compiler.is_compiling():
+        if torch.is_grad_enabled() or x.device.type != "cpu" or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
-        if native.applies(x, self.weight, self.bias):  # one row: gpt2port's own kernel (gpt2port/native.py)
+        if native.applies(x, self.weight, self.bias):  # one row, fp32 or bf16: gpt2port's own kernel (native.py)
             return torch.ops.gpt2port.matvec(x, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
-        if not onednn_linear_enabled():
+        if x.dtype != torch.float32 or self.weight.dtype != torch.float32 or not onednn_linear_enabled():
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")

@@ -1,4 +1,5 @@
-/* One fp32 row times a weight matrix: y[n] = W[n, k] . x[k] (+ b[n]), the product a decode step is made of.
+/* One row times a weight matrix: y[n] = W[n, k] . x[k] (+ b[n]), the product a decode step is made of, in fp32 or
+ * bf16 (bf16 numbers widened to fp32 as they are read, the sums in fp32, each result rounded to bf16 once).
  *
  * Why a kernel of gpt2port's own: a decode step streams every weight once, so its speed is how fast the memory
  * delivers them. On the CPUs measured, memory delivers most when each core reads several long, far-apart runs of
@@ -15,59 +16,126 @@
  * threads are OpenMP's: loaded into a PyTorch process, the library shares PyTorch's OpenMP runtime and its threads.
  */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <omp.h>
 
 #define LANES 16
 #define STREAMS 4 /* the four runs are spelled out in `rows` */
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-/* The same vector read from any float address (rows start anywhere): alignment of one float, may alias floats. */
+/* The same vectors read from any element's address (rows start anywhere): alignment of one element, may alias. */
 typedef float unaligned_vec __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)), may_alias));
+typedef uint16_t unaligned_bf16_vec
+    __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(sizeof(uint16_t)), may_alias));
+typedef uint32_t u32_vec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
 #define load(p) (*(const unaligned_vec *)(p))
 
-/* A row's LANES partial sums added in order, then the columns past the last whole vector. Not inlined: one copy,
- * so every caller rounds the tail the same way. */
-__attribute__((noinline)) static float finish(const vec *acc, const float *w, const float *x, int64_t from, int64_t k) {
-    float v = 0.f;
-    for (int l = 0; l < LANES; l++) v += (*acc)[l];
-    for (int64_t j = from; j < k; j++) v += w[j] * x[j];
-    return v;
+/* bf16 is the upper half of an fp32's bits: widening is exact. */
+#define widen(p) ((vec)(__builtin_convertvector(*(const unaligned_bf16_vec *)(p), u32_vec) << 16))
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-static void put(float *y, const float *b, int64_t r, float v) { y[r] = b ? v + b[r] : v; }
+/* Rounded to the nearest bf16, ties to even, NaN kept a NaN: as PyTorch converts. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
-/* Rows [r0, r1): STREAMS runs of `run` rows each, row i of every run together, then the rows left over. */
-static void rows(const float *W, const float *x, const float *b, float *y, int64_t r0, int64_t r1, int64_t k) {
-    int64_t run = (r1 - r0) / STREAMS, body = k - k % LANES;
+/* Element j of a row of weights, widened: `half` says bf16 (a constant wherever these are inlined). */
+#define ELEM(w, j, half) ((half) ? bf16_to_f32(((const uint16_t *)(w))[j]) : ((const float *)(w))[j])
+#define VEC(w, j, half) ((half) ? widen((const uint16_t *)(w) + (j)) : (vec)load((const float *)(w) + (j)))
+
+/* A row's LANES partial sums added in order, then the columns past the last whole vector. Not inlined (one copy
+ * per type, below), so every caller rounds the tail the same way. */
+static inline __attribute__((always_inline)) float finish(const vec *acc, const void *w, const float *x,
+                                                          int64_t from, int64_t k, int half) {
+    float v = 0.f;
+    for (int l = 0; l < LANES; l++) v += (*acc)[l];
+    for (int64_t j = from; j < k; j++) v += ELEM(w, j, half) * x[j];
+    return v;
+}
+__attribute__((noinline)) static float finish_f32(const vec *acc, const void *w, const float *x, int64_t from,
+                                                  int64_t k) { return finish(acc, w, x, from, k, 0); }
+__attribute__((noinline)) static float finish_bf16(const vec *acc, const void *w, const float *x, int64_t from,
+                                                   int64_t k) { return finish(acc, w, x, from, k, 1); }
+
+static inline __attribute__((always_inline)) void put(void *y, const void *b, int64_t r, const vec *acc,
+                                                      const void *w, const float *x, int64_t from, int64_t k,
+                                                      int half) {
+    float v = half ? finish_bf16(acc, w, x, from, k) : finish_f32(acc, w, x, from, k);
+    if (b) v += ELEM(b, r, half);
+    if (half) ((uint16_t *)y)[r] = f32_to_bf16(v);
+    else ((float *)y)[r] = v;
+}
+
+/* Rows [r0, r1): STREAMS runs of `run` rows each, row i of every run together, then the rows left over. Inlined
+ * into one copy per type, where `half` is a constant. */
+static inline __attribute__((always_inline)) void rows(const void *W, const float *x, const void *b, void *y,
+                                                       int64_t r0, int64_t r1, int64_t k, int half) {
+    int64_t run = (r1 - r0) / STREAMS, body = k - k % LANES, size = half ? 2 : 4;
     for (int64_t i = 0; i < run; i++) {
         int64_t r = r0 + i;
-        const float *w0 = W + r * k, *w1 = w0 + run * k, *w2 = w1 + run * k, *w3 = w2 + run * k;
+        const char *w0 = (const char *)W + r * k * size, *w1 = w0 + run * k * size, *w2 = w1 + run * k * size,
+                   *w3 = w2 + run * k * size;
         vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t j = 0; j < body; j += LANES) {
             vec xj = load(x + j);
-            a0 += load(w0 + j) * xj;
-            a1 += load(w1 + j) * xj;
-            a2 += load(w2 + j) * xj;
-            a3 += load(w3 + j) * xj;
+            a0 += VEC(w0, j, half) * xj;
+            a1 += VEC(w1, j, half) * xj;
+            a2 += VEC(w2, j, half) * xj;
+            a3 += VEC(w3, j, half) * xj;
         }
-        put(y, b, r, finish(&a0, w0, x, body, k));
-        put(y, b, r + run, finish(&a1, w1, x, body, k));
-        put(y, b, r + 2 * run, finish(&a2, w2, x, body, k));
-        put(y, b, r + 3 * run, finish(&a3, w3, x, body, k));
+        put(y, b, r, &a0, w0, x, body, k, half);
+        put(y, b, r + run, &a1, w1, x, body, k, half);
+        put(y, b, r + 2 * run, &a2, w2, x, body, k, half);
+        put(y, b, r + 3 * run, &a3, w3, x, body, k, half);
     }
     for (int64_t r = r0 + STREAMS * run; r < r1; r++) {
-        const float *w = W + r * k;
+        const char *w = (const char *)W + r * k * size;
         vec a = {0};
-        for (int64_t j = 0; j < body; j += LANES) a += load(w + j) * load(x + j);
-        put(y, b, r, finish(&a, w, x, body, k));
+        for (int64_t j = 0; j < body; j += LANES) a += VEC(w, j, half) * load(x + j);
+        put(y, b, r, &a, w, x, body, k, half);
     }
 }
 
-void gpt2port_matvec(const float *W, const float *x, const float *b, float *y, int64_t n, int64_t k, int threads) {
+static void rows_f32(const void *W, const float *x, const void *b, void *y, int64_t r0, int64_t r1, int64_t k) {
+    rows(W, x, b, y, r0, r1, k, 0);
+}
+static void rows_bf16(const void *W, const float *x, const void *b, void *y, int64_t r0, int64_t r1, int64_t k) {
+    rows(W, x, b, y, r0, r1, k, 1);
+}
+
+static void split(void (*part)(const void *, const float *, const void *, void *, int64_t, int64_t, int64_t),
+                  const void *W, const float *x, const void *b, void *y, int64_t n, int64_t k, int threads) {
     #pragma omp parallel num_threads(threads)
     {
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t per = (n + T - 1) / T, r0 = t * per, r1 = r0 + per < n ? r0 + per : n;
-        if (r0 < r1) rows(W, x, b, y, r0, r1, k);
+        if (r0 < r1) part(W, x, b, y, r0, r1, k);
     }
+}
+
+/* fp32: W (n, k), x (k), b (n) or NULL, y (n). */
+void gpt2port_matvec(const float *W, const float *x, const float *b, float *y, int64_t n, int64_t k, int threads) {
+    split(rows_f32, W, x, b, y, n, k, threads);
+}
+
+/* bf16 (as uint16 bits): the same, x widened once into fp32. Returns -1 where that buffer cannot be had. */
+int gpt2port_matvec_bf16(const uint16_t *W, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t n, int64_t k,
+                         int threads) {
+    float *wide = malloc((size_t)k * sizeof(float) + 1);
+    if (!wide) return -1;
+    for (int64_t j = 0; j < k; j++) wide[j] = bf16_to_f32(x[j]);
+    split(rows_bf16, W, wide, b, y, n, k, threads);
+    free(wide);
+    return 0;
 }

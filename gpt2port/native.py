@@ -1,12 +1,12 @@
-"""gpt2port's one-row fp32 product (matvec.c), built on first use with the machine's C compiler and offered to
-PyTorch as the operator torch.ops.gpt2port.matvec, which the model's Linear layers and the scripted decode step call
-for one row of fp32 activations on the CPU.
+"""gpt2port's one-row product (matvec.c), fp32 and bf16, built on first use with the machine's C compiler and offered
+to PyTorch as the operator torch.ops.gpt2port.matvec, which the model's Linear layers and the scripted decode step
+call for one row of activations on the CPU.
 
 Why: a decode step is ~50 one-row products, and on the CPUs measured the kernels PyTorch ships stream GPT-2's narrow
-weights at ~70% of what the memory gives (matvec.c says why and how its loops differ); this one comes within a few
-percent of it. It is an accelerator, never a requirement: without a C compiler with OpenMP, with
-GPT2PORT_NATIVE=0 or `ENABLED = False`, or if the built library disagrees with F.linear on a probe, every product
-stays on oneDNN and `why_not()` says why.
+weights at ~70% of what the memory gives (matvec.c says why and how its loops differ), bf16 ones at ~60%; this one
+comes within a few percent of it in both. It is an accelerator, never a requirement: without a C compiler with
+OpenMP, with GPT2PORT_NATIVE=0 or `ENABLED = False`, or if the built library disagrees with F.linear on a probe,
+every product stays where it was (fp32 on oneDNN, bf16 on F.linear) and `why_not()` says why.
 
 The library is built once per machine into a cache (GPT2PORT_NATIVE_CACHE, else $XDG_CACHE_HOME/gpt2port/native,
 else ~/.cache/gpt2port/native), under a name derived from the source, the compiler, the flags and the CPU: a
@@ -35,6 +35,8 @@ LIBRARY_NAME = "libgpt2port_matvec.so"
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"])
 BUILD_TIMEOUT_S = 120
 ENABLED = os.environ.get("GPT2PORT_NATIVE", "1") != "0"
+# What it multiplies: the dtype of weight, activations, bias and result alike -> the library's function for it
+FUNCTIONS = {torch.float32: "gpt2port_matvec", torch.bfloat16: "gpt2port_matvec_bf16"}
 
 _why_not: str | None = None
 
@@ -45,15 +47,18 @@ _OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
 def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: k fp32 numbers (any shape); weight (n, k) and bias (n,) as takes() wants them -> (n,)."""
+    """x: k numbers (any shape); weight (n, k) and bias (n,) as takes() wants them, all of one dtype -> (n,)."""
     n, k = weight.shape
-    if x.numel() != k or not takes(weight, bias):
-        raise ValueError(f"gpt2port::matvec takes {k} fp32 numbers and a contiguous fp32 weight; got x "
-                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    if x.numel() != k or x.dtype != weight.dtype or not takes(weight, bias):
+        raise ValueError(f"gpt2port::matvec takes k numbers and a contiguous (n, k) weight of one dtype, fp32 or "
+                         f"bf16; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     x = x.contiguous()
-    y = torch.empty(n, dtype=torch.float32)
-    library().gpt2port_matvec(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                              y.data_ptr(), n, k, torch.get_num_threads())
+    y = torch.empty(n, dtype=weight.dtype)
+    status = getattr(library(), FUNCTIONS[weight.dtype])(weight.data_ptr(), x.data_ptr(),
+                                                        None if bias is None else bias.data_ptr(), y.data_ptr(), n, k,
+                                                        torch.get_num_threads())
+    if status:  # bf16 widens the row into a buffer of k fp32 numbers first
+        raise MemoryError(f"gpt2port::matvec: no memory for {k} fp32 numbers")
     return y
 
 
@@ -63,20 +68,21 @@ _OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(weight.size(0)), "M
 
 
 def available() -> bool:
-    """Whether one-row fp32 products take gpt2port's kernel now: switched on, built (or cached) and probed right."""
+    """Whether one-row products take gpt2port's kernel now: switched on, built (or cached) and probed right."""
     return ENABLED and library() is not None
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the product x @ weight.T (+ bias) is one the kernel computes: one row of fp32 on a weight it takes."""
-    return x.numel() == weight.size(1) and x.dtype == torch.float32 and takes(weight, bias)
+    """Whether the product x @ weight.T (+ bias) is one the kernel computes: one row of the weight's dtype, on a
+    weight it takes."""
+    return x.numel() == weight.size(1) and x.dtype == weight.dtype and takes(weight, bias)
 
 
 def takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel multiplies by this weight (and bias): fp32 on the CPU, contiguous (a transposed view would
-    be read in the wrong order), and the kernel available."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2 and \
-        weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())) and \
+    """Whether the kernel multiplies by this weight (and bias): fp32 or bf16 on the CPU, contiguous (a transposed
+    view would be read in the wrong order), bias of the same dtype, and the kernel available."""
+    return weight.dtype in FUNCTIONS and weight.device.type == "cpu" and weight.dim() == 2 and \
+        weight.is_contiguous() and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())) and \
         available()
 
 
@@ -159,12 +165,13 @@ def _open(path: Path) -> ctypes.CDLL | None:
         return None
     try:
         lib = ctypes.CDLL(str(path))
-        fn = lib.gpt2port_matvec
+        functions = {dtype: getattr(lib, name) for dtype, name in FUNCTIONS.items()}
     except (OSError, AttributeError):
         path.unlink(missing_ok=True)  # a broken or foreign file: built again next time
         return None
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    for dtype, fn in functions.items():
+        fn.restype = None if dtype == torch.float32 else ctypes.c_int  # bf16's says whether it had its buffer
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -201,15 +208,19 @@ def _run(cmd: list[str]) -> str | None:
 
 def _agrees(lib: ctypes.CDLL) -> bool:
     """The built kernel against F.linear on shapes that exercise its every branch (runs of rows and rows left
-    over, whole and partial vectors of a row, with and without bias), from a private generator."""
+    over, whole and partial vectors of a row, with and without bias), in each dtype, from a private generator. bf16
+    against the same numbers multiplied in fp32 and rounded once, within a bf16 step (the sums' order differs)."""
     g = torch.Generator().manual_seed(0)
-    for n, k, with_bias in ((37, 50, True), (8, 16, False), (3, 5, True), (130, 768, False)):
-        w, x, b = torch.randn(n, k, generator=g), torch.randn(k, generator=g), torch.randn(n, generator=g)
-        bias = b if with_bias else None
-        y = torch.full((n,), float("nan"))  # a kernel that writes nothing fails
-        for threads in (1, 2):
-            lib.gpt2port_matvec(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                n, k, threads)
-            if not torch.allclose(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5):
-                return False
+    for dtype, name in FUNCTIONS.items():
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        for n, k, with_bias in ((37, 50, True), (8, 16, False), (3, 5, True), (130, 768, False)):
+            w, x, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (k,), (n,)))
+            bias = b if with_bias else None
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+            y = torch.full((n,), float("nan"), dtype=dtype)  # a kernel that writes nothing fails
+            for threads in (1, 2):
+                getattr(lib, name)(w.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                                   y.data_ptr(), n, k, threads)
+                if not torch.allclose(y.float(), want.float(), rtol=tolerance, atol=tolerance):
+                    return False
     return True

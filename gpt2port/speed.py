@@ -75,7 +75,7 @@ def decode_report(model, device: str | torch.device, rate: float) -> list[str]:
              f"{per_token / 1e6:.0f} MB of weights per token, {bandwidth / 1e9:.1f} GB/s measured now)",
              f"decode steps ran on {decode_step.last_path}"]
     weight = model.lm_head.weight
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and native.why_not() is not None:
+    if weight.device.type == "cpu" and weight.dtype in native.FUNCTIONS and native.why_not() is not None:
         lines.append(f"gpt2port's one-row kernel is not in use: {native.why_not()}")
     if getattr(model, "quantized", None):
         from gpt2port.quant import Int8Linear

@@ -96,7 +96,17 @@ def test_an_untied_head():
 
 
 def test_bf16():
+    run_both(lively_model().to(torch.bfloat16), prompt(), 6, expect=NATIVE if native.available() else PLAIN)
+
+
+def test_bf16_on_f_linear(monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", False)
     run_both(lively_model().to(torch.bfloat16), prompt(), 6, expect=PLAIN)
+
+
+def test_a_bf16_batch():
+    pad = torch.tensor([2, 0])
+    run_both(lively_model().to(torch.bfloat16), prompt(batch=2), 6, pad=pad, expect=PLAIN)
 
 
 def test_a_left_padded_batch():

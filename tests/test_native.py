@@ -1,6 +1,7 @@
-"""gpt2port's one-row fp32 kernel (gpt2port/native.py, matvec.c): its numbers against F.linear on every branch of
-its loops, where the model uses it, and what happens without a compiler, with a broken cache, a failing build, a
-kernel that computes wrong, or the switch off: the products stay on oneDNN and nothing else changes."""
+"""gpt2port's one-row kernel, fp32 and bf16 (gpt2port/native.py, matvec.c): its numbers against F.linear on every
+branch of its loops, where the model uses it, and what happens without a compiler, with a broken cache, a failing
+build, a kernel that computes wrong, or the switch off: the products stay on oneDNN (fp32) or F.linear (bf16) and
+nothing else changes."""
 
 from __future__ import annotations
 
@@ -29,14 +30,30 @@ def test_equals_f_linear_on_every_shape(n, k):
     for bias in (b, None):
         want = F.linear(x, w, bias)[0]
         got = torch.ops.gpt2port.matvec(x, w, bias)
-        assert got.shape == (n,)
+        assert got.shape == (n,) and got.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
-def test_threads_do_not_change_the_numbers():
+@pytest.mark.parametrize("n", [1, 3, 4, 7, 9, 130])
+@pytest.mark.parametrize("k", [1, 5, 16, 17, 770])
+def test_bf16_equals_f_linear_within_a_bf16_step(n, k):
+    # the same bf16 numbers multiplied in fp32 (another order of summation) and rounded once: at most a step apart
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, x, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((n, k), (1, k), (n,)))
+    for bias in (b, None):
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float())[0]
+        got = torch.ops.gpt2port.matvec(x, w, bias)
+        assert got.shape == (n,) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
+        torch.testing.assert_close(got, F.linear(x, w, bias)[0], rtol=2 ** -7, atol=1e-3)  # PyTorch's own bf16
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_do_not_change_the_numbers(dtype):
     g = torch.Generator().manual_seed(3)
-    w, x = torch.randn(1001, 767, generator=g), torch.randn(767, generator=g)
+    w, x = torch.randn(1001, 767, generator=g).to(dtype), torch.randn(767, generator=g).to(dtype)
     before = torch.get_num_threads()
     try:
         results = []
@@ -51,10 +68,15 @@ def test_threads_do_not_change_the_numbers():
 @needs_kernel
 def test_refuses_what_it_would_read_wrong():
     w = torch.randn(8, 6)
-    with pytest.raises(ValueError, match="contiguous fp32 weight"):
+    with pytest.raises(ValueError, match="contiguous"):
         torch.ops.gpt2port.matvec(torch.randn(8), w.t(), None)  # a transposed view
-    with pytest.raises(ValueError, match="6 fp32 numbers"):
+    with pytest.raises(ValueError, match=r"got x \(5,\)"):
         torch.ops.gpt2port.matvec(torch.randn(5), w, None)
+    with pytest.raises(ValueError, match="of one dtype"):
+        torch.ops.gpt2port.matvec(torch.randn(6).bfloat16(), w, None)
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        torch.ops.gpt2port.matvec(torch.randn(6).half(), w.half(), None)
+    assert not native.takes(w.bfloat16(), torch.randn(8))  # a bias of another dtype
     x = torch.randn(12)[::2]  # a strided row is copied, not misread
     torch.testing.assert_close(torch.ops.gpt2port.matvec(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
@@ -62,7 +84,7 @@ def test_refuses_what_it_would_read_wrong():
 def logits_one_token(model: GPT) -> torch.Tensor:
     idx = torch.tensor([[5, 17, 101, 3]])
     with torch.inference_mode():
-        cache = KVCache(model.config, 1, 8)
+        cache = KVCache(model.config, 1, 8, dtype=model.tok_emb.weight.dtype)
         model(idx[:, :3], cache=cache)
         return model(idx[:, 3:], cache=cache, last_only=True)
 
@@ -73,15 +95,18 @@ class Counting:
     def __init__(self, lib):
         self.lib, self.calls = lib, []
 
-    def gpt2port_matvec(self, *args):
-        self.calls.append(tuple(args[4:6]))
-        return self.lib.gpt2port_matvec(*args)
+    def __getattr__(self, name):
+        def counted(*args):
+            self.calls.append(tuple(args[4:6]))
+            return getattr(self.lib, name)(*args)
+        return counted
 
 
 @needs_kernel
-def test_the_model_takes_it_for_one_row_only(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_takes_it_for_one_row_only(monkeypatch, dtype):
     torch.manual_seed(0)
-    model = GPT(CONFIG).eval()
+    model = GPT(CONFIG).eval().to(dtype)
     counting = Counting(native.library())
     monkeypatch.setattr(native, "library", lambda: counting)
     with_kernel = logits_one_token(model)
@@ -92,7 +117,8 @@ def test_the_model_takes_it_for_one_row_only(monkeypatch):
     counting.calls.clear()
     without = logits_one_token(model)
     assert counting.calls == []
-    torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(with_kernel, without, rtol=tolerance, atol=tolerance)
 
 
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")
