@@ -8,11 +8,12 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            others on oneDNN), gpt2port fp32 with one row on oneDNN too (gpt2port.native.ENABLED = False, as before
            that kernel), gpt2port fp32 with neither (F.linear, i.e. MKL, as HF uses), HF generate fp32, and
            gpt2port fp32 with gpt2port.decode_step.SCRIPTED = False (every step through the model's own forward, as
-           before the scripted step); they alternate run by run, so all see the same machine load, and the best run of each
-           counts. Then gpt2port bf16. Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same
-           with its eager step, the same loaded with its matrices in 4 KB pages (gpt2port.hugepages.ENABLED = False:
-           as before that module), and, when llama-cpp-python is installed, llama.cpp on the same weights exported to
-           GGUF q8_0, greedy through its own sampler, interleaved likewise; these quantized rounds run in a fresh
+           before the scripted step); they alternate run by run, so all see the same machine load, and the best run
+           of each counts. Then gpt2port bf16 (one row on gpt2port's kernel) and the same on F.linear, alternating.
+           Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same with its eager step, the same
+           loaded with its matrices in 4 KB pages (gpt2port.hugepages.ENABLED = False: as before that module),
+           and, when llama-cpp-python is installed, llama.cpp on the same weights exported to GGUF q8_0, greedy
+           through its own sampler, interleaved likewise; these quantized rounds run in a fresh
            interpreter, as `gpt2port generate --dtype int8` loads its model (where the int8 weights land, and so
            whether they get 2 MB pages, depends on what the process allocated before).
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
@@ -66,6 +67,7 @@ from scripts import hf_fixtures
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
+BF16_LINEAR = "gpt2port bf16, F.linear"  # one row of bf16 as before gpt2port's kernel took it
 OURS_INT8, LLAMA_Q8 = "gpt2port int8", "llama.cpp q8_0"
 EAGER, INT8_EAGER = "gpt2port fp32, eager step", "gpt2port int8, eager step"
 ONEDNN_ROW = "gpt2port fp32, one row on oneDNN"
@@ -195,11 +197,13 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
 
     bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16, device=device)
     ours_decode(bf16, prompt[:, :4])
-    rates[OURS_BF16], probes[OURS_BF16] = [], []
+    bf16_contenders = {OURS_BF16: ours_decode, BF16_LINEAR: without_native(ours_decode)}
+    for name in bf16_contenders:
+        rates[name], probes[name], bytes_per_token[name] = [], [], weight_bytes_per_token(bf16)
     for _ in range(repeats):
-        probes[OURS_BF16].append(matvec_bandwidth(device, repeats=5))
-        rates[OURS_BF16].append(ours_decode(bf16, prompt)[0])
-    bytes_per_token[OURS_BF16] = weight_bytes_per_token(bf16)
+        for name, decode in bf16_contenders.items():
+            probes[name].append(matvec_bandwidth(device, repeats=5))
+            rates[name].append(decode(bf16, prompt)[0])
     del bf16
     gc.collect()
     if device == "cpu":

@@ -3,14 +3,14 @@
 A decode step multiplies one row of activations by every weight matrix once, so its speed is the bytes of weight
 each kernel streams per second. Here each matrix shape of a GPT-2 size (124M by default; --size gpt2-xl for 1.5B)
 and the large square probe that gpt2port.speed uses for the bandwidth floor is multiplied by one row, with enough
-distinct copies of the weight (~400 MB of fp32, ~100 MB of int8) that they come from memory rather than cache, as
-in a real step. The last row runs the products of one whole step in order, each weight once (124M: 494 MB of
+distinct copies of the weight (~400 MB of fp32, 200 MB of bf16, 100 MB of int8) that they come from memory rather
+than cache, as in a real step. The last row runs the products of one whole step in order, each weight once (124M: 494 MB of
 fp32, 1.5B: 6.2 GB): what a step's products cost back to back, the most a decode step could reach on that kernel.
 
-Kernels: fp32 on oneDNN (gpt2port's Linear for several rows), fp32 on gpt2port's own one-row kernel
-(gpt2port/native.py: what fp32 decoding runs where it is built), fp32 on F.linear (MKL, as HF), int8 on fbgemm
-(torch.ops.quantized.linear_dynamic, what `--dtype int8` decodes with) and on torch._weight_int8pack_mm with bf16
-activations (its fallback).
+Kernels: fp32 on oneDNN (gpt2port's Linear for several rows), fp32 and bf16 on gpt2port's own one-row kernel
+(gpt2port/native.py: what fp32 and bf16 decoding run where it is built), fp32 on F.linear (MKL, as HF), bf16 on
+F.linear (what bf16 decoding ran before that kernel), int8 on fbgemm (torch.ops.quantized.linear_dynamic, what
+`--dtype int8` decodes with) and on torch._weight_int8pack_mm with bf16 activations (its fallback).
 
 Usage (from the repository root):  python -m scripts.bench_matvec [--size gpt2] [--threads 2]
 """
@@ -28,6 +28,7 @@ from gpt2port.config import GPTConfig, canonical_name
 
 PROBE = (8192, 8192)  # (out, in), as gpt2port.speed's bandwidth probe
 FP32_BYTES = 400_000_000  # of distinct copies per shape, so that each product reads memory, not cache
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int8pack": 1}  # per weight, by a kernel's first word
 
 
 def step_shapes(config: GPTConfig) -> list[tuple[int, int]]:
@@ -53,17 +54,20 @@ def kernels(shapes: list[tuple[int, int]]) -> dict[str, float]:
     """GB/s of weight streamed by each kernel for one row against each (n, k) weight of `shapes` in turn."""
     xs = {k: torch.randn(1, k) for _, k in shapes}
     fp32 = [torch.randn(n, k) for n, k in shapes]
+    bf16 = [w.bfloat16() for w in fp32]
     int8 = [quant.quantize_rows(w) for w in fp32]
     # kernel -> (its weights, weight -> a function running one product)
     out = {
         "fp32 oneDNN": (fp32, lambda w, x: lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
         "fp32 gpt2port": (fp32, lambda w, x: lambda: torch.ops.gpt2port.matvec(x, w, None)),
         "fp32 F.linear": (fp32, lambda w, x: lambda: F.linear(x, w)),
+        "bf16 gpt2port": (bf16, lambda w, x: (lambda xb: lambda: torch.ops.gpt2port.matvec(xb, w, None))(x.bfloat16())),
+        "bf16 F.linear": (bf16, lambda w, x: (lambda xb: lambda: F.linear(xb, w))(x.bfloat16())),
         "int8pack bf16": (int8, lambda qs, x: (lambda xb, s: lambda: torch._weight_int8pack_mm(xb, qs[0], s))(
             x.to(quant.ACTIVATION_DTYPE), qs[1].to(quant.ACTIVATION_DTYPE))),
     }
     if not native.available():
-        del out["fp32 gpt2port"]
+        del out["fp32 gpt2port"], out["bf16 gpt2port"]
     if quant._fbgemm_works():
         out["int8 fbgemm"] = (int8, lambda qs, x: (lambda p: lambda: torch.ops.quantized.linear_dynamic.default(
             x, p, quant._reduce_range()))(quant._pack(qs[0], qs[1], None)))
@@ -71,7 +75,7 @@ def kernels(shapes: list[tuple[int, int]]) -> dict[str, float]:
     with torch.inference_mode():
         for name, (weights, make) in out.items():
             products = [make(w, xs[k]) for w, (_, k) in zip(weights, shapes)]
-            nbytes = sum(n * k for n, k in shapes) * (1 if name.startswith("int8") else 4)
+            nbytes = sum(n * k for n, k in shapes) * WEIGHT_BYTES[name.split()[0]]
             rates[name] = nbytes / seconds(products) / 1e9
     return rates
 
