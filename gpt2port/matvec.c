@@ -54,8 +54,8 @@ static inline uint16_t f32_to_bf16(float f) {
 #define ELEM(w, j, half) ((half) ? bf16_to_f32(((const uint16_t *)(w))[j]) : ((const float *)(w))[j])
 #define VEC(w, j, half) ((half) ? widen((const uint16_t *)(w) + (j)) : (vec)load((const float *)(w) + (j)))
 
-/* A row's LANES partial sums added in order, then the columns past the last whole vector. Not inlined (one copy
- * per type, below), so every caller rounds the tail the same way. */
+/* A row's LANES partial sums added in order, then the columns past the last whole vector. Compiled once per type
+ * (the two functions after it, never inlined), so every caller rounds the tail the same way. */
 static inline __attribute__((always_inline)) float finish(const vec *acc, const void *w, const float *x,
                                                           int64_t from, int64_t k, int half) {
     float v = 0.f;
@@ -132,7 +132,7 @@ void gpt2port_matvec(const float *W, const float *x, const float *b, float *y, i
 /* bf16 (as uint16 bits): the same, x widened once into fp32. Returns -1 where that buffer cannot be had. */
 int gpt2port_matvec_bf16(const uint16_t *W, const uint16_t *x, const uint16_t *b, uint16_t *y, int64_t n, int64_t k,
                          int threads) {
-    float *wide = malloc((size_t)k * sizeof(float) + 1);
+    float *wide = malloc((size_t)k * sizeof(float) + 1); /* + 1: never a request for 0 bytes, which may give NULL */
     if (!wide) return -1;
     for (int64_t j = 0; j < k; j++) wide[j] = bf16_to_f32(x[j]);
     split(rows_bf16, W, wide, b, y, n, k, threads);
