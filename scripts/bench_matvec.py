@@ -4,8 +4,9 @@ A decode step multiplies one row of activations by every weight matrix once, so 
 each kernel streams per second. Here each matrix shape of a GPT-2 size (124M by default; --size gpt2-xl for 1.5B)
 and the large square probe that gpt2port.speed uses for the bandwidth floor is multiplied by one row, with enough
 distinct copies of the weight (~400 MB of fp32, 200 MB of bf16, 100 MB of int8) that they come from memory rather
-than cache, as in a real step. The last row runs the products of one whole step in order, each weight once (124M: 494 MB of
-fp32, 1.5B: 6.2 GB): what a step's products cost back to back, the most a decode step could reach on that kernel.
+than cache, as in a real step. The last row runs the products of one whole step in order, each weight once (124M:
+494 MB of fp32, 1.5B: 6.2 GB): what a step's products cost back to back, the most a decode step could reach on that
+kernel.
 
 Kernels: fp32 on oneDNN (gpt2port's Linear for several rows), fp32 and bf16 on gpt2port's own one-row kernel
 (gpt2port/native.py: what fp32 and bf16 decoding run where it is built), fp32 on F.linear (MKL, as HF), bf16 on
