@@ -24,18 +24,20 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpt2port import native, quant
+from gpt2port import GPT, native, quant, speed
 from gpt2port.config import GPTConfig, canonical_name
 
-PROBE = (8192, 8192)  # (out, in), as gpt2port.speed's bandwidth probe
+_SIDE = int((speed.PROBE_BYTES // 4) ** 0.5)
+PROBE = (_SIDE, _SIDE)  # (out, in): gpt2port.speed's fp32 bandwidth probe
 FP32_BYTES = 400_000_000  # of distinct copies per shape, so that each product reads memory, not cache
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int8pack": 1}  # per weight, by a kernel's first word
 
 
 def step_shapes(config: GPTConfig) -> list[tuple[int, int]]:
-    """The (out, in) weights of one decode step, in order: per block qkv, attention proj, mlp fc, mlp proj; the head."""
-    d, inner = config.n_embd, config.mlp_width
-    return [(3 * d, d), (d, d), (inner, d), (d, inner)] * config.n_layer + [(config.vocab_size, d)]
+    """The (out, in) weights of one decode step, in the order the model runs them (read off a meta-device model)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def seconds(products, repeats: int = 5) -> float:
@@ -62,7 +64,8 @@ def kernels(shapes: list[tuple[int, int]]) -> dict[str, float]:
         "fp32 oneDNN": (fp32, lambda w, x: lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")),
         "fp32 gpt2port": (fp32, lambda w, x: lambda: torch.ops.gpt2port.matvec(x, w, None)),
         "fp32 F.linear": (fp32, lambda w, x: lambda: F.linear(x, w)),
-        "bf16 gpt2port": (bf16, lambda w, x: (lambda xb: lambda: torch.ops.gpt2port.matvec(xb, w, None))(x.bfloat16())),
+        "bf16 gpt2port": (bf16, lambda w, x: (lambda xb: lambda: torch.ops.gpt2port.matvec(xb, w, None))(
+            x.bfloat16())),
         "bf16 F.linear": (bf16, lambda w, x: (lambda xb: lambda: F.linear(xb, w))(x.bfloat16())),
         "int8pack bf16": (int8, lambda qs, x: (lambda xb, s: lambda: torch._weight_int8pack_mm(xb, qs[0], s))(
             x.to(quant.ACTIVATION_DTYPE), qs[1].to(quant.ACTIVATION_DTYPE))),
