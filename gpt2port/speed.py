@@ -77,6 +77,9 @@ def decode_report(model, device: str | torch.device, rate: float) -> list[str]:
     weight = model.lm_head.weight
     if weight.device.type == "cpu" and weight.dtype in native.FUNCTIONS and native.why_not() is not None:
         lines.append(f"gpt2port's one-row kernel is not in use: {native.why_not()}")
+    elif weight.device.type == "cpu" and weight.dtype in native.FUNCTIONS and native.binding_why_not() is not None:
+        lines.append(f"gpt2port's one-row kernel is reached through Python, a few us slower a product: "
+                     f"{native.binding_why_not()}")
     if getattr(model, "quantized", None):
         from gpt2port.quant import Int8Linear
 

@@ -89,17 +89,12 @@ def logits_one_token(model: GPT) -> torch.Tensor:
         return model(idx[:, 3:], cache=cache, last_only=True)
 
 
-class Counting:
-    """The built library, counting the products it is handed (their n, k)."""
-
-    def __init__(self, lib):
-        self.lib, self.calls = lib, []
-
-    def __getattr__(self, name):
-        def counted(*args):
-            self.calls.append(tuple(args[4:6]))
-            return getattr(self.lib, name)(*args)
-        return counted
+def products(fn) -> list[tuple[int, int]]:
+    """The (n, k) of every weight fn() hands to gpt2port::matvec, in order (seen by PyTorch's profiler: whichever
+    kernel serves the operator, C++ or Python)."""
+    with torch.profiler.profile(record_shapes=True) as prof:
+        fn()
+    return [tuple(e.input_shapes[1]) for e in prof.events() if e.name == "gpt2port::matvec"]
 
 
 @needs_kernel
@@ -107,18 +102,16 @@ class Counting:
 def test_the_model_takes_it_for_one_row_only(monkeypatch, dtype):
     torch.manual_seed(0)
     model = GPT(CONFIG).eval().to(dtype)
-    counting = Counting(native.library())
-    monkeypatch.setattr(native, "library", lambda: counting)
-    with_kernel = logits_one_token(model)
+    with_kernel = []
+    calls = products(lambda: with_kernel.append(logits_one_token(model)))
     C = CONFIG.n_embd
     per_block = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
-    assert counting.calls == per_block * CONFIG.n_layer + [(CONFIG.vocab_size, C)]  # the prefill: none
+    assert calls == per_block * CONFIG.n_layer + [(CONFIG.vocab_size, C)]  # the prefill: none
     monkeypatch.setattr(native, "ENABLED", False)
-    counting.calls.clear()
-    without = logits_one_token(model)
-    assert counting.calls == []
+    without = []
+    assert products(lambda: without.append(logits_one_token(model))) == []
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(with_kernel, without, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(with_kernel[0], without[0], rtol=tolerance, atol=tolerance)
 
 
 needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C compiler here")
@@ -194,14 +187,63 @@ def test_a_compiler_that_fails(tmp_path):
 
 @needs_compiler
 def test_a_kernel_that_computes_wrong_is_refused(tmp_path, monkeypatch):
-    class Wrong:
-        def gpt2port_matvec(self, w, x, b, y, n, k, threads):
-            pass  # leaves y as it was: not the product
+    class Wrong:  # leaves y as it was: not the product
+        gpt2port_matvec = gpt2port_matvec_bf16 = staticmethod(lambda *args: None)
 
-    assert not native._agrees(Wrong())
+    assert not native._agrees(lambda w, x, b, threads, out: native._product(Wrong(), x, w, b, threads, out))
+    assert not native._agrees(lambda w, x, b, threads, out: torch.zeros(w.size(0), dtype=w.dtype))
     monkeypatch.setattr(native, "_open", lambda path: Wrong() if path.parent.exists() else None)
     lib, why = native.load(tmp_path, native.compiler())
     assert lib is None and why.endswith("disagrees with F.linear on a probe")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_python_kernel_computes_what_the_cpp_one_does(dtype):
+    # the operator's two ways into the library: whichever serves it, the same numbers
+    g = torch.Generator().manual_seed(5)
+    w, x, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((131, 770), (1, 770), (131,)))
+    for bias in (b, None):
+        assert torch.equal(native._matvec(x, w, bias), torch.ops.gpt2port.matvec(x, w, bias))
+    with pytest.raises(ValueError, match="of one dtype"):
+        native._matvec(x.float() if dtype == torch.bfloat16 else x.bfloat16(), w, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        native._matvec(x, w, b[:-1])  # a bias one short would be read past its end
+
+
+needs_cxx = pytest.mark.skipif(native.compiler("CXX") is None or sys.platform != "linux", reason="no C++ compiler here")
+
+
+@needs_kernel
+@needs_cxx
+def test_the_cpp_kernel_serves_the_operator_where_it_builds():
+    # else the Python kernel would serve it unnoticed, a few microseconds slower a product
+    assert native.binding_why_not() is None
+    built = list(Path(native.cache_dir()).rglob(native.BINDING_NAME))
+    assert built and all(p.stat().st_size > 0 for p in built)
+
+
+def test_a_cpp_compiler_that_fails(tmp_path):
+    cxx = tmp_path / "c++"
+    cxx.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; exit 0; fi\n'
+                   'echo "matvec_op.cpp:1: error: no such header" >&2; exit 1\n')
+    cxx.chmod(0o755)
+    why = native.bind(tmp_path / "cache", str(cxx), type("Lib", (), {"_name": "/nowhere/lib.so"})())
+    assert why.startswith(f"building matvec_op.cpp with {cxx} failed: -O2 -std=c++20")
+    assert "; -O2 -std=c++17" in why and why.endswith("matvec_op.cpp:1: error: no such header")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-built left
+    assert native.bind(tmp_path, None, None).startswith("no C++ compiler found")
+
+
+@needs_kernel
+def test_without_a_cpp_compiler_the_python_kernel_serves(tmp_path):
+    code = ("import torch; from gpt2port import native; print(native.available(), native.binding_why_not()); "
+            "w, x = torch.randn(70, 33), torch.randn(33); "
+            "print(torch.allclose(torch.ops.gpt2port.matvec(x, w, None), w @ x, rtol=1e-5, atol=1e-5))")
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
+    assert out == ["True no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)", "True"]
 
 
 def test_switched_off_by_the_environment():
