@@ -58,8 +58,10 @@ class _Step(nn.Module):
     scale: Optional[float]
     tok_scale: Optional[torch.Tensor]
 
-    def __init__(self, model: GPT, kind: str, packed: list, reduce_range: bool):
+    def __init__(self, model: GPT, kind: str, packed: list, reduce_range: bool, attend_one: bool):
         super().__init__()
+        # attention for one token of one unpadded sequence on gpt2port's kernel, where the model's would take it
+        self.attend_one = attend_one
         config, linears = model.config, _linears(model)
         self.kind, self.packed, self.reduce_range = kind, packed, reduce_range
         # int8 products smoothed against outlier channels divide their inputs first (gpt2port.quant: in_scale)
@@ -118,15 +120,19 @@ class _Step(nn.Module):
         x = self.embed(idx, length, pad)
         B, C = x.size(0), x.size(1)
         for layer in range(self.n_layer):
-            # (B, 3C) -> q, k, v (B, H, 1, D): with one position, no permute is needed to reach SDPA's layout
-            q, k, v = self.linear(self.norm(x, 2 * layer), 4 * layer).view(B, 3, self.n_head, 1, self.head_dim) \
-                .unbind(1)
-            keys, values = k_cache[layer], v_cache[layer]
-            keys.narrow(2, length, 1).copy_(k)
-            values.narrow(2, length, 1).copy_(v)
-            y = F.scaled_dot_product_attention(q, keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1),
-                                               attn_mask=mask, scale=self.scale)
-            x = x + self.linear(y.transpose(1, 2).reshape(B, C), 4 * layer + 1)
+            qkv = self.linear(self.norm(x, 2 * layer), 4 * layer)
+            if self.attend_one and mask is None and qkv.dtype == k_cache.dtype:  # as the model's attention chooses
+                y = torch.ops.gpt2port.attend_one(qkv, k_cache[layer], v_cache[layer], length, self.scale).view(B, C)
+            else:
+                # (B, 3C) -> q, k, v (B, H, 1, D): with one position, no permute is needed to reach SDPA's layout
+                q, k, v = qkv.view(B, 3, self.n_head, 1, self.head_dim).unbind(1)
+                keys, values = k_cache[layer], v_cache[layer]
+                keys.narrow(2, length, 1).copy_(k)
+                values.narrow(2, length, 1).copy_(v)
+                y = F.scaled_dot_product_attention(q, keys.narrow(2, 0, length + 1),
+                                                   values.narrow(2, 0, length + 1), attn_mask=mask, scale=self.scale)
+                y = y.transpose(1, 2).reshape(B, C)
+            x = x + self.linear(y, 4 * layer + 1)
             h = self.activation(self.linear(self.norm(x, 2 * layer + 1), 4 * layer + 2))
             x = x + self.linear(h, 4 * layer + 3)
         return self.linear(self.norm(x, 2 * self.n_layer), 4 * self.n_layer)
@@ -197,7 +203,7 @@ def _scripted_step(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
     try:
         with warnings.catch_warnings():  # PyTorch marks TorchScript deprecated; where it is gone, the plain forward
             warnings.simplefilter("ignore")
-            return torch.jit.script(_Step(model, kind, packed, reduce_range))
+            return torch.jit.script(_Step(model, kind, packed, reduce_range, kernels.attention_kernel_takes(cache)))
     except Exception:  # noqa: BLE001 -- failing to script only costs speed
         return None
 

@@ -1,6 +1,6 @@
-"""The compute pieces gpt2port.model opts into: its activation functions, and a Linear layer whose fp32 inference on
-CPU runs on oneDNN, or on gpt2port's own kernel for one row. The model's structure lives in model.py; how its
-products are computed lives here."""
+"""The compute pieces gpt2port.model opts into: its activation functions, a Linear layer whose fp32 inference on CPU
+runs on oneDNN, or on gpt2port's own kernel for one row, and when attention for one new token runs on gpt2port's
+own kernel. The model's structure lives in model.py; how its products are computed lives here."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 # Route inference-time fp32 products on CPU through oneDNN (see Linear); a switch for comparisons and debugging.
 USE_ONEDNN = True
+# Attention for one new token on gpt2port's kernel where it applies (see attends_one); likewise a switch.
+ATTEND_ONE = True
 
 
 class Linear(nn.Linear):
@@ -58,6 +60,21 @@ class Linear(nn.Linear):
         rows = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def attends_one(qkv: torch.Tensor, cache) -> bool:
+    """Whether attention runs on gpt2port's kernel for one new token (torch.ops.gpt2port.attend_one, attention.c:
+    a few times fewer microseconds than scaled_dot_product_attention with the cache writes and reshapes around it):
+    one new token of one unpadded sequence, of the cache's dtype, in inference outside torch.compile, over a cache
+    the kernel takes. Elsewhere attention is PyTorch's."""
+    return qkv.shape[:-1].numel() == 1 and qkv.dtype == cache.k.dtype and not torch.is_grad_enabled() and \
+        not torch.compiler.is_compiling() and attention_kernel_takes(cache)
+
+
+def attention_kernel_takes(cache) -> bool:
+    """Whether gpt2port's one-token attention kernel takes this cache: one unpadded sequence, fp32 or bf16 on the
+    CPU (gpt2port.native.attends), and the kernel switched on."""
+    return ATTEND_ONE and cache.k.size(1) == 1 and cache.pad is None and native.attends(cache.k[0])
 
 
 @functools.cache

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from gpt2port.checkpoint import load_state, save
 from gpt2port.config import GPTConfig
-from gpt2port.kernels import ACTIVATIONS, Linear
+from gpt2port.kernels import ACTIVATIONS, Linear, attends_one
 
 
 class KVCache:
@@ -82,8 +82,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
+        qkv = self.qkv(x)
+        if cache is not None and not self.training and attends_one(qkv, cache):
+            # one new token of one sequence: one kernel writes its key and value into the cache and attends
+            y = torch.ops.gpt2port.attend_one(qkv, cache.k[layer], cache.v[layer], cache.length, self.scale)
+            return self.resid_dropout(self.proj(y.view(B, T, C)))
         # (B, T, 3C) -> q, k, v, each (B, H, T, D): views, no copies, few ops (a decode step is op-bound too)
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
         mask, is_causal = None, T > 1
         if cache is not None:
             mask, is_causal = cache.attn_mask(T, x.device)

@@ -1,21 +1,26 @@
-"""gpt2port's one-row product (matvec.c), fp32 and bf16, built on first use with the machine's C compiler and offered
-to PyTorch as the operator torch.ops.gpt2port.matvec, which the model's Linear layers and the scripted decode step
-call for one row of activations on the CPU.
+"""gpt2port's own CPU kernels for a decode step, fp32 and bf16, built on first use with the machine's C compiler and
+offered to PyTorch as operators: torch.ops.gpt2port.matvec, one row times a weight (matvec.c), which the model's
+Linear layers and the scripted decode step call for one row of activations, and torch.ops.gpt2port.attend_one,
+attention for one new token of one sequence (attention.c), which the model's attention and the scripted step call.
 
 Why: a decode step is ~50 one-row products, and on the CPUs measured the kernels PyTorch ships stream GPT-2's narrow
 weights at ~70% of what the memory gives (matvec.c says why and how its loops differ), bf16 ones at ~60%; this one
-comes within a few percent of it in both. It is an accelerator, never a requirement: without a C compiler with
-OpenMP, with GPT2PORT_NATIVE=0 or `ENABLED = False`, or if the built library disagrees with F.linear on a probe,
-every product stays where it was (fp32 on oneDNN, bf16 on F.linear) and `why_not()` says why.
+comes within a few percent of it in both. Attention for one token is small work that PyTorch's kernel, built for
+many queries, spends ~5% of a 124M step setting up (attention.c). They are accelerators, never a requirement:
+without a C compiler with OpenMP, with GPT2PORT_NATIVE=0 or `ENABLED = False`, or if the built library disagrees
+with F.linear on a probe, every product stays where it was (fp32 on oneDNN, bf16 on F.linear), attention on
+PyTorch's, and `why_not()` says why.
 
-The operator's kernel is matvec_op.cpp, built against the running PyTorch's headers with the machine's C++ compiler
-and linked to the library: it checks the arguments and calls the library directly. Where that cannot be built, a
-kernel in Python does the same through ctypes, ~3 us slower a product (`binding_why_not()` says why).
+The operators' kernels are native_ops.cpp, built against the running PyTorch's headers with the machine's C++
+compiler and linked to the library: they check the arguments and call the library directly. Where that cannot be
+built, a kernel in Python serves gpt2port::matvec through ctypes, ~3 us slower a product, and attention stays on
+PyTorch's (`binding_why_not()` says why).
 
 Both are built once per machine into a cache (GPT2PORT_NATIVE_CACHE, else $XDG_CACHE_HOME/gpt2port/native, else
-~/.cache/gpt2port/native), under names derived from the source, the compiler, the flags and the CPU (and, for the C++
-kernel, PyTorch's version): a library built with -march=native for another CPU would crash on this one, so one is
-never loaded on the wrong CPU. Building takes ~1 s and ~5 s; a failed build or a broken cached file costs only speed.
+~/.cache/gpt2port/native), under names derived from the sources, the compiler, the flags and the CPU (and, for the
+C++ kernels, PyTorch's version): a library built with -march=native for another CPU would crash on this one, so one
+is never loaded on the wrong CPU. Building takes ~1 s and ~5 s; a failed build or a broken cached file costs only
+speed.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("matvec.c")
-LIBRARY_NAME = "libgpt2port_matvec.so"
-BINDING_SOURCE, BINDING_NAME = Path(__file__).with_name("matvec_op.cpp"), "libgpt2port_matvec_op.so"
+# The library's C files, and the header they share (part of what a build is named after).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "attention.c"))
+HEADERS = (Path(__file__).with_name("vectors.h"),)
+LIBRARY_NAME = "libgpt2port_native.so"
+BINDING_SOURCE, BINDING_NAME = Path(__file__).with_name("native_ops.cpp"), "libgpt2port_ops.so"
 # Tried in order: the machine's own vector instructions, then the compiler's defaults.
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"])
 # PyTorch's headers want C++17 or later; C++20 spares warnings from recent ones.
@@ -49,14 +56,15 @@ FUNCTIONS = {torch.float32: "gpt2port_matvec", torch.bfloat16: "gpt2port_matvec_
 _why_not: str | None = None
 _binding_why_not: str | None = None
 
-# The operator, declared whether or not the library builds: the scripted decode step names it in a branch that
-# TorchScript compiles either way. Its kernel is only ever called once available() has said yes.
+# The operators, declared whether or not the library builds: the scripted decode step names them in branches that
+# TorchScript compiles either way. Their kernels are only ever called once available() (attends()) has said yes.
 _OPS = torch.library.Library("gpt2port", "DEF")
 _OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_OPS.define("attend_one(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int length, float? scale) -> Tensor")
 
 
 def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The operator's kernel in Python, where the C++ one (matvec_op.cpp) cannot be had: x k numbers (any shape),
+    """The operator's kernel in Python, where the C++ one (native_ops.cpp) cannot be had: x k numbers (any shape),
     weight (n, k) and bias (n,) as takes() wants them, all of one dtype -> (n,)."""
     if x.numel() != weight.size(-1) or x.dtype != weight.dtype or x.device.type != "cpu" or not _fits(weight, bias):
         raise ValueError(f"gpt2port::matvec takes k numbers and a contiguous (n, k) weight of one dtype, fp32 or "
@@ -80,6 +88,7 @@ def _product(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torc
 
 # Shapes only, for whatever traces the model without running it (torch.compile, meta-device models)
 _OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(weight.size(0)), "Meta")
+_OPS.impl("attend_one", lambda qkv, keys, values, length, scale: qkv.new_empty(qkv.numel() // 3), "Meta")
 
 
 def available() -> bool:
@@ -105,6 +114,13 @@ def _fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
                                                      bias.is_contiguous() and bias.numel() == weight.size(0)))
 
 
+def attends(keys: torch.Tensor) -> bool:
+    """Whether attention over this cache of one sequence's keys (1, H, T, D) is what gpt2port::attend_one computes
+    here: fp32 or bf16 on the CPU, contiguous, with the C++ kernels built (the operator has no Python kernel)."""
+    return keys.dtype in FUNCTIONS and keys.device.type == "cpu" and keys.dim() == 4 and keys.size(0) == 1 and \
+        keys.is_contiguous() and available() and _binding_why_not is None
+
+
 def why_not() -> str | None:
     """Why the kernel is not in use (switched off, no compiler, build or probe failed), or None when it is."""
     if not ENABLED:
@@ -113,7 +129,7 @@ def why_not() -> str | None:
 
 
 def binding_why_not() -> str | None:
-    """Why the operator reaches the kernel through Python (ctypes) rather than its C++ kernel (matvec_op.cpp), which
+    """Why the operator reaches the kernel through Python (ctypes) rather than its C++ kernel (native_ops.cpp), which
     saves each product a few microseconds; None when the C++ one serves it (or the kernel is not in use at all)."""
     return None if why_not() is not None else _binding_why_not
 
@@ -152,7 +168,7 @@ def load(cache: Path, cc: str | None) -> tuple[ctypes.CDLL | None, str | None]:
     """(the library, None), built into `cache` if not there yet, or (None, why not)."""
     if cc is None:
         return None, "no C compiler found (cc, gcc or clang on the PATH, or $CC)"
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     version = _run([cc, "--version"])
     if version is None:
         return None, f"the C compiler {cc} does not run"
@@ -161,7 +177,7 @@ def load(cache: Path, cc: str | None) -> tuple[ctypes.CDLL | None, str | None]:
         path = cache / _key(source, cc, version, flags) / LIBRARY_NAME
         lib = _open(path)
         if lib is None:
-            error = _build([cc, *flags, "-shared", "-fPIC", str(SOURCE)], path)
+            error = _build([cc, *flags, "-shared", "-fPIC", *map(str, SOURCES), "-lm"], path)
             if error is not None:
                 errors.append(f"{' '.join(flags)}: {error}")
                 continue
@@ -172,11 +188,11 @@ def load(cache: Path, cc: str | None) -> tuple[ctypes.CDLL | None, str | None]:
         if not _agrees(lambda w, x, b, threads, out: _product(lib, x, w, b, threads, out)):
             return None, f"{path} disagrees with F.linear on a probe"
         return lib, None
-    return None, f"building {SOURCE.name} with {cc} failed: " + "; ".join(errors)
+    return None, f"building {', '.join(p.name for p in SOURCES)} with {cc} failed: " + "; ".join(errors)
 
 
 def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL) -> str | None:
-    """Register the operator's C++ kernel (matvec_op.cpp, linked to `lib`), built into `cache` against this PyTorch
+    """Register the operator's C++ kernel (native_ops.cpp, linked to `lib`), built into `cache` against this PyTorch
     if not there yet; None once it serves the operator, else why not. Once per process: a kernel registered stays."""
     if cxx is None:
         return "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)"
@@ -201,8 +217,8 @@ def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL) -> str | None:
             path.unlink(missing_ok=True)  # a broken or foreign file: built again next time
             errors.append(f"{path} does not load")
             continue
-        if not _agrees(lambda w, x, b, threads, out: torch.ops.gpt2port.matvec(x, w, b)):
-            return f"{path} disagrees with F.linear on a probe"
+        if not _agrees(lambda w, x, b, threads, out: torch.ops.gpt2port.matvec(x, w, b)) or not _attends_right():
+            return f"{path} disagrees with F.linear or PyTorch's attention on a probe"
         return None
     return f"building {BINDING_SOURCE.name} with {cxx} failed: " + "; ".join(errors)
 
@@ -271,10 +287,10 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def _agrees(product) -> bool:
-    """A kernel, product(weight, x, bias, threads, out) -> y (out: NaNs it may write into), against F.linear on shapes that exercise its every branch
-    (runs of rows and rows left over, whole and partial vectors of a row, with and without bias), in each dtype, at 1
-    and 2 threads, from a private generator. bf16 against the same numbers multiplied in fp32 and rounded once,
-    within a bf16 step (the sums' order differs)."""
+    """A kernel, product(weight, x, bias, threads, out) -> y (out: NaNs it may write into), against F.linear on
+    shapes that exercise its every branch (runs of rows and rows left over, whole and partial vectors of a row, with
+    and without bias), in each dtype, at 1 and 2 threads, from a private generator. bf16 against the same numbers
+    multiplied in fp32 and rounded once, within a bf16 step (the sums' order differs)."""
     g = torch.Generator().manual_seed(0)
     for dtype in FUNCTIONS:
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -287,4 +303,26 @@ def _agrees(product) -> bool:
                 if y.shape != want.shape or not torch.allclose(y.float(), want.float(), rtol=tolerance,
                                                                 atol=tolerance):
                     return False
+    return True
+
+
+def _attends_right() -> bool:
+    """gpt2port::attend_one against scaled_dot_product_attention, in each dtype, on head sizes of whole and partial
+    vectors, at the first position and a later one, with the default scale and another: its output, and the new
+    key and value in the cache, from a private generator."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in FUNCTIONS:
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        for H, D, T, length, scale in ((3, 24, 8, 0, None), (2, 64, 9, 6, None), (2, 17, 5, 4, 1.0)):
+            keys, values = (torch.randn(1, H, T, D, generator=g).to(dtype) for _ in range(2))
+            qkv = torch.randn(3 * H * D, generator=g).to(dtype)
+            q, k, v = qkv.view(3, 1, H, 1, D).unbind(0)
+            want_keys, want_values = keys.clone(), values.clone()
+            want_keys[:, :, length], want_values[:, :, length] = k[:, :, 0], v[:, :, 0]
+            want = F.scaled_dot_product_attention(q.float(), want_keys[:, :, :length + 1].float(),
+                                                  want_values[:, :, :length + 1].float(), scale=scale).view(-1)
+            y = torch.ops.gpt2port.attend_one(qkv, keys, values, length, scale)
+            if not (torch.equal(keys, want_keys) and torch.equal(values, want_values) and y.dtype == dtype and
+                    torch.allclose(y.float(), want, rtol=tolerance, atol=tolerance)):
+                return False
     return True

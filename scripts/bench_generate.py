@@ -4,9 +4,11 @@ For each size: a random-weight hub-layout checkpoint is written (hf_fixtures.wri
 gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the same files. Then:
 
   decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill.
-           Contenders: gpt2port fp32 (the default: one-row products on gpt2port's own kernel, gpt2port/native.py,
-           others on oneDNN), gpt2port fp32 with one row on oneDNN too (gpt2port.native.ENABLED = False, as before
-           that kernel), gpt2port fp32 with neither (F.linear, i.e. MKL, as HF uses), HF generate fp32, and
+           Contenders: gpt2port fp32 (the default: one-row products and one-token attention on gpt2port's own
+           kernels, gpt2port/native.py, other products on oneDNN), gpt2port fp32 with one row on oneDNN too and
+           attention on SDPA (gpt2port.native.ENABLED = False, as before those kernels), gpt2port fp32 with only
+           attention on SDPA (gpt2port.kernels.ATTEND_ONE = False), gpt2port fp32 with neither kernel nor oneDNN
+           (F.linear, i.e. MKL, as HF uses), HF generate fp32, and
            gpt2port fp32 with gpt2port.decode_step.SCRIPTED = False (every step through the model's own forward, as
            before the scripted step); they alternate run by run, so all see the same machine load, and the best run
            of each counts. Then gpt2port bf16 (one row on gpt2port's kernel) and the same on F.linear, alternating.
@@ -71,6 +73,7 @@ BF16_LINEAR = "gpt2port bf16, F.linear"  # one row of bf16 as before gpt2port's 
 OURS_INT8, LLAMA_Q8 = "gpt2port int8", "llama.cpp q8_0"
 EAGER, INT8_EAGER = "gpt2port fp32, eager step", "gpt2port int8, eager step"
 ONEDNN_ROW = "gpt2port fp32, one row on oneDNN"
+SDPA_ATTENTION = "gpt2port fp32, attention on SDPA"
 INT8_SMALL_PAGES = "gpt2port int8, 4 KB pages"
 
 
@@ -113,8 +116,10 @@ def switched(module, name: str, value):
     return wrap
 
 
-# fn with one-row products on oneDNN, as before gpt2port's own kernel (gpt2port/native.py)
+# fn with one-row products on oneDNN and attention on SDPA, as before gpt2port's own kernels (gpt2port/native.py)
 without_native = switched(gpt2port.native, "ENABLED", False)
+# fn with attention for one token on PyTorch's SDPA, as before gpt2port's kernel for it (gpt2port/attention.c)
+sdpa_attention = switched(gpt2port.kernels, "ATTEND_ONE", False)
 
 
 def without_onednn(fn):
@@ -162,11 +167,12 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
             MKL: (without_onednn(lambda p: ours_decode(ours, p)), without_onednn(ours)),
             ONEDNN_ROW: (without_native(lambda p: ours_decode(ours, p)), None),  # prefill: many rows, as OURS
+            SDPA_ATTENTION: (sdpa_attention(lambda p: ours_decode(ours, p)), None),  # prefill: SDPA, as OURS
             HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits),
             EAGER: (eager_step(lambda p: ours_decode(ours, p)) if device == "cpu" else
                     ungraphed(lambda p: ours_decode(ours, p)), None)}  # decode only: its prefill is OURS's
     if device != "cpu":  # oneDNN vs MKL vs gpt2port's kernel is a CPU question
-        del fp32[MKL], fp32[ONEDNN_ROW]
+        del fp32[MKL], fp32[ONEDNN_ROW], fp32[SDPA_ATTENTION]
 
     print(f"[{size}] warm-up", file=sys.stderr)
     with torch.inference_mode():

@@ -181,7 +181,7 @@ def test_a_compiler_that_fails(tmp_path):
     cc.chmod(0o755)
     lib, why = native.load(tmp_path / "cache", str(cc))
     assert lib is None
-    assert why.startswith(f"building matvec.c with {cc} failed: -O3 -march=native -fopenmp: matvec.c:1: error")
+    assert why.startswith(f"building matvec.c, attention.c with {cc} failed: -O3 -march=native -fopenmp: matvec.c:1:")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-built left
 
 
@@ -226,11 +226,11 @@ def test_the_cpp_kernel_serves_the_operator_where_it_builds():
 def test_a_cpp_compiler_that_fails(tmp_path):
     cxx = tmp_path / "c++"
     cxx.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; exit 0; fi\n'
-                   'echo "matvec_op.cpp:1: error: no such header" >&2; exit 1\n')
+                   'echo "native_ops.cpp:1: error: no such header" >&2; exit 1\n')
     cxx.chmod(0o755)
     why = native.bind(tmp_path / "cache", str(cxx), type("Lib", (), {"_name": "/nowhere/lib.so"})())
-    assert why.startswith(f"building matvec_op.cpp with {cxx} failed: -O2 -std=c++20")
-    assert "; -O2 -std=c++17" in why and why.endswith("matvec_op.cpp:1: error: no such header")
+    assert why.startswith(f"building native_ops.cpp with {cxx} failed: -O2 -std=c++20")
+    assert "; -O2 -std=c++17" in why and why.endswith("native_ops.cpp:1: error: no such header")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-built left
     assert native.bind(tmp_path, None, None).startswith("no C++ compiler found")
 
@@ -267,3 +267,16 @@ def test_without_the_kernel_the_model_runs_on_onednn(monkeypatch):
     monkeypatch.setattr("gpt2port.speed.matvec_bandwidth", lambda device: 1e10)
     lines = decode_report(model, "cpu", 100.0)
     assert "gpt2port's one-row kernel is not in use: no C compiler found" in lines[-1]
+
+
+@needs_kernel
+def test_verbose_says_when_products_go_through_python(monkeypatch):
+    from gpt2port.speed import decode_report
+
+    model = GPT(CONFIG).eval()
+    monkeypatch.setattr("gpt2port.speed.matvec_bandwidth", lambda device: 1e10)
+    assert not any("through Python" in line for line in decode_report(model, "cpu", 100.0))
+    monkeypatch.setattr(native, "_binding_why_not", "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)")
+    assert decode_report(model, "cpu", 100.0)[-1] == ("gpt2port's one-row kernel is reached through Python, a few us "
+                                                      "slower a product: no C++ compiler found (c++, g++ or clang++ "
+                                                      "on the PATH, or $CXX)")

@@ -1,0 +1,109 @@
+// The kernels of gpt2port's operators on the CPU, in C++: gpt2port::matvec (one row times a weight, matvec.c) and
+// gpt2port::attend_one (attention for one new token, attention.c), each checking its arguments, then calling the
+// library gpt2port/native.py built from those C files.
+//
+// Why C++: a decode step makes ~50 one-row products (~200 at 1.5B), and a kernel written in Python costs each a round
+// trip from PyTorch's dispatcher into the interpreter and out through ctypes, ~3 us more than an operator registered
+// from C++ (124M: ~0.3 ms of an ~11 ms step, measured). gpt2port/native.py builds this file against the running
+// PyTorch's headers and links it to the library; where that cannot be done (no C++ compiler, no headers), a Python
+// kernel serves gpt2port::matvec, and attention stays on PyTorch's.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+extern "C" {
+void gpt2port_matvec(const float *W, const float *x, const float *b, float *y, int64_t n, int64_t k, int threads);
+void gpt2port_matvec_bf16(const uint16_t *W, const float *x, const uint16_t *b, uint16_t *y, int64_t n, int64_t k,
+                          int threads);
+void gpt2port_attend_one(const float *qkv, float *K, float *V, float *y, int64_t H, int64_t T, int64_t D,
+                         int64_t length, float scale, float *scratch, int threads);
+void gpt2port_attend_one_bf16(const uint16_t *qkv, uint16_t *K, uint16_t *V, uint16_t *y, int64_t H, int64_t T,
+                              int64_t D, int64_t length, float scale, float *scratch, int threads);
+}
+
+namespace {
+
+// A shape as Python writes a tuple, so that the message reads as the Python kernel's does.
+std::string shape(const at::Tensor &t) {
+  std::ostringstream out;
+  out << "(";
+  for (int64_t i = 0; i < t.dim(); i++) out << (i ? ", " : "") << t.size(i);
+  out << (t.dim() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+bool takes(const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+  auto dtype = weight.scalar_type();
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && weight.device().is_cpu() && weight.dim() == 2 &&
+         weight.is_contiguous() &&
+         (!bias || (bias->scalar_type() == dtype && bias->device().is_cpu() && bias->is_contiguous() &&
+                    bias->numel() == weight.size(0)));
+}
+
+at::Tensor matvec(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
+  TORCH_CHECK_VALUE(takes(weight, bias) && x.device().is_cpu() && x.numel() == weight.size(1) &&
+                        x.scalar_type() == weight.scalar_type(),
+                    "gpt2port::matvec takes k numbers and a contiguous (n, k) weight of one dtype, fp32 or bf16; "
+                    "got x ", shape(x), " ", x.scalar_type(), ", weight ", shape(weight), " ", weight.scalar_type());
+  int64_t n = weight.size(0), k = weight.size(1);
+  at::Tensor y = at::empty({n}, weight.options());
+  int threads = at::get_num_threads();
+  if (weight.scalar_type() == at::kFloat) {
+    at::Tensor row = x.contiguous();
+    gpt2port_matvec(weight.const_data_ptr<float>(), row.const_data_ptr<float>(),
+                    bias ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), n, k, threads);
+  } else {
+    at::Tensor wide = x.to(at::kFloat).contiguous();  // exact: bf16 is the upper half of an fp32
+    gpt2port_matvec_bf16(static_cast<const uint16_t *>(weight.const_data_ptr()), wide.const_data_ptr<float>(),
+                         bias ? static_cast<const uint16_t *>(bias->const_data_ptr()) : nullptr,
+                         static_cast<uint16_t *>(y.mutable_data_ptr()), n, k, threads);
+  }
+  return y;
+}
+
+// qkv: 3 H D numbers (q, k, v); keys, values: the layer's cache (1, H, T, D), written at `length`; -> y (H D).
+at::Tensor attend_one(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &values, int64_t length,
+                      std::optional<double> scale) {
+  auto dtype = keys.scalar_type();
+  bool caches = keys.dim() == 4 && keys.size(0) == 1 && values.sizes() == keys.sizes() && keys.is_contiguous() &&
+                values.is_contiguous() && values.scalar_type() == dtype && keys.device().is_cpu() &&
+                values.device().is_cpu();
+  TORCH_CHECK_VALUE(caches && (dtype == at::kFloat || dtype == at::kBFloat16) && qkv.scalar_type() == dtype &&
+                        qkv.device().is_cpu() && qkv.numel() == 3 * keys.size(1) * keys.size(3) && length >= 0 &&
+                        length < keys.size(2),
+                    "gpt2port::attend_one takes 3 H D numbers and contiguous caches (1, H, T, D) of their dtype, fp32 "
+                    "or bf16, and a position below T; got qkv ", shape(qkv), " ", qkv.scalar_type(), ", keys ",
+                    shape(keys), " ", keys.scalar_type(), ", values ", shape(values), ", position ", length);
+  int64_t H = keys.size(1), T = keys.size(2), D = keys.size(3);
+  // as scaled_dot_product_attention's default: 1 / sqrt(head size)
+  float factor = scale ? static_cast<float>(*scale) : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  at::Tensor row = qkv.contiguous();
+  at::Tensor scratch = at::empty({H * (length + 1 + 2 * D)}, keys.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({H * D}, keys.options());
+  int threads = at::get_num_threads();
+  if (dtype == at::kFloat) {
+    gpt2port_attend_one(row.const_data_ptr<float>(), keys.mutable_data_ptr<float>(), values.mutable_data_ptr<float>(),
+                        y.mutable_data_ptr<float>(), H, T, D, length, factor, scratch.mutable_data_ptr<float>(),
+                        threads);
+  } else {
+    gpt2port_attend_one_bf16(static_cast<const uint16_t *>(row.const_data_ptr()),
+                             static_cast<uint16_t *>(keys.mutable_data_ptr()),
+                             static_cast<uint16_t *>(values.mutable_data_ptr()),
+                             static_cast<uint16_t *>(y.mutable_data_ptr()), H, T, D, length, factor,
+                             scratch.mutable_data_ptr<float>(), threads);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gpt2port, CPU, m) {
+  m.impl("matvec", matvec);
+  m.impl("attend_one", attend_one);
+}

@@ -1,0 +1,134 @@
+"""gpt2port's attention for one new token (gpt2port/attention.c, torch.ops.gpt2port.attend_one): its output against
+PyTorch's scaled_dot_product_attention on every branch of its loops, the cache it writes, where the model and the
+scripted decode step take it (one token of one unpadded sequence in inference), and where they leave attention to
+PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpt2port import GPT, GPTConfig, kernels, native
+from gpt2port.decode_step import stepper
+from gpt2port.model import KVCache
+
+needs_kernel = pytest.mark.skipif(not native.available() or native.binding_why_not() is not None,
+                                  reason=f"no attention kernel here: {native.why_not() or native.binding_why_not()}")
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=48, vocab_size=203, n_positions=32)
+
+
+def reference(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, scale):
+    """What attend_one should leave in the caches and return, by PyTorch, in fp32 from the same numbers."""
+    H, D = keys.size(1), keys.size(3)
+    q, k, v = qkv.view(3, 1, H, 1, D).unbind(0)
+    keys, values = keys.clone(), values.clone()
+    keys[:, :, length], values[:, :, length] = k[:, :, 0], v[:, :, 0]
+    y = F.scaled_dot_product_attention(q.float(), keys[:, :, :length + 1].float(), values[:, :, :length + 1].float(),
+                                       scale=scale)
+    return keys, values, y.reshape(H * D)
+
+
+@needs_kernel
+@pytest.mark.parametrize("D", [64, 17, 16, 80, 100, 200, 5])  # whole vectors, a tail, groups of four and more
+@pytest.mark.parametrize("length", [0, 1, 38, 39])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_sdpa_and_writes_the_cache(D, length, dtype):
+    g = torch.Generator().manual_seed(D * 100 + length)
+    H, T = 3, 40
+    keys, values = (torch.randn(1, H, T, D, generator=g).to(dtype) for _ in range(2))
+    qkv = (2 * torch.randn(3 * H * D, generator=g)).to(dtype)
+    for scale in (None, 1.0):
+        want_keys, want_values, want = reference(qkv, keys, values, length, scale)
+        got = torch.ops.gpt2port.attend_one(qkv, keys, values, length, scale)
+        assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+        assert got.shape == (H * D,) and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # the fp32 result rounded once: within half a bf16 step of it (and a little for the sums' order)
+            torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_do_not_change_the_numbers(dtype):
+    g = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(1, 12, 300, 64, generator=g).to(dtype) for _ in range(2))
+    qkv = torch.randn(3 * 12 * 64, generator=g).to(dtype)
+    before, results = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(torch.ops.gpt2port.attend_one(qkv, keys.clone(), values.clone(), 250, None))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@needs_kernel
+def test_refuses_what_it_would_read_or_write_wrong():
+    keys, values, qkv = torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4), torch.zeros(24)
+    bad = {
+        "past the cache's room": (qkv, keys, values, 8),
+        "a negative position": (qkv, keys, values, -1),
+        "two sequences": (torch.zeros(48), torch.zeros(2, 2, 8, 4), torch.zeros(2, 2, 8, 4), 0),
+        "a transposed cache": (qkv, keys.transpose(2, 3), values.transpose(2, 3), 0),
+        "qkv of another dtype": (qkv.bfloat16(), keys, values, 0),
+        "fp16": (qkv.half(), keys.half(), values.half(), 0),
+        "too few numbers": (qkv[:-1], keys, values, 0),
+    }
+    for case, (q, k, v, length) in bad.items():
+        with pytest.raises(ValueError, match="gpt2port::attend_one takes 3 H D numbers"):
+            torch.ops.gpt2port.attend_one(q, k, v, length, None)
+    assert torch.equal(keys, torch.zeros_like(keys))  # nothing written by a refused call
+
+
+def calls(fn) -> dict[str, int]:
+    """How many times fn() calls each of gpt2port's operators and PyTorch's attention (seen by the profiler)."""
+    names = ("gpt2port::attend_one", "aten::scaled_dot_product_attention")
+    with torch.profiler.profile() as prof:
+        fn()
+    return {name: sum(e.name == name for e in prof.events()) for name in names}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_and_the_step_take_it_for_one_token_of_one_sequence(dtype, monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(CONFIG).eval().to(dtype)
+    idx = torch.tensor([[5, 17, 101, 3, 9]])
+    L, tolerance = CONFIG.n_layer, 1e-5 if dtype == torch.float32 else 3e-2
+
+    def decode(batch=1, pad=None, scripted=False):
+        cache = KVCache(CONFIG, batch, 8, dtype=dtype, pad=pad)
+        with torch.inference_mode():
+            model(idx[:, :3].expand(batch, 3), cache=cache)
+            step = stepper(model, cache) if scripted else lambda t: model(t, cache=cache, last_only=True)
+            return [step(idx[:, i:i + 1].expand(batch, 1)) for i in (3, 4)]
+
+    assert calls(decode) == {"gpt2port::attend_one": 2 * L, "aten::scaled_dot_product_attention": L}  # prefill: SDPA
+    assert calls(lambda: decode(scripted=True)) == {"gpt2port::attend_one": 2 * L,
+                                                    "aten::scaled_dot_product_attention": L}
+    assert torch.equal(torch.cat(decode()), torch.cat(decode(scripted=True)))  # the same kernel, the same numbers
+    for elsewhere in (lambda: decode(batch=2), lambda: decode(batch=2, pad=torch.tensor([0, 1]))):
+        assert calls(elsewhere)["gpt2port::attend_one"] == 0
+    with_kernel = decode()
+    monkeypatch.setattr(kernels, "ATTEND_ONE", False)  # its own switch: the products stay on gpt2port's kernel
+    assert calls(lambda: decode(scripted=True))["gpt2port::attend_one"] == 0
+    assert calls(decode)["gpt2port::attend_one"] == 0
+    torch.testing.assert_close(torch.cat(with_kernel), torch.cat(decode()), rtol=tolerance, atol=tolerance)
+    monkeypatch.setattr(kernels, "ATTEND_ONE", True)
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert calls(decode)["gpt2port::attend_one"] == 0
+    torch.testing.assert_close(torch.cat(with_kernel), torch.cat(decode()), rtol=tolerance, atol=tolerance)
+
+
+@needs_kernel
+def test_training_and_autograd_keep_pytorchs_attention():
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    cache = KVCache(CONFIG, 1, 8)
+    model(torch.tensor([[1, 2]]), cache=cache)  # in training, with autograd
+    assert calls(lambda: model(torch.tensor([[3]]), cache=cache))["gpt2port::attend_one"] == 0
+    model.eval()
+    assert calls(lambda: model(torch.tensor([[4]]), cache=cache))["gpt2port::attend_one"] == 0  # autograd on
