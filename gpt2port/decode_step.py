@@ -5,7 +5,8 @@ A decode step multiplies one token by every weight once; at 124M with int8 weigh
 cores, and in eager PyTorch the step's other ~250 operations (embedding, norms, views, cache writes, attention,
 residual adds, module calls) cost Python and dispatch time of a few microseconds each, ~1.5 ms more. Here the whole
 step, from the token ids to the logits, is one TorchScript module that holds the model's weights in lists and calls
-the same kernels the model's own layers call (fbgemm's int8 product, oneDNN's fp32 linear, F.linear otherwise).
+the same kernels the model's own layers call (gpt2port's one-row product, fbgemm's int8 product, oneDNN's fp32
+linear, F.linear otherwise; gpt2port's one-token attention or SDPA).
 Scripting it takes a few milliseconds, so every `generate` call builds its own.
 
 `stepper(model, cache)` returns the scripted step only for a model it can reproduce exactly: a GPT (not a subclass)
