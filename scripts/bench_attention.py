@@ -1,0 +1,158 @@
+"""What a decode step spends outside its matrix products, and what gpt2port's own kernels for it save: attention for
+one new token (gpt2port/attention.c) against PyTorch's scaled_dot_product_attention with the cache writes, slices and
+reshapes the step made around it, and the operators' C++ kernels (gpt2port/native_ops.cpp) against a kernel written
+in Python, as a PyTorch without a C++ compiler gets.
+
+  attention  one layer's attention for one token of one sequence, GPT-2's 12 heads of 64, after `length` cached
+             positions: gpt2port::attend_one against SDPA plus its cache writes and reshapes (what the scripted step
+             ran before), in microseconds, warm (the layer's cache just read) and cold (12 layers' caches, a 64 MB
+             buffer written between passes, as in a step, where a layer's keys were last read ~40 MB of weights ago).
+  op call    microseconds a call of gpt2port::matvec costs from TorchScript on a 4 x 768 weight, its C++ kernel
+             against the same library reached through a Python kernel (registered here under another name).
+  step       a whole scripted 124M decode step (random weights, 16-token prompt, 127 steps), with attention on
+             gpt2port's kernel against SDPA, the two run alternately step by step on caches of their own (this
+             machine's bandwidth swings from minute to minute; neighbouring steps see the same): the median of the
+             paired differences.
+
+Usage (from the repository root):
+    python -m scripts.bench_attention [--threads 2] [--rounds 6] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gpt2port import GPT, native
+from gpt2port.decode_step import _Step
+from gpt2port.model import KVCache
+from scripts.bench_generate import prepare
+
+H, D, LAYERS = 12, 64, 12
+
+
+def sdpa_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int) -> torch.Tensor:
+    """What the scripted step did before attend_one, the same operations in the same order."""
+    q, k, v = qkv.view(1, 3, H, 1, D).unbind(1)
+    keys.narrow(2, length, 1).copy_(k)
+    values.narrow(2, length, 1).copy_(v)
+    y = F.scaled_dot_product_attention(q, keys.narrow(2, 0, length + 1), values.narrow(2, 0, length + 1))
+    return y.transpose(1, 2).reshape(1, H * D)
+
+
+def attention_us(lengths: list[int], repeats: int) -> list[dict]:
+    caches = [(torch.randn(1, H, 1024, D), torch.randn(1, H, 1024, D)) for _ in range(LAYERS)]
+    qkv, flush = torch.randn(3 * H * D), torch.zeros(16 << 20)
+    kernels = {"gpt2port": lambda k, v, n: torch.ops.gpt2port.attend_one(qkv, k, v, n, None),
+               "SDPA": lambda k, v, n: sdpa_attention(qkv, k, v, n)}
+    rows = []
+    with torch.inference_mode():
+        for length in lengths:
+            row = {"length": length}
+            for name, fn in kernels.items():
+                warm, cold = [], []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    for k, v in caches:
+                        fn(k, v, length)
+                    warm.append((time.perf_counter() - t) / LAYERS)
+                    flush.add_(1.0)  # 64 MB through the caches: every layer's keys and values evicted
+                    for k, v in caches:
+                        t = time.perf_counter()
+                        fn(k, v, length)
+                        cold.append(time.perf_counter() - t)
+                row[name] = (1e6 * min(warm), 1e6 * statistics.median(cold))
+            rows.append(row)
+    return rows
+
+
+def op_call_us(calls: int = 20000) -> dict[str, float]:
+    """gpt2port::matvec's C++ kernel against the library behind a Python kernel, each called from TorchScript."""
+    lib = torch.library.Library("gpt2port_bench", "DEF")
+    lib.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    lib.impl("matvec", native._matvec, "CPU")
+
+    @torch.jit.script
+    def cpp(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        y = x[0, :4]
+        for _ in range(n):
+            y = torch.ops.gpt2port.matvec(x, w, None) + y
+        return y
+
+    @torch.jit.script
+    def python(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        y = x[0, :4]
+        for _ in range(n):
+            y = torch.ops.gpt2port_bench.matvec(x, w, None) + y
+        return y
+
+    x, w, best = torch.randn(1, 768), torch.randn(4, 768), {}
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
+        for _ in range(3):
+            for name, fn in (("C++ kernel", cpp), ("Python kernel", python)):
+                fn(x, w, 100)
+                t = time.perf_counter()
+                fn(x, w, calls)
+                best[name] = min(best.get(name, float("inf")), 1e6 * (time.perf_counter() - t) / calls)
+    return best
+
+
+def step_ms(ckpt: Path, rounds: int) -> dict[str, float]:
+    model = GPT.from_pretrained(ckpt)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    steps = {name: torch.jit.script(_Step(model, "native", [], False, attend))
+             for name, attend in (("gpt2port", True), ("SDPA", False))}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
+        for _ in range(rounds):
+            caches = {name: KVCache(model.config, 1, 16 + 127) for name in steps}
+            for cache in caches.values():
+                model(prompt, cache=cache, last_only=True)
+            token = prompt[:, -1:]
+            for _ in range(127):
+                for name, step in steps.items():
+                    cache = caches[name]
+                    t = time.perf_counter()
+                    logits = step(token, cache.length, cache.k, cache.v, None, None)
+                    times[name].append(time.perf_counter() - t)
+                    cache.length += 1
+                token = logits.argmax(-1).view(1, 1)
+    difference = [a - b for a, b in zip(times["gpt2port"], times["SDPA"])]
+    return {"gpt2port": 1e3 * statistics.median(times["gpt2port"]), "SDPA": 1e3 * statistics.median(times["SDPA"]),
+            "paired difference": 1e3 * statistics.median(difference), "steps": len(difference)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not native.attends(torch.zeros(1, H, 8, D)):
+        why = native.why_not() or native.binding_why_not()
+        raise SystemExit(f"gpt2port's attention kernel is not in use here: {why}")
+    print(f"torch {torch.__version__}, {args.threads} threads")
+    print("attention, one layer (12 heads of 64), us: gpt2port warm / cold, SDPA warm / cold")
+    for row in attention_us([16, 80, 144, 512, 1023], repeats=20):
+        (ow, oc), (sw, sc) = row["gpt2port"], row["SDPA"]
+        print(f"  after {row['length']:>4} positions: {ow:6.1f} / {oc:6.1f}   {sw:6.1f} / {sc:6.1f}   "
+              f"cold {sc / oc:.2f}x")
+    calls = op_call_us()
+    print("gpt2port::matvec from TorchScript, 4 x 768, us a call: " +
+          ", ".join(f"{k} {v:.2f}" for k, v in calls.items()))
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="gpt2port-bench-"))
+    _, ckpt = prepare("gpt2", root)
+    got = step_ms(ckpt, args.rounds)
+    print(f"124M step, median ms: attention on gpt2port {got['gpt2port']:.3f}, on SDPA {got['SDPA']:.3f}; "
+          f"paired difference {got['paired difference']:+.3f} ms over {got['steps']} steps")
+
+
+if __name__ == "__main__":
+    main()
