@@ -91,6 +91,24 @@ _OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(weight.size(0)), "M
 _OPS.impl("attend_one", lambda qkv, keys, values, length, scale: qkv.new_empty(qkv.numel() // 3), "Meta")
 
 
+def _first_call(name: str):
+    """The operator's kernel until library() has registered the CPU ones (a kernel for the CPU key always wins over
+    this catch-all one, so no registration is replaced): build or load them, then call the operator again."""
+    def kernel(*args):
+        if any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args):
+            raise ValueError(f"gpt2port::{name} runs on the CPU; got tensors on "
+                             f"{sorted({str(a.device) for a in args if isinstance(a, torch.Tensor)})}")
+        library()
+        if name == "attend_one" and _binding_why_not is not None:
+            raise RuntimeError(f"gpt2port::attend_one needs gpt2port's C++ kernels: {_binding_why_not}")
+        return getattr(torch.ops.gpt2port, name)(*args)
+    return kernel
+
+
+for _name in ("matvec", "attend_one"):
+    _OPS.impl(_name, _first_call(_name), "CompositeExplicitAutograd")
+
+
 def available() -> bool:
     """Whether one-row products take gpt2port's kernel now: switched on, built (or cached) and probed right."""
     return ENABLED and library() is not None

@@ -235,38 +235,38 @@ def test_a_cpp_compiler_that_fails(tmp_path):
     assert native.bind(tmp_path, None, None).startswith("no C++ compiler found")
 
 
+FIRST_CALLS = """
+import torch
+from gpt2port import GPT  # the model's modules define the operators
+w, x, keys, values = torch.randn(70, 33), torch.randn(33), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+print(torch.allclose(torch.ops.gpt2port.matvec(x, w, None), w @ x, rtol=1e-5, atol=1e-5))
+try:
+    y = torch.ops.gpt2port.attend_one(torch.arange(48.0), keys, values, 0, None)
+    print(torch.equal(y, torch.arange(32.0, 48.0)))  # one position: its own value
+except RuntimeError as e:
+    print(e)
+from gpt2port import native
+print(native.available(), native.binding_why_not())
+"""
+
+
+def first_calls(env: dict) -> list[str]:
+    """The operators called straight after import, before anything asked whether the kernels are there."""
+    return subprocess.run([sys.executable, "-c", FIRST_CALLS], env={**os.environ, **env}, capture_output=True,
+                          text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
+
+
+@needs_kernel
+@needs_cxx
+def test_the_operators_work_from_the_first_call():
+    assert first_calls({}) == ["True", "True", "True None"]
+
+
 @needs_kernel
 def test_without_a_cpp_compiler_the_python_kernel_serves(tmp_path):
-    code = ("import torch; from gpt2port import native; print(native.available(), native.binding_why_not()); "
-            "w, x = torch.randn(70, 33), torch.randn(33); "
-            "print(torch.allclose(torch.ops.gpt2port.matvec(x, w, None), w @ x, rtol=1e-5, atol=1e-5))")
-    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
-    assert out == ["True no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)", "True"]
-
-
-def test_switched_off_by_the_environment():
-    code = "from gpt2port import native; print(native.available()); print(native.why_not())"
-    env = {**os.environ, "GPT2PORT_NATIVE": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
-    assert out == ["False", "switched off (GPT2PORT_NATIVE=0 or gpt2port.native.ENABLED = False)"]
-
-
-def test_without_the_kernel_the_model_runs_on_onednn(monkeypatch):
-    torch.manual_seed(0)
-    model = GPT(CONFIG).eval()
-    want = logits_one_token(model)
-    monkeypatch.setattr(native, "library", lambda: None)
-    monkeypatch.setattr(native, "_why_not", "no C compiler found (cc, gcc or clang on the PATH, or $CC)")
-    assert not native.available() and native.why_not().startswith("no C compiler")
-    torch.testing.assert_close(logits_one_token(model), want, rtol=1e-5, atol=1e-5)
-    from gpt2port.speed import decode_report
-
-    monkeypatch.setattr("gpt2port.speed.matvec_bandwidth", lambda device: 1e10)
-    lines = decode_report(model, "cpu", 100.0)
-    assert "gpt2port's one-row kernel is not in use: no C compiler found" in lines[-1]
+    why = "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)"
+    assert first_calls({"CXX": str(tmp_path / "no-such-compiler")}) == [
+        "True", f"gpt2port::attend_one needs gpt2port's C++ kernels: {why}", f"True {why}"]
 
 
 @needs_kernel
