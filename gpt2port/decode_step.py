@@ -33,8 +33,9 @@ from gpt2port.model import GPT, MLP, Block, CausalSelfAttention, KVCache
 
 # Take the scripted step where it applies; a switch for comparisons and debugging (False: always the model's forward).
 SCRIPTED = True
-# How the steps of the latest generation ran, for `generate --verbose`: "TorchScript (<kernel>)", "a CUDA graph" or
-# "the model's forward" (set by stepper; a user asking why decoding is slow sees whether a fast step was taken).
+# How the steps of the latest generation ran, for `generate --verbose`: "TorchScript (products: <kernel>; attention:
+# <kernel>)", "a CUDA graph" or "the model's forward" (set by stepper; a user asking why decoding is slow sees whether
+# a fast step was taken, and on which kernels).
 last_path: str | None = None
 # The kernels the blocks' products run on, as the model's own Linear layers would choose them (NATIVE: one row of
 # fp32 or bf16 on gpt2port's own kernel, gpt2port/native.py), and how `generate --verbose` names them.
@@ -148,7 +149,9 @@ def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor
         fast, last_path = _graphed_step(model, cache), "a CUDA graph"
     else:
         kind = _kind(model, cache)
-        fast, last_path = _scripted_call(model, cache), f"TorchScript ({_KERNEL_NAMES.get(kind, kind)})"
+        attention = "gpt2port's one-token kernel" if kernels.attention_kernel_takes(cache) else "SDPA"
+        fast, last_path = _scripted_call(model, cache), \
+            f"TorchScript (products: {_KERNEL_NAMES.get(kind, kind)}; attention: {attention})"
     if fast is None:
         last_path = "the model's forward"
         return lambda idx: model(idx, cache=cache, last_only=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2port import GPT, GPTConfig, kernels, native
+from gpt2port import GPT, GPTConfig, decode_step, kernels, native
 from gpt2port.decode_step import stepper
 from gpt2port.model import KVCache
 
@@ -110,6 +110,10 @@ def test_the_model_and_the_step_take_it_for_one_token_of_one_sequence(dtype, mon
     assert calls(lambda: decode(scripted=True)) == {"gpt2port::attend_one": 2 * L,
                                                     "aten::scaled_dot_product_attention": L}
     assert torch.equal(torch.cat(decode()), torch.cat(decode(scripted=True)))  # the same kernel, the same numbers
+    assert decode_step.last_path == "TorchScript (products: gpt2port's one-row kernel; attention: gpt2port's " \
+                                    "one-token kernel)"  # what `generate --verbose` reports
+    decode(batch=2, scripted=True)
+    assert decode_step.last_path.endswith("; attention: SDPA)")
     for elsewhere in (lambda: decode(batch=2), lambda: decode(batch=2, pad=torch.tensor([0, 1]))):
         assert calls(elsewhere)["gpt2port::attend_one"] == 0
     with_kernel = decode()
