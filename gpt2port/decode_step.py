@@ -89,7 +89,7 @@ class _Step(nn.Module):
                 x = x * in_scale
             return torch.ops.quantized.linear_dynamic(x, self.packed[i], self.reduce_range)
         if self.kind == "native":
-            return torch.ops.gpt2port.matvec(x, self.weights[i], self.biases[i]).view(1, -1)
+            return torch.ops.gpt2port.matvec(x, self.weights[i], self.biases[i])
         if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weights[i], self.biases[i], "none", [], "")
         return F.linear(x, self.weights[i], self.biases[i])
@@ -124,7 +124,7 @@ class _Step(nn.Module):
         for layer in range(self.n_layer):
             qkv = self.linear(self.norm(x, 2 * layer), 4 * layer)
             if self.attend_one and mask is None and qkv.dtype == k_cache.dtype:  # as the model's attention chooses
-                y = torch.ops.gpt2port.attend_one(qkv, k_cache[layer], v_cache[layer], length, self.scale).view(B, C)
+                y = torch.ops.gpt2port.attend_one(qkv, k_cache[layer], v_cache[layer], length, self.scale)
             else:
                 # (B, 3C) -> q, k, v (B, H, 1, D): with one position, no permute is needed to reach SDPA's layout
                 q, k, v = qkv.view(B, 3, self.n_head, 1, self.head_dim).unbind(1)

@@ -54,7 +54,7 @@ class Linear(nn.Linear):
         if torch.is_grad_enabled() or x.device.type != "cpu" or torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         if native.applies(x, self.weight, self.bias):  # one row, fp32 or bf16: gpt2port's own kernel (native.py)
-            return torch.ops.gpt2port.matvec(x, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
+            return torch.ops.gpt2port.matvec(x, self.weight, self.bias)  # x's shape, (1, ..., out_features)
         if x.dtype != torch.float32 or self.weight.dtype != torch.float32 or not onednn_linear_enabled():
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).contiguous()

@@ -86,7 +86,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None and not self.training and attends_one(qkv, cache):
             # one new token of one sequence: one kernel writes its key and value into the cache and attends
             y = torch.ops.gpt2port.attend_one(qkv, cache.k[layer], cache.v[layer], cache.length, self.scale)
-            return self.resid_dropout(self.proj(y.view(B, T, C)))
+            return self.resid_dropout(self.proj(y))  # (1, 1, C)
         # (B, T, 3C) -> q, k, v, each (B, H, T, D): views, no copies, few ops (a decode step is op-bound too)
         q, k, v = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
         mask, is_causal = None, T > 1

@@ -64,11 +64,13 @@ _OPS.define("attend_one(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int leng
 
 
 def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The operator's kernel in Python, where the C++ one (native_ops.cpp) cannot be had: x k numbers (any shape),
-    weight (n, k) and bias (n,) as takes() wants them, all of one dtype -> (n,)."""
-    if x.numel() != weight.size(-1) or x.dtype != weight.dtype or x.device.type != "cpu" or not _fits(weight, bias):
-        raise ValueError(f"gpt2port::matvec takes k numbers and a contiguous (n, k) weight of one dtype, fp32 or "
-                         f"bf16; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    """The operator's kernel in Python, where the C++ one (native_ops.cpp) cannot be had: x one row (1, ..., k),
+    weight (n, k) and bias (n,) as takes() wants them, all of one dtype -> (1, ..., n)."""
+    if x.dim() < 1 or x.size(-1) != weight.size(-1) or x.numel() != weight.size(-1) or x.dtype != weight.dtype or \
+            x.device.type != "cpu" or not _fits(weight, bias):
+        raise ValueError(f"gpt2port::matvec takes one row of k numbers (1, ..., k) and a contiguous (n, k) weight of "
+                         f"one dtype, fp32 or bf16; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}")
     lib = library()
     if lib is None:
         raise RuntimeError(f"gpt2port::matvec is not available: {why_not()}")
@@ -80,15 +82,16 @@ def _product(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torc
     """The library's product of checked arguments, into y if given; bf16's x is handed over widened to fp32."""
     n, k = weight.shape
     row = x.reshape(k).contiguous() if x.dtype == torch.float32 else x.reshape(k).float()
-    y = torch.empty(n, dtype=weight.dtype) if y is None else y
+    y = torch.empty(*x.shape[:-1], n, dtype=weight.dtype) if y is None else y
     getattr(lib, FUNCTIONS[weight.dtype])(weight.data_ptr(), row.data_ptr(), None if bias is None else bias.data_ptr(),
                                           y.data_ptr(), n, k, threads)
     return y
 
 
 # Shapes only, for whatever traces the model without running it (torch.compile, meta-device models)
-_OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(weight.size(0)), "Meta")
-_OPS.impl("attend_one", lambda qkv, keys, values, length, scale: qkv.new_empty(qkv.numel() // 3), "Meta")
+_OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(*x.shape[:-1], weight.size(0)), "Meta")
+_OPS.impl("attend_one", lambda qkv, keys, values, length, scale: qkv.new_empty(*qkv.shape[:-1], qkv.size(-1) // 3),
+          "Meta")
 
 
 def _first_call(name: str):
@@ -117,7 +120,8 @@ def available() -> bool:
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the product x @ weight.T (+ bias) is one the kernel computes: one row of the weight's dtype, on a
     weight it takes."""
-    return x.numel() == weight.size(1) and x.dtype == weight.dtype and takes(weight, bias)
+    return x.dim() >= 1 and x.size(-1) == x.numel() == weight.size(1) and x.dtype == weight.dtype and \
+        takes(weight, bias)
 
 
 def takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

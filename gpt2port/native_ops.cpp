@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <vector>
 
 extern "C" {
 void gpt2port_matvec(const float *W, const float *x, const float *b, float *y, int64_t n, int64_t k, int threads);
@@ -47,12 +48,16 @@ bool takes(const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
 }
 
 at::Tensor matvec(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
-  TORCH_CHECK_VALUE(takes(weight, bias) && x.device().is_cpu() && x.numel() == weight.size(1) &&
+  TORCH_CHECK_VALUE(takes(weight, bias) && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
+                        x.numel() == weight.size(1) &&
                         x.scalar_type() == weight.scalar_type(),
-                    "gpt2port::matvec takes k numbers and a contiguous (n, k) weight of one dtype, fp32 or bf16; "
+                    "gpt2port::matvec takes one row of k numbers (1, ..., k) and a contiguous (n, k) weight of one "
+                    "dtype, fp32 or bf16; "
                     "got x ", shape(x), " ", x.scalar_type(), ", weight ", shape(weight), " ", weight.scalar_type());
   int64_t n = weight.size(0), k = weight.size(1);
-  at::Tensor y = at::empty({n}, weight.options());
+  std::vector<int64_t> shape_of_y = x.sizes().vec();  // x's shape, its last size n: (1, ..., n)
+  shape_of_y.back() = n;
+  at::Tensor y = at::empty(shape_of_y, weight.options());
   int threads = at::get_num_threads();
   if (weight.scalar_type() == at::kFloat) {
     at::Tensor row = x.contiguous();
@@ -67,7 +72,7 @@ at::Tensor matvec(const at::Tensor &x, const at::Tensor &weight, const std::opti
   return y;
 }
 
-// qkv: 3 H D numbers (q, k, v); keys, values: the layer's cache (1, H, T, D), written at `length`; -> y (H D).
+// qkv (1, ..., 3 H D): q, k, v; keys, values: the layer's cache (1, H, T, D), written at `length` -> y (1, ..., H D).
 at::Tensor attend_one(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &values, int64_t length,
                       std::optional<double> scale) {
   auto dtype = keys.scalar_type();
@@ -75,7 +80,8 @@ at::Tensor attend_one(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &value
                 values.is_contiguous() && values.scalar_type() == dtype && keys.device().is_cpu() &&
                 values.device().is_cpu();
   TORCH_CHECK_VALUE(caches && (dtype == at::kFloat || dtype == at::kBFloat16) && qkv.scalar_type() == dtype &&
-                        qkv.device().is_cpu() && qkv.numel() == 3 * keys.size(1) * keys.size(3) && length >= 0 &&
+                        qkv.device().is_cpu() && qkv.dim() >= 1 && qkv.size(-1) == qkv.numel() &&
+                        qkv.numel() == 3 * keys.size(1) * keys.size(3) && length >= 0 &&
                         length < keys.size(2),
                     "gpt2port::attend_one takes 3 H D numbers and contiguous caches (1, H, T, D) of their dtype, fp32 "
                     "or bf16, and a position below T; got qkv ", shape(qkv), " ", qkv.scalar_type(), ", keys ",
@@ -85,7 +91,9 @@ at::Tensor attend_one(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &value
   float factor = scale ? static_cast<float>(*scale) : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   at::Tensor row = qkv.contiguous();
   at::Tensor scratch = at::empty({H * (length + 1 + 2 * D)}, keys.options().dtype(at::kFloat));
-  at::Tensor y = at::empty({H * D}, keys.options());
+  std::vector<int64_t> shape_of_y = qkv.sizes().vec();  // qkv's shape, its last size H D: (1, ..., H D)
+  shape_of_y.back() = H * D;
+  at::Tensor y = at::empty(shape_of_y, keys.options());
   int threads = at::get_num_threads();
   if (dtype == at::kFloat) {
     gpt2port_attend_one(row.const_data_ptr<float>(), keys.mutable_data_ptr<float>(), values.mutable_data_ptr<float>(),

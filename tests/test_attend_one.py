@@ -43,6 +43,7 @@ def test_equals_sdpa_and_writes_the_cache(D, length, dtype):
         got = torch.ops.gpt2port.attend_one(qkv, keys, values, length, scale)
         assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
         assert got.shape == (H * D,) and got.dtype == dtype
+        assert torch.ops.gpt2port.attend_one(qkv.view(1, 1, -1), keys, values, length, scale).shape == (1, 1, H * D)
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         else:  # the fp32 result rounded once: within half a bf16 step of it (and a little for the sums' order)
@@ -76,6 +77,7 @@ def test_refuses_what_it_would_read_or_write_wrong():
         "qkv of another dtype": (qkv.bfloat16(), keys, values, 0),
         "fp16": (qkv.half(), keys.half(), values.half(), 0),
         "too few numbers": (qkv[:-1], keys, values, 0),
+        "not one row": (qkv.view(3, 8), keys, values, 0),
     }
     for case, (q, k, v, length) in bad.items():
         with pytest.raises(ValueError, match="gpt2port::attend_one takes 3 H D numbers"):

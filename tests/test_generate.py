@@ -329,8 +329,8 @@ def test_cli_verbose_says_how_close_decoding_came_to_the_bandwidth_floor(lively,
                       r"token, ([\d.]+) GB/s measured now\)$", out.err, re.M)
     assert match, out.err
     assert float(match.group(2)) > 0 and float(match.group(4)) > 0
-    assert re.search(r"^decode steps ran on TorchScript \((gpt2port's one-row kernel|oneDNN|F.linear)\)$", out.err,
-                     re.M), out.err
+    assert re.search(r"^decode steps ran on TorchScript \(products: (gpt2port's one-row kernel|oneDNN|F.linear); "
+                     r"attention: (gpt2port's one-token kernel|SDPA)\)$", out.err, re.M), out.err
 
 
 def test_cli_reads_stdin_and_makes_reproducible_samples(lively, capsys, monkeypatch):

@@ -28,9 +28,9 @@ def test_equals_f_linear_on_every_shape(n, k):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(1, k, generator=g), torch.randn(n, generator=g)
     for bias in (b, None):
-        want = F.linear(x, w, bias)[0]
+        want = F.linear(x, w, bias)
         got = torch.ops.gpt2port.matvec(x, w, bias)
-        assert got.shape == (n,) and got.dtype == torch.float32
+        assert got.shape == (1, n) and got.dtype == torch.float32  # x's shape, (1, k) -> (1, n)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -42,11 +42,11 @@ def test_bf16_equals_f_linear_within_a_bf16_step(n, k):
     g = torch.Generator().manual_seed(n * 1000 + k)
     w, x, b = (torch.randn(*shape, generator=g).bfloat16() for shape in ((n, k), (1, k), (n,)))
     for bias in (b, None):
-        want = F.linear(x.float(), w.float(), None if bias is None else bias.float())[0]
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
         got = torch.ops.gpt2port.matvec(x, w, bias)
-        assert got.shape == (n,) and got.dtype == torch.bfloat16
+        assert got.shape == (1, n) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
-        torch.testing.assert_close(got, F.linear(x, w, bias)[0], rtol=2 ** -7, atol=1e-3)  # PyTorch's own bf16
+        torch.testing.assert_close(got, F.linear(x, w, bias), rtol=2 ** -7, atol=1e-3)  # PyTorch's own bf16
 
 
 @needs_kernel
@@ -72,6 +72,9 @@ def test_refuses_what_it_would_read_wrong():
         torch.ops.gpt2port.matvec(torch.randn(8), w.t(), None)  # a transposed view
     with pytest.raises(ValueError, match=r"got x \(5,\)"):
         torch.ops.gpt2port.matvec(torch.randn(5), w, None)
+    with pytest.raises(ValueError, match=r"one row of k numbers .* got x \(6, 1\)"):
+        torch.ops.gpt2port.matvec(torch.randn(6, 1), w, None)  # k numbers, but not a row of them
+    assert torch.ops.gpt2port.matvec(torch.randn(1, 1, 6), w, None).shape == (1, 1, 8)
     with pytest.raises(ValueError, match="of one dtype"):
         torch.ops.gpt2port.matvec(torch.randn(6).bfloat16(), w, None)
     with pytest.raises(ValueError, match="fp32 or bf16"):
