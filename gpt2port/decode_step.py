@@ -7,7 +7,7 @@ residual adds, module calls) cost Python and dispatch time of a few microseconds
 step, from the token ids to the logits, is one TorchScript module that holds the model's weights in lists and calls
 the same kernels the model's own layers call (gpt2port's one-row product, fbgemm's int8 product, oneDNN's fp32
 linear, F.linear otherwise; gpt2port's one-token attention or SDPA).
-Scripting it takes a few milliseconds, so every `generate` call builds its own.
+Scripting it takes a few milliseconds; a model keeps its latest step for its next generation (_SCRIPTED).
 
 `stepper(model, cache)` returns the scripted step only for a model it can reproduce exactly: a GPT (not a subclass)
 in eval mode on the CPU, built of the model's own embedding, block, norm and linear classes, with no hooks anywhere,
@@ -21,6 +21,7 @@ every kernel, activation, batch and padding the step accepts; tests/test_cuda_gr
 
 # No `from __future__ import annotations` here: TorchScript reads _Step's attribute annotations as types, not strings.
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import List, Optional
 
@@ -204,12 +205,35 @@ def _scripted_step(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
 
         packed = [m._packed for m in _linears(model)]
         reduce_range = quant._reduce_range()
+    step = _Step(model, kind, packed, reduce_range, kernels.attention_kernel_takes(cache))
+    key = _identity(step)
+    cached = _SCRIPTED.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     try:
         with warnings.catch_warnings():  # PyTorch marks TorchScript deprecated; where it is gone, the plain forward
             warnings.simplefilter("ignore")
-            return torch.jit.script(_Step(model, kind, packed, reduce_range, kernels.attention_kernel_takes(cache)))
+            scripted = torch.jit.script(step)
     except Exception:  # noqa: BLE001 -- failing to script only costs speed
         return None
+    _SCRIPTED[model] = (key, scripted)
+    return scripted
+
+
+# The latest scripted step of each model, with what it was built from: scripting takes ~7 ms and its first run ~5 ms
+# more, ~1% of a 124M model's 128-token generation, so a model generating again reuses its step while the step would
+# be built the same. The step holds the model's tensors themselves, so weights changed in place are seen; a tensor
+# replaced (load_state_dict(assign=True), .to(), .data =), a kernel switched, a setting changed builds a new one.
+_SCRIPTED: "weakref.WeakKeyDictionary[GPT, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _identity(step: _Step) -> tuple:
+    """What a scripted step is built from: every tensor it holds (which one, where its numbers are, their dtype and
+    shape), int8's packed matrices, and its settings."""
+    tensors = [*step.weights, *step.biases, *step.norms, *step.in_scales, step.tok, step.tok_scale, step.pos]
+    return (tuple(None if t is None else (id(t), t.data_ptr(), t.dtype, tuple(t.shape)) for t in tensors),
+            tuple(id(p) for p in step.packed), step.kind, step.reduce_range, step.attend_one, step.n_layer,
+            step.n_head, step.head_dim, step.eps, step.scale, step.act)
 
 
 def _kind(model: GPT, cache: KVCache) -> str | None:

@@ -217,3 +217,47 @@ def test_generation_is_the_same_with_and_without_the_step(monkeypatch):
     assert fast == generate(model, prompts, **kwargs)
     assert len(built) == 1  # not even attempted
     assert all(len(row) == 70 for row in fast)
+
+
+def test_a_model_reuses_its_scripted_step_while_it_would_be_built_the_same(monkeypatch):
+    from gpt2port.generate import decode
+
+    model, built, script = lively_model(), [], torch.jit.script
+    # (scripting a step scripts some of PyTorch's own functions too, once a process: only steps are counted)
+    monkeypatch.setattr(torch.jit, "script", lambda obj, *args, **kwargs: (
+        isinstance(obj, decode_step._Step) and built.append(obj)) or script(obj, *args, **kwargs))
+
+    def logits(scripted: bool = True) -> list[torch.Tensor]:
+        monkeypatch.setattr(decode_step, "SCRIPTED", scripted)
+        return [step[1].clone() for step in decode(model, [[1, 2, 3]], 5, temperature=0, stop_token=None)]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    first = logits()
+    assert decode_step.last_path.startswith("TorchScript")  # the scripted step, not the model's forward
+    assert same(logits(), first) and len(built) == 1  # the second generation: the same step, not scripted again
+    weight = model.blocks[1].mlp.fc.weight
+    with torch.no_grad():
+        weight.mul_(-1.0)  # changed in place: the step holds the tensor itself, and sees it
+    changed = logits()
+    assert len(built) == 1 and not same(changed, first) and same(changed, logits(scripted=False))
+    model.blocks[1].mlp.fc.weight = nn.Parameter(weight.detach() * 0.5)  # replaced: a step of the new tensor
+    assert same(logits(), logits(scripted=False)) and len(built) == 2
+    model.blocks[1].mlp.fc.weight.data = weight.detach() * 2  # the same Parameter, its numbers elsewhere
+    assert same(logits(), logits(scripted=False)) and len(built) == 3
+    attended = kernels.attention_kernel_takes(KVCache(model.config, 1, 8))
+    monkeypatch.setattr(kernels, "ATTEND_ONE", False)  # attention alone on another kernel
+    assert same(logits(), logits(scripted=False)) and len(built) == 3 + attended
+    monkeypatch.setattr(native, "ENABLED", False)  # products (and attention) on other kernels: another step
+    assert same(logits(), logits(scripted=False)) and len(built) == 4 + attended
+    kind = _kind(model, KVCache(model.config, 1, 8))
+    monkeypatch.setattr(kernels, "USE_ONEDNN", False)  # the products' kernel alone
+    assert same(logits(), logits(scripted=False)) and len(built) == 4 + attended + (
+        _kind(model, KVCache(model.config, 1, 8)) != kind)
+    model.config = dataclasses.replace(model.config, layer_norm_epsilon=1e-3)  # a setting the step copies
+    for block in model.blocks:
+        block.ln1.eps = block.ln2.eps = 1e-3
+    model.final_norm.eps = 1e-3
+    before = len(built)
+    assert same(logits(), logits(scripted=False)) and len(built) == before + 1
