@@ -18,6 +18,9 @@
 #include <string.h>
 
 #include "vectors.h"
+
+/* Keys are prefetched this many rows ahead, and each row's value along with its key: a layer's cache was last read a
+ * step ago, ~40 MB of weights back at 124M, so it comes from memory (bench_attention's cold figures halved). */
 #define PF 4
 
 /* Element j of a row, widened: `half` says bf16 (a constant wherever these are inlined). */
@@ -75,7 +78,7 @@ static inline __attribute__((always_inline)) void head(const void *qkv, void *K,
     /* The weighted sum of values, four vectors of a row at a time held in registers across the keys (summed in
      * memory, each key's addition would wait on the previous key's store). */
     for (int64_t g = 0; g < body; g += 4 * LANES) {
-        int64_t n = (body - g) / LANES;  /* vectors of this group: 1 to 4 */
+        int64_t n = (body - g) / LANES;  /* vectors left from g on: this group takes up to 4 of them */
         vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t j = 0; j <= length; j++) {
             const char *value = values + j * D * size;
@@ -103,11 +106,11 @@ static inline __attribute__((always_inline)) void head(const void *qkv, void *K,
 }
 
 static void head_f32(const void *qkv, void *K, void *V, void *y, int64_t h, int64_t H, int64_t T, int64_t D,
-                      int64_t length, float scale, float *scratch) {
+                     int64_t length, float scale, float *scratch) {
     head(qkv, K, V, y, h, H, T, D, length, scale, scratch, 0);
 }
 static void head_bf16(const void *qkv, void *K, void *V, void *y, int64_t h, int64_t H, int64_t T, int64_t D,
-                       int64_t length, float scale, float *scratch) {
+                      int64_t length, float scale, float *scratch) {
     head(qkv, K, V, y, h, H, T, D, length, scale, scratch, 1);
 }
 

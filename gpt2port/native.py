@@ -57,7 +57,8 @@ _why_not: str | None = None
 _binding_why_not: str | None = None
 
 # The operators, declared whether or not the library builds: the scripted decode step names them in branches that
-# TorchScript compiles either way. Their kernels are only ever called once available() (attends()) has said yes.
+# TorchScript compiles either way. The model calls them once available() (attends()) has said yes; a call before
+# library() has run reaches _first_call's kernel, which registers the CPU ones.
 _OPS = torch.library.Library("gpt2port", "DEF")
 _OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _OPS.define("attend_one(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int length, float? scale) -> Tensor")

@@ -21,11 +21,12 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
            fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the fastest of F.linear,
-           oneDNN and gpt2port's kernel), probed at the start and again in every round, its best counting as each
-           rate's best does (one probe caught in a burst of load elsewhere once put fp32 at "97% of the floor").
-           int8 and q8_0 stream their own encodings: about a quarter of the fp32 bytes. Also each run against its
-           own round's probe, the median over the rounds: this machine's bandwidth swings from minute to minute,
-           and the best rate over the best probe sets two different minutes against each other.
+           oneDNN and gpt2port's kernel), probed at the start and again right before every run, its best counting
+           as each rate's best does (one probe caught in a burst of load elsewhere once put fp32 at "97% of the
+           floor"). int8 and q8_0 stream their own encodings: about a quarter of the fp32 bytes. Also each run
+           against the probe taken right before it, the median over the rounds: this machine's bandwidth swings
+           from minute to minute, and the best rate over the best probe sets two different minutes against each
+           other (so did a probe once a round, at 1.5B up to two minutes before the run it was paired with).
   step     for gpt2port fp32 and int8: a step's time (1 / tokens/s, the prefill spread over the tokens) beside
            that of its matrix products alone, back to back: the difference is attention, norms, Python, dispatch.
            The products alone are also given as a fraction of a probe taken right after them: the most a step
@@ -183,13 +184,13 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     # Round-robin, decode then prefill, so a burst of load elsewhere on the machine hits every contender alike;
     # the best run of each is its speed on a quiet machine.
     rates, prefill, tokens = {name: [] for name in fp32}, {name: [] for name in fp32}, {}
-    probes: dict[str, list[float]] = {name: [] for name in fp32}  # the round's probe beside each run, for pairing
+    probes: dict[str, list[float]] = {name: [] for name in fp32}  # the probe right before each run, for pairing
     for r in range(repeats):
-        bandwidths.append(matvec_bandwidth(device, repeats=5))
         for name, (decode, forward) in fp32.items():
+            bandwidths.append(matvec_bandwidth(device, repeats=5))
+            probes[name].append(bandwidths[-1])  # right before the run it is paired with
             rate, tokens[name] = decode(prompt)
             rates[name].append(rate)
-            probes[name].append(bandwidths[-1])
             if forward is not None:
                 prefill[name].append(prefill_seconds(forward, long))
         print(f"[{size}] run {r + 1}/{repeats}: " + ", ".join(
@@ -210,7 +211,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
         rates[name], probes[name], bytes_per_token[name] = [], [], weight_bytes_per_token(bf16)
     for _ in range(repeats):
         for name, decode in bf16_contenders.items():
-            probes[name].append(matvec_bandwidth(device, repeats=5))
+            bandwidths.append(matvec_bandwidth(device, repeats=5))
+            probes[name].append(bandwidths[-1])
             rates[name].append(decode(bf16, prompt)[0])
     del bf16
     gc.collect()
@@ -229,7 +231,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
         "vs_hf": {k: best[k] / best[HF] for k in best},
         "floor_tokens_per_s": {k: bandwidth / b for k, b in bytes_per_token.items()},
         "fraction_of_floor": {k: best[k] / (bandwidth / bytes_per_token[k]) for k in best},
-        # Each run against the probe of its own round, the median over rounds: the best rate over the best probe
+        # Each run against the probe right before it, the median over rounds: the best rate over the best probe
         # pairs two different moments of a machine whose bandwidth swings by 1.5x from minute to minute.
         "paired_fraction_of_floor": {k: statistics.median(r * bytes_per_token[k] / b for r, b in zip(v, probes[k]))
                                      for k, v in rates.items()},
@@ -273,11 +275,11 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
     for name in contenders:
         rates[name], probes[name] = [], []
     for r in range(repeats):
-        bandwidths.append(matvec_bandwidth("cpu", repeats=5))
         for name, decode in contenders.items():
+            bandwidths.append(matvec_bandwidth("cpu", repeats=5))
+            probes[name].append(bandwidths[-1])
             rate, tokens[name] = decode(prompt)
             rates[name].append(rate)
-            probes[name].append(bandwidths[-1])
         print(f"[{size}] quantized run {r + 1}/{repeats}: " + ", ".join(
             f"{k} {rates[k][-1]:.2f} tokens/s" for k in contenders), file=sys.stderr)
 
@@ -368,7 +370,7 @@ def report(result: dict) -> str:
     for k, rate in result["tokens_per_s"].items():
         lines.append(f"  {k:28s} {rate:7.2f} tokens/s  {result['vs_hf'][k]:5.2f}x HF   "
                      f"{result['fraction_of_floor'][k]:6.1%} of its bandwidth floor "
-                     f"({result['floor_tokens_per_s'][k]:.1f} tokens/s; run by run against the round's probe, "
+                     f"({result['floor_tokens_per_s'][k]:.1f} tokens/s; run by run against the probe before it, "
                      f"median {result['paired_fraction_of_floor'][k]:.1%})")
     for k, ms in result["products_alone_ms"].items():
         lines.append(f"  {k}: a step takes {1e3 / result['tokens_per_s'][k]:.2f} ms, its matrix products alone "
