@@ -23,10 +23,6 @@
  * step ago, ~40 MB of weights back at 124M, so it comes from memory (bench_attention's cold figures halved). */
 #define PF 4
 
-/* Element j of a row, widened: `half` says bf16 (a constant wherever these are inlined). */
-#define ELEM(p, j, half) ((half) ? bf16_to_f32(((const uint16_t *)(p))[j]) : ((const float *)(p))[j])
-#define VEC(p, j, half) ((half) ? widen((const uint16_t *)(p) + (j)) : (vec)load((const float *)(p) + (j)))
-
 typedef float half_vec __attribute__((vector_size(LANES * sizeof(float) / 2)));
 typedef float quarter_vec __attribute__((vector_size(LANES * sizeof(float) / 4)));
 

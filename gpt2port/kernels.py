@@ -74,7 +74,7 @@ def attends_one(qkv: torch.Tensor, cache) -> bool:
 def attention_kernel_takes(cache) -> bool:
     """Whether gpt2port's one-token attention kernel takes this cache: one unpadded sequence, fp32 or bf16 on the
     CPU (gpt2port.native.attends), and the kernel switched on."""
-    return ATTEND_ONE and cache.k.size(1) == 1 and cache.pad is None and native.attends(cache.k[0])
+    return ATTEND_ONE and cache.pad is None and native.attends(cache.k[0])  # attends(): one sequence
 
 
 @functools.cache

@@ -22,10 +22,6 @@
 
 #define STREAMS 4 /* the four runs are spelled out in `rows` */
 
-/* Element j of a row of weights, widened: `half` says bf16 (a constant wherever these are inlined). */
-#define ELEM(w, j, half) ((half) ? bf16_to_f32(((const uint16_t *)(w))[j]) : ((const float *)(w))[j])
-#define VEC(w, j, half) ((half) ? widen((const uint16_t *)(w) + (j)) : (vec)load((const float *)(w) + (j)))
-
 /* A row's LANES partial sums added in order, then the columns past the last whole vector. Compiled once per type
  * (the two functions after it, never inlined), so every caller rounds the tail the same way. */
 static inline __attribute__((always_inline)) float finish(const vec *acc, const void *w, const float *x,

@@ -49,11 +49,10 @@ bool takes(const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
 
 at::Tensor matvec(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias) {
   TORCH_CHECK_VALUE(takes(weight, bias) && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == weight.size(1) &&
-                        x.numel() == weight.size(1) &&
-                        x.scalar_type() == weight.scalar_type(),
+                        x.numel() == weight.size(1) && x.scalar_type() == weight.scalar_type(),
                     "gpt2port::matvec takes one row of k numbers (1, ..., k) and a contiguous (n, k) weight of one "
-                    "dtype, fp32 or bf16; "
-                    "got x ", shape(x), " ", x.scalar_type(), ", weight ", shape(weight), " ", weight.scalar_type());
+                    "dtype, fp32 or bf16; got x ", shape(x), " ", x.scalar_type(), ", weight ", shape(weight), " ",
+                    weight.scalar_type());
   int64_t n = weight.size(0), k = weight.size(1);
   std::vector<int64_t> shape_of_y = x.sizes().vec();  // x's shape, its last size n: (1, ..., n)
   shape_of_y.back() = n;

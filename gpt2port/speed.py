@@ -75,11 +75,12 @@ def decode_report(model, device: str | torch.device, rate: float) -> list[str]:
              f"{per_token / 1e6:.0f} MB of weights per token, {bandwidth / 1e9:.1f} GB/s measured now)",
              f"decode steps ran on {decode_step.last_path}"]
     weight = model.lm_head.weight
-    if weight.device.type == "cpu" and weight.dtype in native.FUNCTIONS and native.why_not() is not None:
-        lines.append(f"gpt2port's one-row kernel is not in use: {native.why_not()}")
-    elif weight.device.type == "cpu" and weight.dtype in native.FUNCTIONS and native.binding_why_not() is not None:
-        lines.append(f"gpt2port's one-row kernel is reached through Python, a few us slower a product: "
-                     f"{native.binding_why_not()}")
+    if weight.device.type == "cpu" and weight.dtype in native.FUNCTIONS:
+        if native.why_not() is not None:
+            lines.append(f"gpt2port's one-row kernel is not in use: {native.why_not()}")
+        elif native.binding_why_not() is not None:
+            lines.append(f"gpt2port's one-row kernel is reached through Python, a few us slower a product: "
+                         f"{native.binding_why_not()}")
     if getattr(model, "quantized", None):
         from gpt2port.quant import Int8Linear
 

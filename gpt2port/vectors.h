@@ -1,6 +1,6 @@
 /* What gpt2port's C kernels (matvec.c, attention.c) share: vectors of LANES fp32 numbers in the vector extension of
  * GCC and Clang (whatever the target, the compiler maps them onto its registers), and bf16 <-> fp32 as PyTorch
- * converts. */
+ * converts, and the reading of a row of either as fp32. */
 #ifndef GPT2PORT_VECTORS_H
 #define GPT2PORT_VECTORS_H
 
@@ -35,5 +35,10 @@ static inline uint16_t f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+
+/* Element j of a row of fp32 or bf16 numbers, widened to fp32, and the LANES elements from j on: `half` says bf16 (a
+ * constant wherever these are inlined, so each kernel has one copy per type). */
+#define ELEM(p, j, half) ((half) ? bf16_to_f32(((const uint16_t *)(p))[j]) : ((const float *)(p))[j])
+#define VEC(p, j, half) ((half) ? widen((const uint16_t *)(p) + (j)) : (vec)load((const float *)(p) + (j)))
 
 #endif
