@@ -51,6 +51,30 @@ def test_equals_sdpa_and_writes_the_cache(D, length, dtype):
 
 
 @needs_kernel
+def test_softmax_over_scores_far_apart_and_nan():
+    """Scores spread over hundreds (the kernel's e^x gives 0 below -87, where expf's result no longer counts beside
+    the largest score's 1), every softmax weight visible in the output, and a NaN key spoiling its head as in SDPA."""
+    H, T, D, length = 2, 50, 64, 44  # 45 scores: two whole vectors of them and a tail
+    keys, values = torch.zeros(1, H, T, D), torch.zeros(1, H, T, D)
+    keys[..., 0] = torch.linspace(-300.0, 4.0, T)[torch.randperm(T, generator=torch.Generator().manual_seed(0))]
+    keys[..., 1] = torch.linspace(-1.0, 1.0, T)  # softmax weights of ~1e-38 to 1, spanning the clamp
+    values[..., :T, 0] = torch.arange(T, dtype=torch.float32)  # output lane 0 = sum of position * weight
+    values[0, :, :, 1:] = torch.randn(H, T, D - 1, generator=torch.Generator().manual_seed(1))
+    qkv = torch.zeros(3 * H * D)
+    qkv[0], qkv[D] = 1.0, 30.0  # head 0: scores -300..4 apart; head 1: 30 times them
+    qkv[1], qkv[D + 1] = 0.5, 0.0
+    for scale in (1.0, 0.25):
+        want_keys, want_values, want = reference(qkv, keys, values, length, scale)
+        got = torch.ops.gpt2port.attend_one(qkv, keys.clone(), values.clone(), length, scale)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    keys[0, 1, 7, 3] = float("nan")
+    got = torch.ops.gpt2port.attend_one(qkv, keys.clone(), values.clone(), length, None)
+    want = reference(qkv, keys, values, length, None)[2]
+    assert torch.isnan(want[D:]).all() and torch.isnan(got[D:]).all()  # head 1 read the NaN
+    torch.testing.assert_close(got[:D], want[:D], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_threads_do_not_change_the_numbers(dtype):
     g = torch.Generator().manual_seed(1)
