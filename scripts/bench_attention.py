@@ -7,6 +7,9 @@ in Python, as a PyTorch without a C++ compiler gets.
              positions: gpt2port::attend_one against SDPA plus its cache writes and reshapes (what the scripted step
              ran before), in microseconds, warm (the layer's cache just read) and cold (12 layers' caches, a 64 MB
              buffer written between passes, as in a step, where a layer's keys were last read ~40 MB of weights ago).
+  --against  with another version of gpt2port/attention.c (e.g. `git show REV:gpt2port/attention.c > old.c`): the
+             attention rows for it and for this checkout's, both built here with the same compiler and flags and
+             called the same way (ctypes), alternately, on the same caches.
   op call    microseconds a call of gpt2port::matvec costs from TorchScript on a 4 x 768 weight, its C++ kernel
              against the same library reached through a Python kernel (registered here under another name).
   step       a whole scripted 124M decode step (random weights, 16-token prompt, 127 steps), with attention on
@@ -15,15 +18,17 @@ in Python, as a PyTorch without a C++ compiler gets.
              paired differences.
 
 Usage (from the repository root):
-    python -m scripts.bench_attention [--threads 2] [--rounds 6] [--workdir DIR]
+    python -m scripts.bench_attention [--threads 2] [--rounds 6] [--workdir DIR] [--against OLD.c]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,18 +51,47 @@ def sdpa_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return y.transpose(1, 2).reshape(1, H * D)
 
 
-def attention_us(lengths: list[int], repeats: int) -> list[dict]:
+def built(source: Path, workdir: Path, qkv: torch.Tensor) -> Callable:
+    """attention.c's fp32 function from `source`, built as gpt2port builds its library, as (keys, values, length) ->
+    y; qkv, the output and the scratch are the caller's and fixed, as in the other contenders."""
+    cc = native.compiler()
+    if cc is None:
+        raise SystemExit("--against needs a C compiler ($CC, cc, gcc or clang)")
+    path = workdir / f"attention-{len(list(workdir.glob('attention-*.so')))}.so"
+    error = native._build([cc, *native.FLAG_SETS[0], "-shared", "-fPIC", "-I", str(native.SOURCES[0].parent),
+                           str(source), "-lm"], path)
+    if error is not None:
+        raise SystemExit(f"{source}: {error}")
+    fn = ctypes.CDLL(str(path)).gpt2port_attend_one
+    fn.restype = None
+    y, scratch = torch.empty(H * D), torch.empty(H * (1024 + 1 + 2 * D))
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+
+    def call(keys: torch.Tensor, values: torch.Tensor, length: int) -> torch.Tensor:
+        fn(pointer(qkv.data_ptr()), pointer(keys.data_ptr()), pointer(values.data_ptr()), pointer(y.data_ptr()),
+           i64(H), i64(keys.size(2)), i64(D), i64(length), ctypes.c_float(D ** -0.5), pointer(scratch.data_ptr()),
+           ctypes.c_int(torch.get_num_threads()))
+        return y
+
+    return call
+
+
+def attention_us(lengths: list[int], repeats: int, against: Path | None = None, workdir: Path | None = None
+                 ) -> list[dict]:
     caches = [(torch.randn(1, H, 1024, D), torch.randn(1, H, 1024, D)) for _ in range(LAYERS)]
     qkv, flush = torch.randn(3 * H * D), torch.zeros(16 << 20)
-    kernels = {"gpt2port": lambda k, v, n: torch.ops.gpt2port.attend_one(qkv, k, v, n, None),
-               "SDPA": lambda k, v, n: sdpa_attention(qkv, k, v, n)}
+    if against is not None:  # this checkout's kernel and the other, each alone, called the same way
+        kernels = {"this checkout": built(native.SOURCES[1], workdir, qkv), "against": built(against, workdir, qkv)}
+    else:
+        kernels = {"gpt2port": lambda k, v, n: torch.ops.gpt2port.attend_one(qkv, k, v, n, None),
+                   "SDPA": lambda k, v, n: sdpa_attention(qkv, k, v, n)}
     rows = []
     with torch.inference_mode():
         for length in lengths:
-            row = {"length": length}
-            for name, fn in kernels.items():
-                warm, cold = [], []
-                for _ in range(repeats):
+            times = {name: ([], []) for name in kernels}
+            for _ in range(repeats):  # the contenders in turn: each repeat sees the same minute of this VM
+                for name, fn in kernels.items():
+                    warm, cold = times[name]
                     t = time.perf_counter()
                     for k, v in caches:
                         fn(k, v, length)
@@ -67,8 +101,8 @@ def attention_us(lengths: list[int], repeats: int) -> list[dict]:
                         t = time.perf_counter()
                         fn(k, v, length)
                         cold.append(time.perf_counter() - t)
-                row[name] = (1e6 * min(warm), 1e6 * statistics.median(cold))
-            rows.append(row)
+            rows.append({"length": length, **{name: (1e6 * min(warm), 1e6 * statistics.median(cold))
+                                              for name, (warm, cold) in times.items()}})
     return rows
 
 
@@ -129,12 +163,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--against", type=Path, default=None, help="another version of gpt2port/attention.c")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not native.attends(torch.zeros(1, H, 8, D)):
         why = native.why_not() or native.binding_why_not()
         raise SystemExit(f"gpt2port's attention kernel is not in use here: {why}")
     print(f"torch {torch.__version__}, {args.threads} threads")
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="gpt2port-bench-"))
+    if args.against is not None:
+        print(f"attention, one layer (12 heads of 64), us: this checkout's attention.c warm / cold, "
+              f"{args.against}'s warm / cold")
+        for row in attention_us([16, 80, 144, 512, 1023], 20, args.against, root):
+            (nw, nc), (bw, bc) = row["this checkout"], row["against"]
+            print(f"  after {row['length']:>4} positions: {nw:6.1f} / {nc:6.1f}   {bw:6.1f} / {bc:6.1f}   "
+                  f"warm {bw / nw:.2f}x, cold {bc / nc:.2f}x")
+        return
     print("attention, one layer (12 heads of 64), us: gpt2port warm / cold, SDPA warm / cold")
     for row in attention_us([16, 80, 144, 512, 1023], repeats=20):
         (ow, oc), (sw, sc) = row["gpt2port"], row["SDPA"]
@@ -143,7 +187,6 @@ def main() -> None:
     calls = op_call_us()
     print("gpt2port::matvec from TorchScript, 4 x 768, us a call: " +
           ", ".join(f"{k} {v:.2f}" for k, v in calls.items()))
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="gpt2port-bench-"))
     _, ckpt = prepare("gpt2", root)
     got = step_ms(ckpt, args.rounds)
     print(f"124M step, median ms: attention on gpt2port {got['gpt2port']:.3f}, on SDPA {got['SDPA']:.3f}; "
