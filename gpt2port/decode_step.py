@@ -149,9 +149,9 @@ def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor
     if cache.k.device.type == "cuda":
         fast, last_path = _graphed_step(model, cache), "a CUDA graph"
     else:
-        kind = _kind(model, cache)
-        attention = "gpt2port's one-token kernel" if kernels.attention_kernel_takes(cache) else "SDPA"
-        fast, last_path = _scripted_call(model, cache), \
+        kind, attend_one = _kind(model, cache), kernels.attention_kernel_takes(cache)
+        attention = "gpt2port's one-token kernel" if attend_one else "SDPA"
+        fast, last_path = _scripted_call(model, cache, kind, attend_one), \
             f"TorchScript (products: {_KERNEL_NAMES.get(kind, kind)}; attention: {attention})"
     if fast is None:
         last_path = "the model's forward"
@@ -169,10 +169,11 @@ def stepper(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor
     return step
 
 
-def _scripted_call(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """idx (B, 1) -> logits (B, vocab) through the scripted step, writing the cache at cache.length; None where the
-    step does not apply."""
-    scripted = _scripted_step(model, cache) if SCRIPTED else None
+def _scripted_call(model: GPT, cache: KVCache, kind: str | None, attend_one: bool
+                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """idx (B, 1) -> logits (B, vocab) through the scripted step on the products' kernel `kind` (_kind's answer),
+    writing the cache at cache.length; None where the step does not apply."""
+    scripted = _scripted_step(model, kind, attend_one) if SCRIPTED else None
     if scripted is None:
         return None
 
@@ -195,8 +196,7 @@ def _graphed_step(model: GPT, cache: KVCache) -> Callable[[torch.Tensor], torch.
     return cuda_graph.graphed_step(model, cache)
 
 
-def _scripted_step(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
-    kind = _kind(model, cache)
+def _scripted_step(model: GPT, kind: str | None, attend_one: bool) -> torch.jit.ScriptModule | None:
     if kind is None:
         return None
     packed, reduce_range = [], False
@@ -205,7 +205,7 @@ def _scripted_step(model: GPT, cache: KVCache) -> torch.jit.ScriptModule | None:
 
         packed = [m._packed for m in _linears(model)]
         reduce_range = quant._reduce_range()
-    step = _Step(model, kind, packed, reduce_range, kernels.attention_kernel_takes(cache))
+    step = _Step(model, kind, packed, reduce_range, attend_one)
     key = _identity(step)
     cached = _SCRIPTED.get(model)
     if cached is not None and cached[0] == key:

@@ -69,7 +69,7 @@ def test_generate_on_the_static_step_slides_and_pads_as_the_model(monkeypatch):
     ref_tokens, ref_logits = decoded(model, PROMPTS, 100, keep=20)
     made = []
 
-    def static_call(model, cache):
+    def static_call(model, cache, *kernels):
         made.append(StaticStep(model, cache))
         return made[-1]
 

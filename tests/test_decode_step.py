@@ -49,7 +49,8 @@ def run_both(model: GPT, prompt: torch.Tensor, steps: int, pad: torch.Tensor | N
         logits = [model(prompt, cache=c, last_only=True) for c in caches]
         if expect is not None:
             assert _kind(model, caches[1]) == expect
-            assert _scripted_step(model, caches[1]) is not None  # scripting it worked: the step below is the script
+            attend = kernels.attention_kernel_takes(caches[1])
+            assert _scripted_step(model, expect, attend) is not None  # scripting worked: the step below is it
         step = stepper(model, caches[1])
         for _ in range(steps):
             nxt = logits[0][:, -1].argmax(-1, keepdim=True)
