@@ -252,6 +252,22 @@ def test_sample_follows_the_filtered_distribution():
     assert torch.equal(sample(logits[:3], temperature=0), torch.zeros(3, dtype=torch.long))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_takes_the_first_largest_logit_in_every_dtype(dtype):
+    """Greedy picks as argmax over the logits' own dtype does (on the CPU it widens them first: the same numbers),
+    the first of equal largest ones included, and rows of -inf, inf and NaN too."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 50257, generator=g) * 4).to(dtype)
+    logits[1, [7, 900, 40000]] = 30.0  # ties for the largest: the first counts
+    logits[2] = float("-inf")
+    logits[3, 12345] = float("inf")
+    logits[4, 222] = float("nan")  # argmax takes NaN as the largest
+    logits[5, [3, 50000]] = logits[5].max()  # the largest in bf16 rounding, tied with a third
+    got = sample(logits, temperature=0)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[1].item() == 7 and got[2].item() == 0 and got[3].item() == 12345 and got[4].item() == 222
+
+
 def test_bad_arguments_are_one_line_errors(lively):
     _, model, _ = lively
     for kwargs, word in [(dict(temperature=-1), "temperature"), (dict(top_p=1.5), "top_p"),
