@@ -55,11 +55,24 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if native.applies(x, self.weight, self.bias):  # one row, fp32 or bf16: gpt2port's own kernel (native.py)
             return torch.ops.gpt2port.matvec(x, self.weight, self.bias)  # x's shape, (1, ..., out_features)
-        if x.dtype != torch.float32 or self.weight.dtype != torch.float32 or not onednn_linear_enabled():
+        if not onednn_takes(x, self.weight):
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features).contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        return fp32_product(x.reshape(-1, self.in_features), self.weight, self.bias).view(*x.shape[:-1],
+                                                                                          self.out_features)
+
+
+def onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a product of x by weight goes to oneDNN (see Linear): fp32 inference on the CPU, not compiling, the
+    kernel switched on and working."""
+    return not torch.is_grad_enabled() and x.device.type == "cpu" and not torch.compiler.is_compiling() and \
+        x.dtype == torch.float32 and weight.dtype == torch.float32 and onednn_linear_enabled()
+
+
+def fp32_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows (N, in) @ weight.T + bias on oneDNN where it takes them (onednn_takes), else on F.linear."""
+    if onednn_takes(rows, weight):
+        return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
+    return F.linear(rows, weight, bias)
 
 
 def attends_one(qkv: torch.Tensor, cache) -> bool:

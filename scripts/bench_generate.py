@@ -3,7 +3,9 @@
 For each size: a random-weight hub-layout checkpoint is written (hf_fixtures.write_random_hub_file), converted with
 gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the same files. Then:
 
-  decode   greedy, a 16-token prompt, 128 new tokens (no early stop), tokens/s including the prompt's prefill.
+  decode   greedy, a 16-token prompt (--prompt-tokens: another length, up to 896: decoding deep into the context,
+           where each step also reads the keys and values of every position before it), 128 new tokens (no
+           early stop), tokens/s including the prompt's prefill.
            Contenders: gpt2port fp32 (the default: one-row products and one-token attention on gpt2port's own
            kernels, gpt2port/native.py, other products on oneDNN), gpt2port fp32 with one row on oneDNN too and
            attention on SDPA (gpt2port.native.ENABLED = False, as before those kernels), gpt2port fp32 with only
@@ -15,9 +17,9 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same with its eager step, the same
            loaded with its matrices in 4 KB pages (gpt2port.hugepages.ENABLED = False: as before that module),
            and, when llama-cpp-python is installed, llama.cpp on the same weights exported to GGUF q8_0, greedy
-           through its own sampler, interleaved likewise; these quantized rounds run in a fresh
-           interpreter, as `gpt2port generate --dtype int8` loads its model (where the int8 weights land, and so
-           whether they get 2 MB pages, depends on what the process allocated before).
+           through its own sampler (scripts/llama_contender.py), interleaved likewise; these quantized rounds run
+           in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model (where the int8 weights
+           land, and so whether they get 2 MB pages, depends on what the process allocated before).
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
            fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the fastest of F.linear,
@@ -27,6 +29,9 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            against the probe taken right before it, the median over the rounds: this machine's bandwidth swings
            from minute to minute, and the best rate over the best probe sets two different minutes against each
            other (so did a probe once a round, at 1.5B up to two minutes before the run it was paired with).
+           The floor counts the weights only: after a long prompt a step also reads the cache's keys and values
+           (124M fp32 after 900 positions: 66 MB against 495 MB of weights), so there it understates what a
+           step could reach.
   step     for gpt2port fp32 and int8: a step's time (1 / tokens/s, the prefill spread over the tokens) beside
            that of its matrix products alone, back to back: the difference is attention, norms, Python, dispatch.
            The products alone are also given as a fraction of a probe taken right after them: the most a step
@@ -39,7 +44,7 @@ the recorded step against HF's static cache + compile on a GPU.
 
 Usage (from the repository root):
     python -m scripts.bench_generate [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
-                                     [--device cuda]
+                                     [--device cuda] [--prompt-tokens 16]
 """
 
 from __future__ import annotations
@@ -63,10 +68,10 @@ import gpt2port.decode_step
 import gpt2port.hugepages
 import gpt2port.kernels
 import gpt2port.native
-from gpt2port import GPT, convert, export
+from gpt2port import GPT, convert
 from gpt2port.generate import steps
 from gpt2port.speed import matvec_bandwidth, timed, weight_bytes_per_token
-from scripts import hf_fixtures
+from scripts import hf_fixtures, llama_contender
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
@@ -153,7 +158,8 @@ def prepare(size: str, root: Path) -> tuple[Path, Path]:
     return hf_dir, ckpt
 
 
-def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], device: str) -> dict:
+def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], device: str,
+               prompt_len: int = PROMPT_LEN) -> dict:
     """Decode and prefill rates of each contender; the fp32 ones run interleaved, repeat by repeat. The bandwidth
     probe runs in every round too (appended to `bandwidths`): the floor is its best, as each rate is its best run."""
     from transformers import GPT2LMHeadModel
@@ -163,7 +169,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     hf = GPT2LMHeadModel.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
     hf.generation_config.eos_token_id = None  # all 128 tokens, and no stop check: as ours with stop_token=None
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 50257, (1, PROMPT_LEN), generator=g).to(device)
+    prompt = torch.randint(0, 50257, (1, prompt_len), generator=g).to(device)
     long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g).to(device)
     fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
             MKL: (without_onednn(lambda p: ours_decode(ours, p)), without_onednn(ours)),
@@ -224,6 +230,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     bandwidth = max(bandwidths)
     return {
         "size": size,
+        "prompt_tokens": prompt_len,
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "tokens_per_s": best,
         "all_runs": rates,
@@ -264,10 +271,10 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
                   INT8_SMALL_PAGES: lambda p: ours_decode(small_pages, p)}
     bytes_per_token[OURS_INT8] = bytes_per_token[INT8_EAGER] = bytes_per_token[INT8_SMALL_PAGES] = \
         weight_bytes_per_token(int8)
-    llama = _llama_q8(ckpt, root / f"{size}-q8_0")
+    llama = llama_contender.q8_0_model(ckpt, root / f"{size}-q8_0", prompt.size(1) + NEW_TOKENS + 8)
     if llama is not None:
         llm, bytes_per_token[LLAMA_Q8] = llama
-        contenders[LLAMA_Q8] = lambda p: llama_decode(llm, p)
+        contenders[LLAMA_Q8] = lambda p: llama_contender.decode(llm, p, NEW_TOKENS)
     else:
         print(f"[{size}] llama-cpp-python is not installed: no llama.cpp q8_0 contender", file=sys.stderr)
     for decode in contenders.values():
@@ -327,45 +334,13 @@ def products_alone_ms(model) -> float:
         return 1e3 * min(timed(lambda: [m(x) for m, x in zip(layers, rows)]) for _ in range(5))
 
 
-def _llama_q8(ckpt: Path, out: Path):
-    """(llama_cpp.Llama over the checkpoint exported as q8_0 GGUF, bytes its decode step streams), or None."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    from gguf import GGUFReader
-
-    from gpt2port.formats.gguf import FILE_NAME
-
-    if not (out / FILE_NAME).is_file():
-        export(ckpt, out, to="gguf", dtype="q8_0", force=True)
-    total = 0
-    for t in GGUFReader(out / FILE_NAME).tensors:
-        rows = int(t.shape[-1]) if t.name == "position_embd.weight" else 1  # one position row per step
-        total += int(t.n_bytes) // rows
-    llm = llama_cpp.Llama(str(out / FILE_NAME), n_ctx=PROMPT_LEN + NEW_TOKENS + 8, n_threads=torch.get_num_threads(),
-                          n_threads_batch=torch.get_num_threads(), verbose=False)
-    return llm, total
-
-
-def llama_decode(llm, prompt: torch.Tensor) -> tuple[float, list[int]]:
-    """Greedy through llama.cpp's own sampler (top-k 1), the prompt's prefill included, as for ours."""
-    out = []
-    t = time.perf_counter()
-    for token in llm.generate(prompt[0].tolist(), top_k=1, top_p=1.0, temp=0.0, reset=True):
-        out.append(int(token))
-        if len(out) == NEW_TOKENS:
-            break
-    return NEW_TOKENS / (time.perf_counter() - t), out
-
-
 def _common_prefix(a: list[int], b: list[int]) -> str:
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return f"{n}/{NEW_TOKENS}"
 
 
 def report(result: dict) -> str:
-    lines = [f"== {result['size']} on {result['device']} ==  decode: greedy, {PROMPT_LEN}-token prompt, "
+    lines = [f"== {result['size']} on {result['device']} ==  decode: greedy, {result['prompt_tokens']}-token prompt, "
              f"{NEW_TOKENS} new tokens (best of the runs)"]
     for k, rate in result["tokens_per_s"].items():
         lines.append(f"  {k:28s} {rate:7.2f} tokens/s  {result['vs_hf'][k]:5.2f}x HF   "
@@ -393,6 +368,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the random checkpoints here for reuse")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--device", default="cpu", help="cpu (the targets' setting) or cuda")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_LEN,
+                    help=f"the decode prompt's length (at most {1024 - NEW_TOKENS}: the context holds it and the "
+                         f"{NEW_TOKENS} new tokens)")
     ap.add_argument("--quantized-child", nargs=5, help=argparse.SUPPRESS)  # SIZE CKPT ROOT REPEATS IDS (internal)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -400,6 +378,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.quantized_child:
         return _quantized_child(*args.quantized_child)
+    if not 1 <= args.prompt_tokens <= 1024 - NEW_TOKENS:
+        ap.error(f"--prompt-tokens must be between 1 and {1024 - NEW_TOKENS}")
 
     bandwidths = [matvec_bandwidth(args.device)]
     print(f"torch {torch.__version__}, {args.device}, {args.threads} CPU threads, "
@@ -408,7 +388,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as tmp:
         root = args.workdir or Path(tmp)
         for size in args.sizes.split(","):
-            results.append(bench_size(size.strip(), root, args.repeats, bandwidths, args.device))
+            results.append(bench_size(size.strip(), root, args.repeats, bandwidths, args.device, args.prompt_tokens))
             print(report(results[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"threads": args.threads, "bandwidth_bytes_per_s": max(bandwidths),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from gpt2port import GPT, GPT2PortError, save
+from gpt2port import GPT, GPT2PortError, kernels, save
 from gpt2port.cli import main
 from gpt2port.quant import Int8Embedding, Int8Linear, quantize_rows
 from gpt2port.speed import weight_bytes_per_token
@@ -157,6 +157,25 @@ def test_many_rows_go_through_the_weight_dequantized_block_by_block(monkeypatch)
     with torch.inference_mode():
         got = layer(x)
     assert got.shape == (2, quant.FEW_ROWS, 150)
+    torch.testing.assert_close(got, F.linear(x, layer.dequantized(), layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.onednn_linear_enabled(), reason="no oneDNN linear kernel in this PyTorch build")
+@pytest.mark.parametrize("use_onednn", [True, False])
+def test_many_rows_multiply_each_block_on_onednn_as_fp32_does(monkeypatch, use_onednn):
+    """The dequantized blocks go where an fp32 model's many-row products go: oneDNN (1.7x faster than F.linear's MKL
+    for a long prompt, scripts/bench_prefill.py), F.linear with gpt2port.kernels.USE_ONEDNN off; same numbers."""
+    import gpt2port.quant as quant
+
+    monkeypatch.setattr(quant, "BLOCK_ROWS", 64)
+    monkeypatch.setattr(kernels, "USE_ONEDNN", use_onednn)
+    g = torch.Generator().manual_seed(9)
+    layer = Int8Linear.from_float(torch.randn(150, 40, generator=g), torch.randn(150, generator=g))
+    x = torch.randn(3 * quant.FEW_ROWS, 40, generator=g)
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        got = layer(x)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("mkldnn::_linear_pointwise", 0) == (3 if use_onednn else 0)  # 150 rows: blocks of 64, 64, 22
     torch.testing.assert_close(got, F.linear(x, layer.dequantized(), layer.bias), rtol=1e-5, atol=1e-5)
 
 
