@@ -14,10 +14,10 @@ How the products run, by the number of rows (tokens) they multiply:
 - a few rows (a short prompt's prefill), or one row where fbgemm is missing: PyTorch's int8 weight-packed kernel
   (`torch._weight_int8pack_mm`) with bf16 activations, each row in its own precision.
 - more rows (a long prompt, verify's inputs): the weight dequantized to fp32 a block of output rows at a time, each
-  block multiplied while it is in cache, on oneDNN as an fp32 model's products are (gpt2port.kernels: 1.7x faster
-  than F.linear's MKL for an 880-token prefill at 124M): fp32's numbers at fp32's speed (a GEMM over many rows is
-  bound by arithmetic, not by reading the weight), without writing out and faulting in a whole fp32 copy of each
-  matrix (that took 4.3 s of a 17-token prefill at 1.5B, 1.0 s in blocks).
+  block multiplied while it is in cache, on oneDNN as an fp32 model's products are (gpt2port.kernels; 1.7x faster
+  than F.linear's MKL for an 880-token prefill at 124M, scripts/bench_prefill.py): fp32's numbers at fp32's speed
+  (a GEMM over many rows is bound by arithmetic, not by reading the weight), without writing out and faulting in a
+  whole fp32 copy of each matrix (that took 4.3 s of a 17-token prefill at 1.5B, 1.0 s in blocks).
 
 fbgemm's one scale per row of activations is what outlier channels hurt: where a few input channels run tens of
 times larger than the rest (LayerNorm gains, MLP units; trained models have them, random weights do not), the scale

@@ -262,7 +262,7 @@ def test_greedy_takes_the_first_largest_logit_in_every_dtype(dtype):
     logits[2] = float("-inf")
     logits[3, 12345] = float("inf")
     logits[4, 222] = float("nan")  # argmax takes NaN as the largest
-    logits[5, [3, 50000]] = logits[5].max()  # the largest in bf16 rounding, tied with a third
+    logits[5, [3, 50000]] = logits[5].max()  # the row's largest copied to two more places: a tie of three
     got = sample(logits, temperature=0)
     assert torch.equal(got, logits.argmax(dim=-1))
     assert got[1].item() == 7 and got[2].item() == 0 and got[3].item() == 12345 and got[4].item() == 222
