@@ -5,8 +5,9 @@ round (this machine's speed swings from minute to minute: neighbours see the sam
 Contenders, on the same random weights (scripts.bench_generate.prepare): gpt2port fp32, bf16 and int8 (its many-row
 products on the weight dequantized a block at a time and multiplied on oneDNN, gpt2port/quant.py), int8 with those
 blocks on F.linear (MKL; gpt2port.kernels.USE_ONEDNN = False, as before int8 took oneDNN), HF GPT2LMHeadModel fp32
-(use_cache=True), and, where llama-cpp-python is installed, llama.cpp on the same weights exported as q8_0 GGUF
-(its context reset first, so that nothing of the previous round's prompt is reused).
+(use_cache=True, logits for the last position only, as every contender computes them), and, where llama-cpp-python
+is installed, llama.cpp on the same weights exported as q8_0 GGUF (its context reset first, so that nothing of the
+previous round's prompt is reused).
 
 Usage (from the repository root):
     python -m scripts.bench_prefill [--size gpt2] [--tokens 880] [--rounds 4] [--threads 2] [--workdir DIR]
@@ -60,7 +61,7 @@ def main() -> None:
     def hf_prefill() -> float:
         with torch.inference_mode():
             t = time.perf_counter()
-            hf(ids, use_cache=True)
+            hf(ids, use_cache=True, logits_to_keep=1)  # the last position's logits, as its generate prefills
             return time.perf_counter() - t
 
     contenders = {"gpt2port fp32": lambda: ours(fp32, ids), "gpt2port bf16": lambda: ours(bf16, ids),
