@@ -348,7 +348,8 @@ def report(result: dict) -> str:
                      f"({result['floor_tokens_per_s'][k]:.1f} tokens/s; run by run against the probe before it, "
                      f"median {result['paired_fraction_of_floor'][k]:.1%})")
     for k, ms in result["products_alone_ms"].items():
-        lines.append(f"  {k}: a step takes {1e3 / result['tokens_per_s'][k]:.2f} ms, its matrix products alone "
+        lines.append(f"  {k}: a token takes {1e3 / result['tokens_per_s'][k]:.2f} ms (its share of the prefill "
+                     f"included), its matrix products alone "
                      f"{ms:.2f} ms ({result['products_alone_fraction_of_floor'][k]:.1%} of the floor probed right "
                      f"after them)")
     lines.append(f"  greedy tokens equal to HF's: {result['greedy_tokens_equal_to_hf']}")
