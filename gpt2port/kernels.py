@@ -57,8 +57,7 @@ class Linear(nn.Linear):
             return torch.ops.gpt2port.matvec(x, self.weight, self.bias)  # x's shape, (1, ..., out_features)
         if not onednn_takes(x, self.weight):
             return F.linear(x, self.weight, self.bias)
-        return fp32_product(x.reshape(-1, self.in_features), self.weight, self.bias).view(*x.shape[:-1],
-                                                                                          self.out_features)
+        return _onednn(x.reshape(-1, self.in_features), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 def onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -70,9 +69,11 @@ def onednn_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fp32_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """rows (N, in) @ weight.T + bias on oneDNN where it takes them (onednn_takes), else on F.linear."""
-    if onednn_takes(rows, weight):
-        return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
-    return F.linear(rows, weight, bias)
+    return _onednn(rows, weight, bias) if onednn_takes(rows, weight) else F.linear(rows, weight, bias)
+
+
+def _onednn(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")
 
 
 def attends_one(qkv: torch.Tensor, cache) -> bool:
