@@ -137,14 +137,14 @@ def load_state(ckpt, dtype=None, device=None) -> tuple[Path, GPTConfig, dict[str
 # --- writing one -----------------------------------------------------------------------------------------------
 
 def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict], tokenizer_files: list[Path],
-          force: bool = False, progress=None) -> int:
+          force: bool = False, progress=None, reads=()) -> int:
     """A checkpoint directory at `out`, built aside and renamed into place when complete (see fsio).
 
     items: [(name, dtype, shape, produce)] in storage order, produce() called only when its tensor's turn comes.
     provenance() gives the manifest, asked for after the weights are written (a conversion hashes its source
-    meanwhile). Returns the size of the weights file.
+    meanwhile). reads: the files the items come from (see fsio.staged_directory). Returns the weights file's size.
     """
-    with staged_directory(out, force) as stage:
+    with staged_directory(out, force, reads) as stage:
         stream_safetensors(stage / WEIGHTS, items, metadata_for(config), progress)
         write_json(stage / CONFIG, config_json(config))
         for f in tokenizer_files:
@@ -152,6 +152,13 @@ def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict], t
         size = (stage / WEIGHTS).stat().st_size
         write_json(stage / MANIFEST, {**provenance(), "files": {WEIGHTS: size}})
     return size
+
+
+def write_export_manifest(stage: Path, layout: str, provenance: dict) -> None:
+    """manifest.json of an export in another layout (hf, llmc, gguf): where its weights came from, what it holds,
+    and gpt2port's mark on the directory (what --force may replace)."""
+    files = {p.name: p.stat().st_size for p in sorted(Path(stage).iterdir()) if p.is_file()}
+    write_json(Path(stage) / MANIFEST, {**provenance, "tool": "gpt2port", "layout": layout, "files": files})
 
 
 def manifest(dtype: torch.dtype, config: GPTConfig, source: dict, warnings: list[str] | None = None) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import signal
 import sys
 
 import click
@@ -19,6 +20,22 @@ DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM
+DONE = "gpt2port.done"  # set in the context's meta once a command's work is complete (see _succeeded)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the same clean-up runs."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _succeeded(text: str) -> None:
+    """A command's success line, the last thing it does: an interrupt arriving from here on finds the work done."""
+    click.get_current_context().meta[DONE] = True
+    click.echo(text)
 
 
 def _handle_errors(fn):
@@ -30,7 +47,16 @@ def _handle_errors(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        debug = click.get_current_context().find_root().params.get("debug", False)
+        ctx = click.get_current_context()
+        debug = ctx.find_root().params.get("debug", False)
+        try:
+            # A SIGTERM cleans up as Ctrl-C does (else it would leave a build directory behind); one that the
+            # caller made us ignore stays ignored. Only the main thread may set handlers (tests run others).
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _terminate)
+        except ValueError:
+            previous = None
         try:
             return fn(*args, **kwargs)
         except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
@@ -40,19 +66,25 @@ def _handle_errors(fn):
                 raise
             click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(EXIT_FAILURE)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
+            if ctx.meta.get(DONE):  # the success line is (being) printed: the work is done
+                sys.exit(0)
             if debug:
                 raise
             # A Ctrl-C during the final renames is held until they are done, so the output may be complete
             # (or absent); either way nothing partial was left.
-            click.echo("error: interrupted; no partial output was left", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+            what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            click.echo(f"error: {what}; no partial output was left", err=True)
+            sys.exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
         except Exception as e:  # noqa: BLE001 - the last line of defence of the one-line promise
             if debug:
                 raise
             click.echo(f"error: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)
+        finally:
+            if previous == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, previous)
 
     return wrapper
 
@@ -101,7 +133,7 @@ def convert(src, out, dtype, force, quiet):
         result = run_convert(src, out, dtype=dtype, force=force, progress=progress)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
-    click.echo(f"wrote {result.out} ({result.n_params:,} parameters, {_dtype_label(result.dtype)}, "
+    _succeeded(f"wrote {result.out} ({result.n_params:,} parameters, {_dtype_label(result.dtype)}, "
                f"{result.bytes_written / 1e9:.2f} GB) in {result.seconds:.1f}s")
 
 
@@ -150,7 +182,7 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
                         options={k: v for k, v in options.items() if v} or None)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
-    click.echo(f"wrote {result.out} ({to} layout, {dtype or _dtype_label(result.dtype)}, "
+    _succeeded(f"wrote {result.out} ({to} layout, {dtype or _dtype_label(result.dtype)}, "
                f"{result.bytes_written / 1e9:.2f} GB)")
 
 
@@ -185,9 +217,9 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
                           quiet=quiet, log=log)
     if quiet:
         state = "up to date" if result.up_to_date else "written"
-        click.echo(f"{result.out} {state} ({result.repo}@{result.commit[:12]})")
+        _succeeded(f"{result.out} {state} ({result.repo}@{result.commit[:12]})")
     else:
-        click.echo(summary(result))
+        _succeeded(summary(result))
 
 
 @main.command()
@@ -386,7 +418,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
             sys.exit(EXIT_FAILURE)
         raise
     if os.environ.get("RANK", "0") == "0":
-        click.echo(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.png)")
+        _succeeded(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.png)")
 
 
 if __name__ == "__main__":

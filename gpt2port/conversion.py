@@ -56,6 +56,23 @@ class Job:
     known_sha256: dict[str, str]
     options: dict  # target-specific switches, passed through from convert(..., options=)
 
+    def staged(self):
+        """The output directory being built (fsio.staged_directory), refused if it would replace what is read."""
+        return staged_directory(self.out, self.force, self.source.read_files())
+
+    def write_manifest(self, stage: Path, layout: str) -> None:
+        """An export's manifest.json, written last into `stage`: the checkpoint's provenance carried over, or the
+        source's when converted straight from one."""
+        source = self.source
+        if source.layout is GPT2PORT:
+            prov = checkpoint.derived_manifest(checkpoint.read_manifest(source.root), self.dtype, "exports",
+                                               str(source.root.resolve()))
+        else:
+            prov = checkpoint.manifest(self.dtype, source.config, {"path": str(source.path.resolve()), **self.facts})
+        encoding = self.options.get("encoding")
+        checkpoint.write_export_manifest(stage, layout, {**prov, **({"encoding": encoding} if encoding else {}),
+                                                         "warnings": self.warnings})
+
 
 def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, to: str = "gpt2port",
             provenance: dict | None = None, known_sha256: dict[str, str] | None = None,
@@ -215,7 +232,7 @@ def _write_checkpoint(job: Job) -> int:
         prev = checkpoint.read_manifest(source.root)
         meta = checkpoint.derived_manifest(prev, job.dtype, "exports", str(source.root.resolve()))
         return checkpoint.write(job.out, source.config, job.items, lambda: {**meta, "warnings": job.warnings},
-                                source.tokenizer_files(), job.force, job.progress)
+                                source.tokenizer_files(), job.force, job.progress, source.read_files())
     hasher = BackgroundHasher(source.reader.files + source.side_files(), job.known_sha256)
 
     def manifest() -> dict:  # called once the weights are written: the hashes are ready by then
@@ -228,7 +245,7 @@ def _write_checkpoint(job: Job) -> int:
 
     try:
         return checkpoint.write(job.out, source.config, job.items, manifest, source.tokenizer_files(), job.force,
-                                job.progress)
+                                job.progress, source.read_files())
     except BaseException:
         hasher.cancel()  # a failed conversion needs no digests: stop reading the source now
         raise
@@ -236,13 +253,14 @@ def _write_checkpoint(job: Job) -> int:
 
 def _write_hf_dir(job: Job) -> int:
     """What GPT2LMHeadModel.from_pretrained loads as is: safetensors weights, its config.json, the tokenizer."""
-    with staged_directory(job.out, job.force) as stage:
+    with job.staged() as stage:
         stream_safetensors(stage / checkpoint.WEIGHTS, job.items, dict(HF.metadata), job.progress)
         write_json(stage / checkpoint.CONFIG, {**job.source.config.to_hf_config(),
                                                "dtype": str(job.dtype).removeprefix("torch.")})
         for f in job.source.tokenizer_files():
             copy_file(f, stage / f.name)
         size = (stage / checkpoint.WEIGHTS).stat().st_size
+        job.write_manifest(stage, "hf")
     return size
 
 
@@ -262,8 +280,9 @@ def _write_gguf(job: Job) -> int:
         _, dtype, shape, produce = next(i for i in items if i[0] == GGUF.key_for(canonical.EMBEDDING))
         items.append((GGUF.untied_head, dtype, shape, produce))
     encoding = job.options.get("encoding") or DTYPE_LABELS[job.dtype]
-    with staged_directory(job.out, job.force) as stage:
+    with job.staged() as stage:
         size = stream_gguf(stage / FILE_NAME, items, job.source.config, encoding, files[0].parent, job.progress)
+        job.write_manifest(stage, "gguf")
     return size
 
 

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -46,13 +47,15 @@ def copy_file(src: Path, dst: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(dest: Path, force: bool = False):
+def staged_directory(dest: Path, force: bool = False, reads=()):
     """Yield a temporary directory beside `dest`; on success it becomes `dest`, on any failure it vanishes.
 
-    An existing non-empty `dest` is replaced only with force=True, and survives untouched until the new
-    directory is complete: it is moved aside, the new one renamed in, and only then removed.
+    An existing non-empty `dest` is replaced only with force=True and only if gpt2port wrote it (check_replaceable),
+    and survives untouched until the new directory is complete: it is moved aside, the new one renamed in, and only
+    then removed. reads: every file the run reads; none may lie in `dest` (refuse_replacing_reads).
     """
     dest = Path(dest)
+    refuse_replacing_reads(dest, reads)
     if dest.is_symlink():
         # checkpoints/gpt2 -> /big/disk/gpt2: the checkpoint lives at the target, so build and replace it there
         # (renaming the link itself aside would leave the link behind as a leftover and the target orphaned).
@@ -68,8 +71,10 @@ def staged_directory(dest: Path, force: bool = False):
         sweep_leftovers(dest)
         if dest.exists() and not dest.is_dir():
             raise GPT2PortError(f"{dest}: exists and is not a directory")
-        if dest.is_dir() and any(dest.iterdir()) and not force:
-            raise GPT2PortError(f"{dest}: already exists (use --force to replace it)")
+        if dest.is_dir() and any(dest.iterdir()):
+            if not force:
+                raise GPT2PortError(f"{dest}: already exists (use --force to replace it)")
+            check_replaceable(dest)
         try:
             stage.mkdir()  # exclusive: a stage of this name (another thread of ours) is never taken over
         except OSError as e:
@@ -114,6 +119,8 @@ def _swap_in(stage: Path, dest: Path, force: bool) -> None:
             if not force and dest.is_dir() and any(dest.iterdir()):
                 raise GPT2PortError(f"{dest}: appeared while this run was writing (another run finished first?); "
                                     f"left as it is (use --force to replace it)")
+            if dest.is_dir():
+                check_replaceable(dest)  # checked at the start, but anyone may have written there since
             old = dest.parent / f".{dest.name}{OLD_MARK}{os.getpid()}"
             _rename(dest, old)
         try:
@@ -234,3 +241,89 @@ def refuse_hf_cache(out: Path) -> None:
     cache = hf_cache_dir()
     if is_inside(out, cache):
         raise GPT2PortError(f"{out}: output must not be inside the Hugging Face cache ({cache})")
+
+
+# --- what --force may replace ------------------------------------------------------------------------------------
+
+# Every name a gpt2port writer gives what it puts in an output directory (a checkpoint, an hf/llmc/gguf export, a
+# fine-tuning run) or leaves there while working. A directory holding anything else is not replaced.
+_WRITTEN = re.compile(r"""(model\.safetensors|config\.json|manifest\.json|model\.gguf|gpt2_\w+\.bin
+    |vocab\.json|merges\.txt|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|encoder\.json|vocab\.bpe
+    |train_log\.jsonl|loss\.png|tokens|train_state|\.train_state\.(partial|old)|\.checkpoint
+    |\..+(\.partial|\.replaced)-\d+)""", re.X)
+_TAG_LIMIT = 64 << 20  # bytes: far above any manifest or meta.json gpt2port writes
+_LLMC_MAGICS = (20240326, 20240327, 20240328)  # llm.c's model, debug-state and tokenizer files (formats/llmc.py)
+
+
+def check_replaceable(dest: Path) -> None:
+    """Refuse, in one line, to replace a directory gpt2port did not write. It may replace a checkpoint, an export or
+    a fine-tuning run: a directory holding only the names those are made of, and marked as gpt2port's by a
+    manifest.json (tool "gpt2port"), a gpt2port config.json, a run's tokens/ or train_state/ meta.json, or (exports
+    written before exports had a manifest) an export's own files."""
+    dest = Path(dest)
+    try:
+        names = sorted(p.name for p in dest.iterdir())
+    except OSError as e:
+        raise GPT2PortError(f"{dest}: cannot list it: {os_reason(e)}") from None
+    foreign = [n for n in names if not _WRITTEN.fullmatch(n)] or ([] if _marked(dest, names) else names)
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", …" if len(foreign) > 4 else "")
+        raise GPT2PortError(f"{dest}: holds files gpt2port did not write ({shown}); choose another --out or remove "
+                            f"it yourself")
+
+
+def _marked(dest: Path, names: list[str]) -> bool:
+    if (_json_object(dest / "manifest.json") or {}).get("tool") == "gpt2port":
+        return True
+    if (_json_object(dest / "config.json") or {}).get("format") == "gpt2port":
+        return True
+    for meta in ("tokens/meta.json", "train_state/meta.json", ".train_state.old/meta.json"):
+        if str((_json_object(dest / meta) or {}).get("format", "")).startswith("gpt2port-"):
+            return True
+    if any(PARTIAL_MARK in n or OLD_MARK in n for n in names) and all(n.startswith(".") for n in names):
+        return True  # only what a killed run of ours left behind
+    return _old_export(dest, names)
+
+
+def _old_export(dest: Path, names: list[str]) -> bool:
+    """An export by a version that wrote no manifest, told by its files: an hf export's config.json (gpt2port adds
+    "dtype", transformers always writes "transformers_version"), llm.c files by their magic, or a GGUF that
+    gpt2port named "GPT-2"."""
+    if names == ["model.gguf"]:
+        head = _head(dest / "model.gguf", 4096)
+        return head.startswith(b"GGUF") and b"general.name\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00GPT-2" in head
+    if names and all(n.startswith("gpt2_") and n.endswith(".bin") for n in names):
+        return all(int.from_bytes(_head(dest / n, 4), "little") in _LLMC_MAGICS for n in names)
+    config = _json_object(dest / "config.json") or {}
+    return "model.safetensors" in names and config.get("model_type") == "gpt2" and "dtype" in config \
+        and "transformers_version" not in config
+
+
+def _head(path: Path, n: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""
+
+
+def _json_object(path: Path) -> dict | None:
+    try:
+        if not path.is_file() or path.stat().st_size > _TAG_LIMIT:
+            return None
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def refuse_replacing_reads(out: Path, reads) -> None:
+    """An output must not be, nor hold, any file the run reads, by real path: a weights file reached through a
+    symlink, or a TensorFlow `checkpoint` naming another directory, may live in the very directory --force would
+    replace."""
+    target = Path(os.path.realpath(out))
+    for f in reads:
+        real = Path(os.path.realpath(f))
+        if real == target or target in real.parents:
+            via = "" if real == Path(f).absolute() else f" (really {real})"
+            raise GPT2PortError(f"{out}: output would replace {f}{via}, which this run reads; choose another --out")

@@ -16,7 +16,7 @@ import torch
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.llmc import (MODEL_VERSIONS, TOKENIZER_FILE, LlmcReader, model_file_name, model_header,
                                    state_file_name, state_header, tokenizer_bytes, write_raw)
-from gpt2port.fsio import staged_directory, write_file
+from gpt2port.fsio import write_file
 from gpt2port.layouts.llmc import LLMC
 from gpt2port.tokenizer import from_directory
 
@@ -51,7 +51,7 @@ def write_llmc(job) -> int:
     encoding = from_directory(tokenizer[0].parent) if tokenizer else None
     if job.options.get("debug_state") and encoding is None:
         raise GPT2PortError(f"{where}: the debug state needs the checkpoint's tokenizer, and there is none")
-    with staged_directory(job.out, job.force) as stage:
+    with job.staged() as stage:
         model_file = stage / model_file_name(config)
         size = write_raw(model_file, model_header(config, job.dtype), job.items, job.progress)
         LlmcReader(model_file).close()  # read back: header, sizes and length as a reader will see them
@@ -62,6 +62,7 @@ def write_llmc(job) -> int:
             write_file(stage / TOKENIZER_FILE, tokenizer_bytes(tokens, encoding.eot_token))
         if job.options.get("debug_state"):
             write_debug_state(stage / state_file_name(config), job.source, job.dtype, encoding)
+        job.write_manifest(stage, "llmc")
     return size
 
 

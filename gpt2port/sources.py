@@ -7,7 +7,8 @@ a gpt2port checkpoint. Sources are only ever opened for reading.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
 from gpt2port.layouts.infer import check_config_matches_weights, check_config_values, infer_config
-from gpt2port.tokenizer import NO_TOKENIZER, TOKENIZER_FILES, defines_tokenizer
+from gpt2port.tokenizer import NO_TOKENIZER, TOKENIZER_FILES, defines_tokenizer, side_file_problem
 
 
 @dataclass
@@ -31,6 +32,8 @@ class Source:
     layout: Layout
     config: GPTConfig
     config_path: Path | None  # None: the config was inferred from the shapes
+    _beside: list[Path] | None = field(default=None, repr=False)  # tokenizer files beside it, once checked
+    _left_out: list[str] = field(default_factory=list, repr=False)  # why others were not
 
     @property
     def root(self) -> Path:
@@ -41,13 +44,36 @@ class Source:
         return ", ".join(str(f) for f in self.reader.files)
 
     def tokenizer_files(self) -> list[Path]:
-        beside = [self.root / n for n in TOKENIZER_FILES if (self.root / n).is_file()]
-        return beside or self.reader.tokenizer_files()
+        return self._tokenizer_beside() or self.reader.tokenizer_files()
+
+    def _tokenizer_beside(self) -> list[Path]:
+        """The tokenizer files beside the weights that really are GPT-2's: a file under such a name (perhaps a link
+        to anything at all) is carried into the output only if it has a tokenizer file's shape."""
+        if self._beside is None:
+            self._beside = []
+            for f in (self.root / n for n in TOKENIZER_FILES):
+                if not f.is_file():
+                    continue
+                problem = side_file_problem(f)
+                if problem is None:
+                    self._beside.append(f)
+                else:
+                    link = f" (a link to {os.path.realpath(f)})" if f.is_symlink() else ""
+                    self._left_out.append(f"{f}{link}: not a GPT-2 tokenizer file ({problem}); left out of the output")
+        return self._beside
+
+    def read_files(self) -> list[Path]:
+        """Every file this source is read from (weights, shards, index, config, side files, a TensorFlow `checkpoint`
+        pointer), once per real path: what an output must never replace."""
+        files = [self.path, *self.reader.inputs(), self.config_path, *(self.root / n for n in TOKENIZER_FILES)]
+        if self.reader.layout == "openai-tf":
+            files.append(self.root / "checkpoint")
+        return list({os.path.realpath(f): f for f in files if f is not None and os.path.lexists(f)}.values())
 
     def warnings(self) -> list[str]:
         """What opening the source found that the output should report."""
         found = self.tokenizer_files()  # a format that rebuilds its tokenizer says why in its warnings if it could not
-        warnings = list(self.reader.warnings)
+        warnings = [*self._left_out, *self.reader.warnings]
         if not defines_tokenizer(found) and not any(NO_TOKENIZER in w for w in warnings):
             warnings.append(f"{self.root}: no GPT-2 tokenizer files beside the weights; {NO_TOKENIZER}")
         return warnings

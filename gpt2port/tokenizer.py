@@ -43,6 +43,44 @@ NO_TOKENIZER = ("converted without tokenizer files: loading in Python works, but
                 "need vocab.json + merges.txt, encoder.json + vocab.bpe, or tokenizer.json beside the weights")
 
 
+SIDE_FILE_LIMIT = 64 << 20  # bytes: GPT-2's largest tokenizer file (tokenizer.json) has 1.4 MB
+
+
+def side_file_problem(path: Path) -> str | None:
+    """Why a file under a tokenizer file's name is not one (None: it has the shape of one). A conversion carries
+    these files into its output, so a link named vocab.json that leads to a private file must not pass."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > SIDE_FILE_LIMIT:
+            return f"{size} bytes, more than any tokenizer file"
+        raw = path.read_bytes()
+    except OSError as e:
+        return e.strerror or str(e)
+    if path.name in (VOCAB_MERGES[0][1], VOCAB_MERGES[1][1]):  # merges.txt, vocab.bpe
+        try:
+            lines = raw.decode("utf-8").split("\n")
+        except UnicodeDecodeError:
+            return "not UTF-8 text"
+        pairs = [line for line in lines[1 if lines[0].startswith("#version") else 0:] if line]
+        bad = next((n for n, line in enumerate(pairs) if len(line.split(" ")) != 2), None)
+        return None if pairs and bad is None else "not a '#version' line and 'left right' merge pairs"
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    if path.name in (VOCAB_MERGES[0][0], VOCAB_MERGES[1][0]):  # vocab.json, encoder.json: token -> id
+        ok = isinstance(data, dict) and len(data) >= 256 and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in data.values()) \
+            and len(set(data.values())) == len(data)
+        return None if ok else "not a JSON object of at least 256 tokens with distinct ids"
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    if path.name == TOKENIZER_JSON and not isinstance(data.get("model"), dict):
+        return "not a tokenizer.json (no \"model\" object)"
+    return None
+
+
 def defines_tokenizer(files) -> bool:
     """Whether these files (paths or names) include one complete set that defines GPT-2's tokenizer."""
     names = {Path(f).name for f in files}

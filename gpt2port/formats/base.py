@@ -51,6 +51,10 @@ class Reader:
     # Findings a conversion should report (e.g. a tokenizer that could not be carried over).
     warnings: tuple[str, ...] | list[str] = ()
 
+    def inputs(self) -> list[Path]:
+        """Every file this reader opened (an output must never replace one)."""
+        return [f for f in (self.path, *self.files, self.index_file, self.config_file) if f is not None]
+
     def tokenizer_files(self) -> list[Path]:
         """Tokenizer files (vocab.json + merges.txt) the format itself yields, rebuilt from what it carries (GGUF's
         embedded tokenizer, llm.c's gpt2_tokenizer.bin), for when none lie beside the weights."""

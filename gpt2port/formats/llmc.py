@@ -143,6 +143,9 @@ class LlmcReader(PreadReader):
         self.warnings: list[str] = []
         self._tokenizer_dir: tempfile.TemporaryDirectory | None = None
 
+    def inputs(self) -> list[Path]:
+        return [*super().inputs(), self.path.parent / TOKENIZER_FILE]
+
     def tokenizer_files(self) -> list[Path]:
         """GPT-2's vocab.json + merges.txt rebuilt from a gpt2_tokenizer.bin beside the model file (llm.c keeps only
         the token bytes; the merges follow from them), in a temporary directory that lives as long as the reader."""

@@ -13,6 +13,7 @@ from gpt2port.checkpoint import WEIGHTS, read_manifest
 from gpt2port.conversion import ConvertResult, convert
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
+from gpt2port.fsio import check_replaceable
 from gpt2port.hub.fetch import Fetcher, Snapshot, gb
 from gpt2port.hub.names import resolve_name
 from gpt2port.progress import byte_progress
@@ -43,6 +44,8 @@ def download(name: str, revision: str | None = None, out: str | Path | None = No
     repo, default_out = resolve_name(name)
     out = Path(out) if out is not None else default_out
     out_dtype = parse_dtype(dtype)
+    if force and out.is_dir() and any(out.iterdir()):
+        check_replaceable(out)  # before a byte is fetched: --force replaces only what gpt2port wrote
     f = Fetcher(repo, revision, quiet, log)
     f.resolve()
     # Decided before any file moves: a finished checkpoint of this very commit needs nothing; anything else

@@ -17,7 +17,7 @@ import torch
 
 from gpt2port.checkpoint import WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import refuse_overlap
+from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads
 from gpt2port.training import data as tokens
 from gpt2port.training import dist, state
 from gpt2port.training.loop import Log, Plan, Stopped, Trainer
@@ -82,7 +82,11 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
         s = _resumed(s, saved, named)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _check_settings(s, config.n_positions, world)
-    tokens.documents(data)  # refuses bad data (one line) before anything is written
+    files = tokens.documents(data)  # refuses bad data (one line) before anything is written
+    if saved is None:  # a fresh run empties --out first: it must hold neither the data nor the checkpoint
+        refuse_replacing_reads(out, [Path(data), *files, ckpt_dir, *ckpt_dir.iterdir()])
+        if out.is_dir() and any(out.iterdir()):
+            check_replaceable(out)  # --force was given (_check_out): only a run or checkpoint of ours goes
     rt = dist.start(device, fsdp)
     try:
         return _run(ckpt_dir, config, data, out, s, rt, saved, compile, quiet)
