@@ -136,18 +136,20 @@ def load_state(ckpt, dtype=None, device=None) -> tuple[Path, GPTConfig, dict[str
 
 # --- writing one -----------------------------------------------------------------------------------------------
 
-def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict], tokenizer_files: list[Path],
-          force: bool = False, progress=None, reads=()) -> int:
+def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict],
+          tokenizer_files: list[Path] | Callable[[], list[Path]], force: bool = False, progress=None, reads=()) -> int:
     """A checkpoint directory at `out`, built aside and renamed into place when complete (see fsio).
 
     items: [(name, dtype, shape, produce)] in storage order, produce() called only when its tensor's turn comes.
     provenance() gives the manifest, asked for after the weights are written (a conversion hashes its source
-    meanwhile). reads: the files the items come from (see fsio.staged_directory). Returns the weights file's size.
+    meanwhile); so are the tokenizer files, when a function gives them (one that rebuilds them does so inside the
+    output being built). reads: the files the items come from (see fsio.staged_directory). Returns the weights
+    file's size.
     """
     with staged_directory(out, force, reads) as stage:
         stream_safetensors(stage / WEIGHTS, items, metadata_for(config), progress)
         write_json(stage / CONFIG, config_json(config))
-        for f in tokenizer_files:
+        for f in tokenizer_files() if callable(tokenizer_files) else tokenizer_files:
             copy_file(f, stage / f.name)
         size = (stage / WEIGHTS).stat().st_size
         write_json(stage / MANIFEST, {**provenance(), "files": {WEIGHTS: size}})

@@ -29,6 +29,7 @@ from gpt2port.layouts.transforms import merge
 from gpt2port.llmc_export import write_llmc
 from gpt2port.sources import Source, open_source
 from gpt2port.targets import ENCODINGS, TARGETS
+from gpt2port.tokenizer import defines_tokenizer
 
 
 @dataclass
@@ -232,7 +233,7 @@ def _write_checkpoint(job: Job) -> int:
         prev = checkpoint.read_manifest(source.root)
         meta = checkpoint.derived_manifest(prev, job.dtype, "exports", str(source.root.resolve()))
         return checkpoint.write(job.out, source.config, job.items, lambda: {**meta, "warnings": job.warnings},
-                                source.tokenizer_files(), job.force, job.progress, source.read_files())
+                                source.tokenizer_files, job.force, job.progress, source.read_files())
     hasher = BackgroundHasher(source.reader.files + source.side_files(), job.known_sha256)
 
     def manifest() -> dict:  # called once the weights are written: the hashes are ready by then
@@ -244,7 +245,7 @@ def _write_checkpoint(job: Job) -> int:
         }, job.warnings)
 
     try:
-        return checkpoint.write(job.out, source.config, job.items, manifest, source.tokenizer_files(), job.force,
+        return checkpoint.write(job.out, source.config, job.items, manifest, source.tokenizer_files, job.force,
                                 job.progress, source.read_files())
     except BaseException:
         hasher.cancel()  # a failed conversion needs no digests: stop reading the source now
@@ -271,8 +272,7 @@ def _write_gguf(job: Job) -> int:
     unknown = sorted(set(job.options) - OPTIONS - {"encoding"})
     if unknown:
         raise GPT2PortError(f"unknown gguf option(s) {', '.join(unknown)} (known: {', '.join(sorted(OPTIONS))})")
-    files = job.source.tokenizer_files()
-    if not files:
+    if not defines_tokenizer(job.source.tokenizer_names()):
         raise GPT2PortError(f"{job.source.root}: no tokenizer files beside the weights; a GGUF must embed one")
     items = list(job.items)
     if job.options.get("output_tensor") and job.source.config.tie_word_embeddings:
@@ -281,6 +281,7 @@ def _write_gguf(job: Job) -> int:
         items.append((GGUF.untied_head, dtype, shape, produce))
     encoding = job.options.get("encoding") or DTYPE_LABELS[job.dtype]
     with job.staged() as stage:
+        files = job.source.tokenizer_files()  # rebuilt (from a GGUF, llm.c's file) inside the stage
         size = stream_gguf(stage / FILE_NAME, items, job.source.config, encoding, files[0].parent, job.progress)
         job.write_manifest(stage, "gguf")
     return size

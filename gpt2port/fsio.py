@@ -8,18 +8,22 @@ request and survives until its replacement is complete. Every other module write
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import json
 import os
 import re
 import shutil
 import signal
+import tempfile
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
 
 PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
 OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
+# The output this thread is building, and the scratch directories made inside it (see scratch_directory).
+_STAGE: contextvars.ContextVar = contextvars.ContextVar("gpt2port_stage", default=None)
 
 
 def write_file(path: Path, data: bytes) -> None:
@@ -82,14 +86,32 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
     except BaseException:
         remove_if_empty(created)
         raise
+    scratch: list[Path] = []
+    token = _STAGE.set((stage, scratch))
     try:
         yield stage
+        for d in scratch:
+            shutil.rmtree(d)
         _fsync_dir(stage)
         _swap_in(stage, dest, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         remove_if_empty(created)
         raise
+    finally:
+        _STAGE.reset(token)
+
+
+def scratch_directory(prefix: str) -> Path:
+    """A private directory for files made on the way (a tokenizer rebuilt from a GGUF): inside the output being
+    built when there is one, so that even a killed run leaves it nowhere but there (and the next run sweeps it);
+    removed before that output is moved into place. Outside one, a temporary directory: its maker removes it."""
+    active = _STAGE.get()
+    if active is None:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    stage, scratch = active
+    scratch.append(Path(tempfile.mkdtemp(prefix=f".{prefix}", dir=stage)))
+    return scratch[-1]
 
 
 def missing_parents(path: Path) -> list[Path]:

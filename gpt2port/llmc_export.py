@@ -47,11 +47,11 @@ def write_llmc(job) -> int:
         raise GPT2PortError(f"llm.c export: unknown option(s) {', '.join(unknown)} (known: {', '.join(OPTIONS)})")
     if job.dtype not in MODEL_VERSIONS.values():
         raise GPT2PortError(f"{where}: llm.c model files hold fp32 or bf16, not {job.dtype}; pass --dtype fp32 or bf16")
-    tokenizer = job.source.tokenizer_files()
-    encoding = from_directory(tokenizer[0].parent) if tokenizer else None
-    if job.options.get("debug_state") and encoding is None:
+    if job.options.get("debug_state") and not job.source.tokenizer_names():
         raise GPT2PortError(f"{where}: the debug state needs the checkpoint's tokenizer, and there is none")
     with job.staged() as stage:
+        tokenizer = job.source.tokenizer_files()  # rebuilt (from a GGUF, llm.c's file) inside the stage
+        encoding = from_directory(tokenizer[0].parent) if tokenizer else None
         model_file = stage / model_file_name(config)
         size = write_raw(model_file, model_header(config, job.dtype), job.items, job.progress)
         LlmcReader(model_file).close()  # read back: header, sizes and length as a reader will see them

@@ -46,6 +46,10 @@ class Source:
     def tokenizer_files(self) -> list[Path]:
         return self._tokenizer_beside() or self.reader.tokenizer_files()
 
+    def tokenizer_names(self) -> list[str]:
+        """The names of tokenizer_files(), without having a format rebuild them yet."""
+        return [f.name for f in self._tokenizer_beside()] or self.reader.tokenizer_names()
+
     def _tokenizer_beside(self) -> list[Path]:
         """The tokenizer files beside the weights that really are GPT-2's: a file under such a name (perhaps a link
         to anything at all) is carried into the output only if it has a tokenizer file's shape."""
@@ -72,16 +76,17 @@ class Source:
 
     def warnings(self) -> list[str]:
         """What opening the source found that the output should report."""
-        found = self.tokenizer_files()  # a format that rebuilds its tokenizer says why in its warnings if it could not
+        found = self.tokenizer_names()  # a format that rebuilds its tokenizer warns if it cannot
         warnings = [*self._left_out, *self.reader.warnings]
         if not defines_tokenizer(found) and not any(NO_TOKENIZER in w for w in warnings):
             warnings.append(f"{self.root}: no GPT-2 tokenizer files beside the weights; {NO_TOKENIZER}")
         return warnings
 
     def side_files(self) -> list[Path]:
-        """The small files that travel with the weights: index, config, tokenizer."""
+        """The small files that travel with the weights: index, config, tokenizer (not one rebuilt from the
+        weights file)."""
         index = [self.reader.index_file] if self.reader.index_file else []
-        return index + ([self.config_path] if self.config_path else []) + self.tokenizer_files()
+        return index + ([self.config_path] if self.config_path else []) + self._tokenizer_beside()
 
     def dtype(self) -> torch.dtype:
         """The weights' dtype: that of the token embedding (mask buffers are often fp32 in fp16 files)."""

@@ -253,3 +253,46 @@ def test_ctrl_c_while_the_success_line_prints_exits_0(make_hf_repo, tmp_path, mo
     r = run_cli("convert", make_hf_repo("hub"), "--out", out, "-q")
     assert r.exit_code == 0, r.output
     assert_valid_checkpoint(out)
+
+
+@pytest.fixture
+def gguf_file(tiny_ckpt, tmp_path) -> Path:
+    r = run_cli("export", tiny_ckpt, "--to", "gguf", "--out", tmp_path / "g")
+    assert r.exit_code == 0, r.stderr
+    return tmp_path / "g" / "model.gguf"
+
+
+def test_sigkill_converting_a_gguf_leaves_nothing_outside_the_output(gguf_file, tmp_path):
+    """The tokenizer a GGUF embeds is rebuilt as files; after a SIGKILL nothing of them may be left in $TMPDIR,
+    only the build directory beside --out, which the next run sweeps."""
+    from gpt2port.fsio import PARTIAL_MARK
+    from tests.test_faults import FAULTS, wait_for
+
+    scratch, dest, started = tmp_path / "tmpdir", tmp_path / "out" / "ckpt", tmp_path / "started"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch),
+           "GPT2PORT_TEST_FAULT": json.dumps({"slow": 0.05, "started": str(started)})}
+    proc = subprocess.Popen([sys.executable, "-c", FAULTS, "convert", str(gguf_file), "--out", str(dest), "-q"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_signals)
+    wait_for(started, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert [p.name for p in scratch.iterdir() if "gpt2port" in p.name] == []
+    assert leftovers(dest.parent) == [f".{dest.name}{PARTIAL_MARK}{proc.pid}"]
+    r = run_cli("convert", gguf_file, "--out", dest, "-q")
+    assert r.exit_code == 0, r.stderr
+    assert leftovers(dest.parent) == [] and {"vocab.json", "merges.txt"} <= {p.name for p in dest.iterdir()}
+    assert_valid_checkpoint(dest)
+
+
+def test_a_ggufs_tokenizer_is_rebuilt_inside_the_output_being_built(gguf_file, tmp_path, monkeypatch):
+    import gpt2port.formats.gguf as gguf_mod
+
+    made = []
+    write = gguf_mod.write_bpe_files
+    monkeypatch.setattr(gguf_mod, "write_bpe_files", lambda d, *a: made.append(Path(d)) or write(d, *a))
+    dest = tmp_path / "out"
+    r = run_cli("convert", gguf_file, "--out", dest, "-q")
+    assert r.exit_code == 0, r.stderr
+    assert len(made) == 1 and made[0].parent.name.startswith(".out.partial-") and not made[0].parent.exists()
+    assert not [p for p in dest.iterdir() if p.name.startswith(".")]

@@ -150,7 +150,7 @@ def test_cli_export_gguf(tiny_ckpt, tmp_path):
     result = run_cli("export", str(tiny_ckpt), "--to", "gguf", "--dtype", "q8_0", "--gguf-output-tensor",
                      "--out", str(tmp_path / "g"))
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [FILE_NAME]
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["manifest.json", FILE_NAME]
     bad = run_cli("export", str(tiny_ckpt), "--to", "hf", "--dtype", "q8_0", "--out", str(tmp_path / "h"))
     assert bad.exit_code == 1 and not (tmp_path / "h").exists()
 

@@ -68,7 +68,7 @@ def tiny_state(tiny_ckpt):
 def test_model_file_header_order_and_padding(llmc_dir, tiny_ckpt, tiny_state):
     config = json.loads((tiny_ckpt / "config.json").read_text())["model"]
     assert sorted(p.name for p in llmc_dir.iterdir()) == ["gpt2_model.bin", "gpt2_model_debug_state.bin",
-                                                          "gpt2_tokenizer.bin"]
+                                                          "gpt2_tokenizer.bin", "manifest.json"]
     path = llmc_dir / "gpt2_model.bin"
     h = ints(path)
     V, L = config["vocab_size"], config["n_layer"]

@@ -60,6 +60,11 @@ class Reader:
         embedded tokenizer, llm.c's gpt2_tokenizer.bin), for when none lie beside the weights."""
         return []
 
+    def tokenizer_names(self) -> list[str]:
+        """The names of the files tokenizer_files() gives, checked but not yet written (a conversion asks early,
+        and has them written only inside the output it builds)."""
+        return [f.name for f in self.tokenizer_files()]
+
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor. `into`, a uint8 buffer of at least its nbytes, may receive the bytes (the result is then a
         view of it, valid until the next read into the same buffer); formats that cannot use it ignore it."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -20,10 +19,10 @@ import torch
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.fsio import os_reason
+from gpt2port.fsio import os_reason, scratch_directory
 from gpt2port.outfile import open_append
 from gpt2port.layouts.gguf import GGUF
-from gpt2port.tokenizer import ENDOFTEXT, bpe_tables, write_bpe_files
+from gpt2port.tokenizer import ENDOFTEXT, VOCAB_MERGES, bpe_tables, write_bpe_files
 
 ARCH = "gpt2"
 FILE_NAME = "model.gguf"  # the one file an export writes into its directory
@@ -96,6 +95,7 @@ class GGUFFileReader(Reader):
         self.metadata = {}
         self.model_config = self._model_config()
         self._tokenizer_dir: Path | None = None
+        self._tables: tuple[list, list] | None = None
 
     def _field(self, key: str, required: bool = True):
         field = self._gguf.fields.get(key)
@@ -136,9 +136,12 @@ class GGUFFileReader(Reader):
             raise GPT2PortError(f"{self.path}: reading tensor {name!r} failed: {e}") from None
         return raw.view(info.dtype).reshape(info.shape)
 
-    def tokenizer_files(self) -> list[Path]:
-        """vocab.json + merges.txt rebuilt from the embedded tokenizer, in a private directory removed on close."""
-        if self._tokenizer_dir is None:
+    def tokenizer_names(self) -> list[str]:
+        self._tokenizer_tables()
+        return list(VOCAB_MERGES[0])
+
+    def _tokenizer_tables(self) -> tuple[list, list]:
+        if self._tables is None:
             model = self._field(_KEYS.Tokenizer.MODEL, required=False)
             if model != "gpt2":
                 raise GPT2PortError(f"{self.path}: embedded tokenizer is {model!r}, not GPT-2's byte-level BPE")
@@ -146,8 +149,16 @@ class GGUFFileReader(Reader):
             merges = [tuple(m.split(" ")) for m in self._field(_KEYS.Tokenizer.MERGES)]
             if any(len(m) != 2 for m in merges):
                 raise GPT2PortError(f"{self.path}: a tokenizer merge is not an 'a b' pair")
-            self._tokenizer_dir = Path(tempfile.mkdtemp(prefix="gpt2port-gguf-tokenizer-"))
-            write_bpe_files(self._tokenizer_dir, tokens, merges)
+            self._tables = tokens, merges
+        return self._tables
+
+    def tokenizer_files(self) -> list[Path]:
+        """vocab.json + merges.txt rebuilt from the embedded tokenizer, in a scratch directory (inside the output
+        being built, if any: fsio.scratch_directory) removed on close."""
+        if self._tokenizer_dir is None:
+            tables = self._tokenizer_tables()
+            self._tokenizer_dir = scratch_directory("gpt2port-gguf-tokenizer-")
+            write_bpe_files(self._tokenizer_dir, *tables)
         return sorted(self._tokenizer_dir.iterdir())
 
     def close(self) -> None:
