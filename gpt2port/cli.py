@@ -8,34 +8,27 @@ from __future__ import annotations
 
 import functools
 import gc
-import signal
 import sys
 
 import click
 
 from gpt2port.targets import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
+from gpt2port.signals import EXIT_TERMINATED, Terminated, sigterm_as_interrupt
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
-EXIT_TERMINATED = 128 + signal.SIGTERM
-DONE = "gpt2port.done"  # set in the context's meta once a command's work is complete (see _succeeded)
+DONE = "gpt2port.done"  # the exit code, set in the context's meta once a command's work is done (_succeeded)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that the same clean-up runs."""
-
-
-def _terminate(signum, frame):
-    raise Terminated()
-
-
-def _succeeded(text: str) -> None:
-    """A command's success line, the last thing it does: an interrupt arriving from here on finds the work done."""
-    click.get_current_context().meta[DONE] = True
+def _succeeded(text: str, code: int = 0) -> int:
+    """A command's result line(s), the last thing it prints: an interrupt arriving from here on finds the work done
+    and exits with `code`, as the command would have."""
+    click.get_current_context().meta[DONE] = code
     click.echo(text)
+    return code
 
 
 def _handle_errors(fn):
@@ -50,15 +43,8 @@ def _handle_errors(fn):
         ctx = click.get_current_context()
         debug = ctx.find_root().params.get("debug", False)
         try:
-            # A SIGTERM cleans up as Ctrl-C does (else it would leave a build directory behind); one that the
-            # caller made us ignore stays ignored. Only the main thread may set handlers (tests run others).
-            previous = signal.getsignal(signal.SIGTERM)
-            if previous == signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, _terminate)
-        except ValueError:
-            previous = None
-        try:
-            return fn(*args, **kwargs)
+            with sigterm_as_interrupt():
+                return fn(*args, **kwargs)
         except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise
         except (GPT2PortError, OSError) as e:
@@ -67,8 +53,8 @@ def _handle_errors(fn):
             click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(EXIT_FAILURE)
         except KeyboardInterrupt as e:
-            if ctx.meta.get(DONE):  # the success line is (being) printed: the work is done
-                sys.exit(0)
+            if DONE in ctx.meta:  # the result is (being) printed: the work is done
+                sys.exit(ctx.meta[DONE])
             if debug:
                 raise
             # A Ctrl-C during the final renames is held until they are done, so the output may be complete
@@ -82,9 +68,6 @@ def _handle_errors(fn):
             click.echo(f"error: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)
-        finally:
-            if previous == signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, previous)
 
     return wrapper
 
@@ -250,12 +233,10 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):
     if as_json:
         import json
 
-        click.echo(json.dumps(report.to_dict(), indent=2, allow_nan=False))
-    elif quiet:
-        click.echo(report.to_text().splitlines()[-1])
+        text = json.dumps(report.to_dict(), indent=2, allow_nan=False)
     else:
-        click.echo(report.to_text())
-    sys.exit(0 if report.passed else EXIT_FAILURE)
+        text = report.to_text().splitlines()[-1] if quiet else report.to_text()
+    sys.exit(_succeeded(text, 0 if report.passed else EXIT_FAILURE))
 
 
 @main.command()

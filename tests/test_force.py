@@ -193,6 +193,33 @@ def test_a_finished_run_is_replaced_by_force(tiny_ckpt, corpus, tmp_path):
     assert expected <= {p.name for p in run.iterdir()}
 
 
+@pytest.mark.parametrize("kind, ours", [("stopped run", True), ("killed while tokenizing", True),
+                                        ("look-alike", False), ("empty", True)])
+def test_what_a_run_leaves_behind_is_recognised(kind, ours, tmp_path):
+    """A fine-tuning run stopped before it became a checkpoint has no manifest: its meta.json files say whose it is."""
+    from gpt2port.errors import GPT2PortError
+    from gpt2port.fsio import check_replaceable
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if kind == "stopped run":
+        for sub, tag in (("tokens", "gpt2port-tokens/1"), ("train_state", "gpt2port-train-state/1")):
+            (run / sub).mkdir()
+            (run / sub / "meta.json").write_text(json.dumps({"format": tag}))
+        (run / "train_log.jsonl").write_text("{}\n")
+    elif kind == "killed while tokenizing":
+        (run / ".tokens.partial-4194305").mkdir()
+    elif kind == "look-alike":
+        (run / "tokens").mkdir()
+        (run / "tokens" / "meta.json").write_text(json.dumps({"format": "someone-else/1"}))
+        (run / "train_log.jsonl").write_text("{}\n")
+    if ours:
+        check_replaceable(run)
+    else:
+        with pytest.raises(GPT2PortError, match="did not write \\(tokens, train_log.jsonl\\)"):
+            check_replaceable(run)
+
+
 # --- 12. side files ------------------------------------------------------------------------------------------------
 
 def test_a_tokenizer_name_linked_to_a_private_file_is_not_carried(tmp_path, make_hf_repo):
