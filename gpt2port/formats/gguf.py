@@ -9,7 +9,6 @@ is converted, so one tensor is in memory at a time. This module is imported only
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import gguf
@@ -19,10 +18,10 @@ import torch
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.fsio import os_reason, scratch_directory
+from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
 from gpt2port.layouts.gguf import GGUF
-from gpt2port.tokenizer import ENDOFTEXT, VOCAB_MERGES, bpe_tables, write_bpe_files
+from gpt2port.tokenizer import ENDOFTEXT, bpe_tables
 
 ARCH = "gpt2"
 FILE_NAME = "model.gguf"  # the one file an export writes into its directory
@@ -94,8 +93,6 @@ class GGUFFileReader(Reader):
             self._data[t.name] = t.data
         self.metadata = {}
         self.model_config = self._model_config()
-        self._tokenizer_dir: Path | None = None
-        self._tables: tuple[list, list] | None = None
 
     def _field(self, key: str, required: bool = True):
         field = self._gguf.fields.get(key)
@@ -136,36 +133,20 @@ class GGUFFileReader(Reader):
             raise GPT2PortError(f"{self.path}: reading tensor {name!r} failed: {e}") from None
         return raw.view(info.dtype).reshape(info.shape)
 
-    def tokenizer_names(self) -> list[str]:
-        self._tokenizer_tables()
-        return list(VOCAB_MERGES[0])
-
-    def _tokenizer_tables(self) -> tuple[list, list]:
-        if self._tables is None:
-            model = self._field(_KEYS.Tokenizer.MODEL, required=False)
-            if model != "gpt2":
-                raise GPT2PortError(f"{self.path}: embedded tokenizer is {model!r}, not GPT-2's byte-level BPE")
-            tokens = list(self._field(_KEYS.Tokenizer.LIST))
-            merges = [tuple(m.split(" ")) for m in self._field(_KEYS.Tokenizer.MERGES)]
-            if any(len(m) != 2 for m in merges):
-                raise GPT2PortError(f"{self.path}: a tokenizer merge is not an 'a b' pair")
-            self._tables = tokens, merges
-        return self._tables
-
-    def tokenizer_files(self) -> list[Path]:
-        """vocab.json + merges.txt rebuilt from the embedded tokenizer, in a scratch directory (inside the output
-        being built, if any: fsio.scratch_directory) removed on close."""
-        if self._tokenizer_dir is None:
-            tables = self._tokenizer_tables()
-            self._tokenizer_dir = scratch_directory("gpt2port-gguf-tokenizer-")
-            write_bpe_files(self._tokenizer_dir, *tables)
-        return sorted(self._tokenizer_dir.iterdir())
+    def _read_tokenizer(self) -> tuple[list, list]:
+        """The embedded tokenizer (see Reader.tokenizer_files)."""
+        model = self._field(_KEYS.Tokenizer.MODEL, required=False)
+        if model != "gpt2":
+            raise GPT2PortError(f"{self.path}: embedded tokenizer is {model!r}, not GPT-2's byte-level BPE")
+        tokens = list(self._field(_KEYS.Tokenizer.LIST))
+        merges = [tuple(m.split(" ")) for m in self._field(_KEYS.Tokenizer.MERGES)]
+        if any(len(m) != 2 for m in merges):
+            raise GPT2PortError(f"{self.path}: a tokenizer merge is not an 'a b' pair")
+        return tokens, merges
 
     def close(self) -> None:
         self._data, self._gguf = {}, None  # drop the memory map
-        if getattr(self, "_tokenizer_dir", None) is not None:
-            shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
-            self._tokenizer_dir = None
+        super().close()
 
 
 # --- writing ------------------------------------------------------------------------------------------------------

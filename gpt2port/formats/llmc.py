@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import struct
 from pathlib import Path
 
@@ -28,10 +27,10 @@ from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
 from gpt2port.formats.safetensors import PreadReader
-from gpt2port.fsio import os_reason, scratch_directory
+from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
 from gpt2port.layouts.llmc import LLMC, VOCAB_MULTIPLE
-from gpt2port.tokenizer import NO_TOKENIZER, VOCAB_MERGES, vocab_and_merges, write_bpe_files
+from gpt2port.tokenizer import NO_TOKENIZER, vocab_and_merges
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -141,45 +140,22 @@ class LlmcReader(PreadReader):
         check_size(self.path, offset, size, f"the {n_layer}-layer model its header describes")
         self.metadata = {}
         self.warnings: list[str] = []
-        self._tokenizer_dir: Path | None = None
-        self._tables: tuple | None = None  # () once looked for and not found
 
     def inputs(self) -> list[Path]:
         return [*super().inputs(), self.path.parent / TOKENIZER_FILE]
 
-    def tokenizer_names(self) -> list[str]:
-        return list(VOCAB_MERGES[0]) if self._tokenizer_tables() else []
-
-    def _tokenizer_tables(self) -> tuple | None:
+    def _read_tokenizer(self) -> tuple | None:
         """GPT-2's tokens and merges from a gpt2_tokenizer.bin beside the model file (llm.c keeps only the token
         bytes; the merges follow from them); None, with a warning, where there is none or it is not GPT-2's."""
-        if self._tables is None:
-            path, self._tables = self.path.parent / TOKENIZER_FILE, ()
-            if not path.is_file():
-                self.warnings.append(f"{self.path}: no tokenizer beside it ({TOKENIZER_FILE}); {NO_TOKENIZER}")
-            else:
-                try:
-                    self._tables = vocab_and_merges(*read_tokenizer(path), str(path))
-                except GPT2PortError as e:
-                    self.warnings.append(f"{e}; {NO_TOKENIZER}")
-        return self._tables or None
-
-    def tokenizer_files(self) -> list[Path]:
-        """vocab.json + merges.txt rebuilt (see _tokenizer_tables) in a scratch directory (inside the output being
-        built, if any: fsio.scratch_directory) removed on close."""
-        if self._tokenizer_dir is None:
-            tables = self._tokenizer_tables()
-            if tables is None:
-                return []
-            self._tokenizer_dir = scratch_directory("gpt2port-llmc-tokenizer-")
-            write_bpe_files(self._tokenizer_dir, *tables)
-        return sorted(self._tokenizer_dir.iterdir())
-
-    def close(self) -> None:
-        super().close()
-        if self._tokenizer_dir is not None:
-            shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
-            self._tokenizer_dir = None
+        path = self.path.parent / TOKENIZER_FILE
+        if not path.is_file():
+            self.warnings.append(f"{self.path}: no tokenizer beside it ({TOKENIZER_FILE}); {NO_TOKENIZER}")
+            return None
+        try:
+            return vocab_and_merges(*read_tokenizer(path), str(path))
+        except GPT2PortError as e:
+            self.warnings.append(f"{e}; {NO_TOKENIZER}")
+            return None
 
 
 def _config(fields: dict, path: Path) -> GPTConfig:
