@@ -91,7 +91,8 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
     try:
         yield stage
         for d in scratch:
-            shutil.rmtree(d)
+            if d.exists():
+                shutil.rmtree(d)
         _fsync_dir(stage)
         _swap_in(stage, dest, force)
     except BaseException:

@@ -58,7 +58,7 @@ class Reader:
         """Every file this reader opened (an output must never replace one)."""
         return [f for f in (self.path, *self.files, self.index_file, self.config_file) if f is not None]
 
-    _tokenizer: tuple = None  # (tokens, merges) once read, () where the format carries none
+    _tokenizer: tuple | None = None  # (tokens, merges) once read, () where the format carries none
     _tokenizer_dir: Path | None = None
 
     def _read_tokenizer(self) -> tuple[list[str], list[tuple[str, str]]] | None:
@@ -76,7 +76,7 @@ class Reader:
     def tokenizer_files(self) -> list[Path]:
         """vocab.json + merges.txt rebuilt from what the format carries, for when none lie beside the weights: in a
         scratch directory (inside the output being built: fsio.scratch_directory) that close() removes."""
-        if self._tokenizer_dir is None:
+        if self._tokenizer_dir is None or not self._tokenizer_dir.is_dir():  # (an earlier output's went with it)
             if not self.tokenizer_names():
                 return []
             self._tokenizer_dir = scratch_directory(f"gpt2port-{self.layout or 'source'}-tokenizer-")
