@@ -85,18 +85,24 @@ def _demo_repo(tmp_path: Path) -> Path:
     return repo
 
 
-def test_the_demo_leaves_a_checkpoint_that_the_next_readme_command_finds(tmp_path, tiny_hf_model):
-    """The README's next command after `bash scripts/demo_offline.sh` is `gpt2port info gpt2`, from the repository
-    root with nothing set: the demo must have written ./checkpoints/gpt2 (it used to write under the temp dir),
-    say so at its end, and print no shell noise (`+ kill PID`). The stand-in Hub serves a tiny model as gpt2."""
-    repo = _demo_repo(tmp_path)
+def _run_demo(repo: Path, tmp_path: Path, model):
+    """The demo in a temporary HOME, its stand-in Hub serving `model` as openai-community/gpt2."""
     work = tmp_path / "work"
-    fill_fake_hub.write_hub_repo(work / "hub", "openai-community/gpt2", tiny_hf_model)
+    fill_fake_hub.write_hub_repo(work / "hub", "openai-community/gpt2", model)
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path),
            "DEMO_DIR": str(work), "DEMO_PORT": str(_free_port())}
     r = subprocess.run(["bash", "scripts/demo_offline.sh"], cwd=repo, capture_output=True, text=True, timeout=600,
                        env=env)
     assert r.returncode == 0, r.stderr
+    return work, env, r
+
+
+def test_the_demo_leaves_a_checkpoint_that_the_next_readme_command_finds(tmp_path, tiny_hf_model):
+    """The README's next command after `bash scripts/demo_offline.sh` is `gpt2port info gpt2`, from the repository
+    root with nothing set: the demo must have written ./checkpoints/gpt2 (it used to write under the temp dir),
+    say so at its end, and print no shell noise (`+ kill PID`). The stand-in Hub serves a tiny model as gpt2."""
+    repo = _demo_repo(tmp_path)
+    _, env, r = _run_demo(repo, tmp_path, tiny_hf_model)
     assert "kill" not in r.stderr and "Traceback" not in r.stderr
     assert "PASS" in r.stdout
     assert r.stdout.strip().splitlines()[-2:] == [
@@ -118,13 +124,7 @@ def test_the_demo_leaves_a_users_own_checkpoint_alone(tmp_path, tiny_hf_model, t
     mine = repo / "checkpoints" / "gpt2"
     shutil.copytree(tiny_ckpt, mine)
     before = {p.name: p.read_bytes() for p in mine.iterdir()}
-    work = tmp_path / "work"
-    fill_fake_hub.write_hub_repo(work / "hub", "openai-community/gpt2", tiny_hf_model)
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path),
-           "DEMO_DIR": str(work), "DEMO_PORT": str(_free_port())}
-    r = subprocess.run(["bash", "scripts/demo_offline.sh"], cwd=repo, capture_output=True, text=True, timeout=600,
-                       env=env)
-    assert r.returncode == 0, r.stderr
+    work, env, r = _run_demo(repo, tmp_path, tiny_hf_model)
     assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
     assert not (repo / "checkpoints" / "gpt2-again").exists()
     assert r.stdout.strip().splitlines()[-1] == f"    GPT2PORT_CHECKPOINTS={work}/checkpoints .venv/bin/gpt2port info gpt2"
