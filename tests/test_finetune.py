@@ -18,7 +18,7 @@ import torch
 
 from gpt2port import GPT
 from gpt2port.training import data as tokens
-from tests.support import assert_clean_failure, assert_valid_checkpoint, run_cli, snapshot
+from tests.support import assert_clean_failure, assert_valid_checkpoint, interruptible, run_cli, snapshot
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def numbers(run: Path) -> list[tuple]:
 
 def finetune_process(*args, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gpt2port", "finetune", *map(str, args)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            **interruptible(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw))
 
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
