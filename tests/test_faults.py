@@ -406,6 +406,7 @@ def test_sweep_spares_a_live_runs_directory(tmp_path):
 
 # --- full size: the same promises when the write takes real time --------------------------------------------------------------
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_signal_during_a_124m_conversion(sig, gpt2_hf_repo, gpt2_ckpt, tmp_path):

@@ -501,6 +501,7 @@ def test_hub_module_does_not_import_transformers():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 def test_fullsize_gpt2_download(tmp_path_factory, tmp_path, gpt2_hf_repo):
     """124M shapes through the whole path: 0.5 GB over loopback, hashed, converted, logits equal HF's."""
