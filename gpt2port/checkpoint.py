@@ -64,8 +64,10 @@ def resolve(ckpt: str | Path) -> Path:
                             f"{_listing()})")
     if path.exists():
         raise GPT2PortError(f"{path}: is a file; a checkpoint is a directory")
-    if not path.is_absolute() and len(path.parts) <= 2 and path.name not in ("", ".", ".."):
-        # `download org/repo` writes root()/repo: the repo id and its last part both find it again.
+    bare = len(path.parts) == 1 or (len(path.parts) == 2 and not Path(path.parts[0]).exists())
+    if not path.is_absolute() and bare and path.name not in (".", ".."):
+        # `download org/repo` writes root()/repo: the repo id and its last part both find it again. A path under
+        # a directory that exists here (runs/x) is a path, and a miss there is not looked for elsewhere.
         under_root = root() / path.name
         if under_root.is_dir():
             return resolve(under_root)

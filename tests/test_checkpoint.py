@@ -108,3 +108,6 @@ def test_a_name_under_the_checkpoints_folder_resolves_and_a_miss_lists_it(tmp_pa
         resolve("gpt2")  # an official name not downloaded yet: the command, and what is there instead
     with pytest.raises(GPT2PortError, match="no such checkpoint directory"):
         resolve(tmp_path / "elsewhere" / "tiny-sharded")  # an explicit path is taken as it is
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(GPT2PortError, match="no such checkpoint directory"):
+        resolve("runs/gpt2-again")  # a path under a directory that is here: not found there, not taken elsewhere
