@@ -48,7 +48,8 @@ def default_dir(name: str) -> Path:
 
 
 def resolve(ckpt: str | Path) -> Path:
-    """A checkpoint directory from a path, or from a model NAME (-> ./checkpoints/NAME)."""
+    """A checkpoint directory from a path, from a model NAME (-> ./checkpoints/NAME), or from the name of any
+    directory under the checkpoints folder (what `download ORG/REPO` and `--out checkpoints/X` write)."""
     path = Path(ckpt)
     if path.is_dir():
         if not is_checkpoint(path):
@@ -59,10 +60,31 @@ def resolve(ckpt: str | Path) -> Path:
         found = default_dir(str(ckpt))
         if found.is_dir():
             return resolve(found)
-        raise GPT2PortError(f"{found}: no converted checkpoint for {ckpt!r} (run `gpt2port download {ckpt}`)")
+        raise GPT2PortError(f"{found}: no converted checkpoint for {ckpt!r} (run `gpt2port download {ckpt}`; "
+                            f"{_listing()})")
     if path.exists():
         raise GPT2PortError(f"{path}: is a file; a checkpoint is a directory")
-    raise GPT2PortError(f"{path}: no such checkpoint directory")
+    bare = len(path.parts) == 1 or (len(path.parts) == 2 and not Path(path.parts[0]).exists())
+    if not path.is_absolute() and bare and path.name not in (".", ".."):
+        # `download org/repo` writes root()/repo: the repo id and its last part both find it again. A path under
+        # a directory that exists here (runs/x) is a path, and a miss there is not looked for elsewhere.
+        under_root = root() / path.name
+        if under_root.is_dir():
+            return resolve(under_root)
+    raise GPT2PortError(f"{path}: no such checkpoint directory ({_listing()})")
+
+
+def _listing() -> str:
+    """What the checkpoints folder holds, for a message about a name that is not there."""
+    folder = root()
+    try:
+        names = sorted(p.name for p in folder.iterdir() if is_checkpoint(p))
+    except OSError:
+        return f"{folder} does not exist yet"
+    if not names:
+        return f"{folder} holds no checkpoint"
+    shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    return f"{folder} holds: {shown}"
 
 
 def load_tokenizer(ckpt: str | Path):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
+import threading
 import time
 
 
@@ -35,25 +37,79 @@ def byte_progress(label: str, quiet: bool = False):
 
 
 class StatusLine:
-    """One self-overwriting status line on stderr, "LABEL [elapsed s] message", shown only when show_bars(quiet).
+    """Progress of a long job on stderr. On a terminal: one self-overwriting line, "LABEL [elapsed s] message", with
+    a bar when the message ends in a count ("block 3/12"); with `tick`, re-drawn every `tick` seconds so that a
+    long step still shows time passing. Elsewhere (a log, a pipe, a notebook), when `lines`: one plain line per
+    new step ("LABEL [elapsed s] message\n", counts thinned to one line per `every` seconds). Nothing when quiet.
 
     Call it with a message to show, or with None to clear the line (do that before printing anything else).
     """
 
-    def __init__(self, label: str, quiet: bool = False):
+    def __init__(self, label: str, quiet: bool = False, lines: bool = False, tick: float | None = None,
+                 every: float = 10.0):
         self.label = label
-        self.enabled = show_bars(quiet)
+        self.tty = show_bars(quiet)
+        self.lines = lines and not quiet and not self.tty
+        self.enabled = self.tty or self.lines
         self.shown = False
         self.t0 = time.perf_counter()
+        self.message: str | None = None
+        self.every = every
+        self.last_step, self.last_line = None, -every
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.ticker = None
+        if self.tty and tick:
+            self.ticker = threading.Thread(target=self._tick, args=(tick,), daemon=True, name="gpt2port-progress")
+            self.ticker.start()
 
     def __call__(self, message: str | None) -> None:
         if not self.enabled:
             return
-        if message is None:
+        with self.lock:
+            self.message = message
+            if self.tty:
+                self._draw()
+            elif message is not None:
+                self._line(message)
+        if message is None and self.ticker is not None:
+            self.stop.set()
+
+    def _elapsed(self) -> str:
+        return f"{self.label} [{time.perf_counter() - self.t0:5.0f}s]"
+
+    def _draw(self) -> None:
+        if self.message is None:
             if self.shown:
                 sys.stderr.write("\r\033[K")
             self.shown = False
         else:
-            sys.stderr.write(f"\r\033[K{self.label} [{time.perf_counter() - self.t0:5.0f}s] {message}")
+            sys.stderr.write(f"\r\033[K{self._elapsed()} {self.message}{_bar(self.message)}")
             self.shown = True
         sys.stderr.flush()
+
+    def _line(self, message: str) -> None:
+        step, now = _COUNT.sub("", message), time.perf_counter()
+        if step == self.last_step and now - self.last_line < self.every:
+            return
+        self.last_step, self.last_line = step, now
+        sys.stderr.write(f"{self._elapsed()} {message}\n")
+        sys.stderr.flush()
+
+    def _tick(self, period: float) -> None:
+        while not self.stop.wait(period):
+            with self.lock:
+                if self.message is not None:
+                    self._draw()
+
+
+_COUNT = re.compile(r"\d+")
+_FRACTION = re.compile(r"(\d+)/(\d+)$")
+
+
+def _bar(message: str, width: int = 20) -> str:
+    m = _FRACTION.search(message)
+    if not m or int(m.group(2)) <= 0:
+        return ""
+    filled = min(width, width * int(m.group(1)) // int(m.group(2)))
+    return f" |{'#' * filled}{'.' * (width - filled)}|"

@@ -41,10 +41,33 @@ trap 'kill $HUB_PID 2>/dev/null || true' EXIT
 for _ in $(seq 50); do (echo > /dev/tcp/127.0.0.1/$PORT) 2>/dev/null && break; sleep 0.2; done
 
 export HF_ENDPOINT="http://127.0.0.1:$PORT" HF_HUB_DISABLE_XET=1 HF_HOME="$WORK/hf-home"
-export GPT2PORT_CHECKPOINTS="$WORK/checkpoints"
-set -x
-.venv/bin/gpt2port download "$SIZE" --force
-.venv/bin/gpt2port info "$SIZE"
-.venv/bin/gpt2port verify "$SIZE" --tokens 128
-.venv/bin/gpt2port generate "$SIZE" "The dog" --max-new-tokens 20 --seed 0
-HF_HUB_OFFLINE=1 .venv/bin/gpt2port download "$SIZE" --out "$WORK/checkpoints/$SIZE-from-cache" --force
+# The checkpoints go where `gpt2port info NAME` looks afterwards: ./checkpoints (or $GPT2PORT_CHECKPOINTS). A
+# checkpoint already there that did not come from a stand-in Hub is the user's own: it is left alone and the demo
+# writes under $WORK instead, saying so at the end.
+CKPTS="${GPT2PORT_CHECKPOINTS:-checkpoints}"
+from_demo() {  # $1: a checkpoint directory; true when absent or written by an earlier demo
+  [ ! -e "$1" ] || $PY -c 'import json, sys
+src = json.load(open(sys.argv[1] + "/manifest.json")).get("source", {})
+sys.exit(0 if str(src.get("endpoint", "")).startswith("http://127.0.0.1:") else 1)' "$1" 2>/dev/null
+}
+if ! from_demo "$CKPTS/$SIZE" || ! from_demo "$CKPTS/$SIZE-again"; then
+  echo "demo: $CKPTS/$SIZE or $CKPTS/$SIZE-again holds a checkpoint of yours; the demo writes under $WORK/checkpoints instead" >&2
+  CKPTS="$WORK/checkpoints"
+fi
+export GPT2PORT_CHECKPOINTS="$CKPTS"
+show() { echo "+ gpt2port $*" >&2; .venv/bin/gpt2port "$@"; }
+show download "$SIZE" --force
+show info "$SIZE"
+show verify "$SIZE" --tokens 128
+show generate "$SIZE" "The dog" --max-new-tokens 20 --seed 0
+echo "+ HF_HUB_OFFLINE=1 gpt2port download $SIZE --out $CKPTS/$SIZE-again --force" >&2
+HF_HUB_OFFLINE=1 .venv/bin/gpt2port download "$SIZE" --out "$CKPTS/$SIZE-again" --force
+kill "$HUB_PID" 2>/dev/null || true
+
+if [ "$CKPTS" = checkpoints ]; then
+  echo "demo: done. ./checkpoints/$SIZE and ./checkpoints/$SIZE-again hold random weights in GPT-2's shapes; from the repository root:"
+  echo "    .venv/bin/gpt2port info $SIZE"
+else
+  echo "demo: done. $CKPTS/$SIZE and $CKPTS/$SIZE-again hold random weights in GPT-2's shapes; to use them:"
+  echo "    GPT2PORT_CHECKPOINTS=$CKPTS .venv/bin/gpt2port info $SIZE"
+fi

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,18 @@ from gpt2port.cli import main
 from gpt2port.fsio import OLD_MARK, PARTIAL_MARK
 
 WEIGHTS = "model.safetensors"
+
+
+def interruptible(**popen_kw) -> dict:
+    """Popen keyword arguments for a child that a test stops with SIGINT: the child starts with SIGINT at its
+    default, whatever this process inherited. A shell running pytest as a background job (`pytest &`) ignores
+    SIGINT in it, and an ignored signal stays ignored across exec, so Python in the child would never raise
+    KeyboardInterrupt and the test would wait for an interruption that cannot happen."""
+    return {**popen_kw, "preexec_fn": _sigint_at_default}
+
+
+def _sigint_at_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def snapshot(root: Path) -> dict:

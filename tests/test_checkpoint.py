@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 import gpt2port
 from gpt2port import GPT, GPTConfig
-from gpt2port.checkpoint import read_manifest
+from click.testing import CliRunner
+
+from gpt2port.checkpoint import read_manifest, resolve
+from gpt2port.cli import main
 from gpt2port.errors import GPT2PortError
 
 WEIGHTS = "model.safetensors"
@@ -77,3 +81,33 @@ def test_saving_over_its_own_checkpoint_with_force(tiny_ckpt, tmp_path):
         model.save_pretrained(ckpt)
     model.save_pretrained(ckpt, force=True)
     assert torch.equal(GPT.from_pretrained(ckpt).final_norm.bias, model.final_norm.bias)
+
+
+def test_a_name_under_the_checkpoints_folder_resolves_and_a_miss_lists_it(tmp_path, tiny_ckpt, monkeypatch):
+    """`download org/tiny-sharded` writes checkpoints/tiny-sharded and `--out checkpoints/gpt2-again` what it says:
+    `info tiny-sharded` and `info gpt2-again` must find them from any directory; a name that is not there is
+    refused with the folder's contents, so the user sees what they could have meant."""
+    folder = tmp_path / "ckpts"
+    monkeypatch.setenv("GPT2PORT_CHECKPOINTS", str(folder))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(GPT2PortError, match=r"no such checkpoint directory \(.*ckpts does not exist yet\)"):
+        resolve("tiny-sharded")
+    for name in ("tiny-sharded", "gpt2-again"):
+        shutil.copytree(tiny_ckpt, folder / name)
+    (folder / "not-a-checkpoint").mkdir()
+    assert resolve("tiny-sharded") == folder / "tiny-sharded"
+    assert resolve("gpt2port-fixtures/tiny-sharded") == folder / "tiny-sharded"  # the repo id download was given
+    assert resolve("gpt2-again") == folder / "gpt2-again"
+    r = CliRunner().invoke(main, ["info", "gpt2-again"])
+    assert r.exit_code == 0 and "gpt2-again" in r.output, r.output
+    with pytest.raises(GPT2PortError) as miss:
+        resolve("gpt2-agian")
+    assert str(miss.value) == (f"gpt2-agian: no such checkpoint directory ({folder} holds: gpt2-again, "
+                               f"tiny-sharded)")
+    with pytest.raises(GPT2PortError, match=r"run `gpt2port download gpt2`; .*holds: gpt2-again, tiny-sharded"):
+        resolve("gpt2")  # an official name not downloaded yet: the command, and what is there instead
+    with pytest.raises(GPT2PortError, match="no such checkpoint directory"):
+        resolve(tmp_path / "elsewhere" / "tiny-sharded")  # an explicit path is taken as it is
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(GPT2PortError, match="no such checkpoint directory"):
+        resolve("runs/gpt2-again")  # a path under a directory that is here: not found there, not taken elsewhere

@@ -213,7 +213,7 @@ def test_cli_convert_and_info(make_hf_repo, tmp_path):
 
 
 @pytest.mark.fullsize
-@pytest.mark.parametrize("size", ["gpt2", "gpt2-medium"])
+@pytest.mark.parametrize("size", ["gpt2", pytest.param("gpt2-medium", marks=pytest.mark.heavy)])  # 355M: -m heavy
 def test_full_size_parity(size, tmp_path_factory, request):
     """Random weights at the real shapes, 1024 positions, against transformers."""
     if size == "gpt2":

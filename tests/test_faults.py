@@ -31,8 +31,8 @@ import gpt2port.outfile as outfile_mod
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import PARTIAL_MARK, staged_directory, sweep_leftovers
 from scripts import fake_hub, fill_fake_hub
-from tests.support import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint, leftovers,
-                           run_cli, snapshot)
+from tests.support import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint,
+                           interruptible, leftovers, run_cli, snapshot)
 
 # The CLI with faults patched in, chosen by the JSON in $GPT2PORT_TEST_FAULT:
 #   slow: seconds to sleep before each tensor (and touch `started` at the first), so a signal lands mid-write
@@ -71,8 +71,8 @@ main(args=sys.argv[1:], prog_name="gpt2port")
 
 def start_cli(*args, fault: dict | None = None) -> subprocess.Popen:
     env = {**os.environ, "GPT2PORT_TEST_FAULT": json.dumps(fault or {})}
-    return subprocess.Popen([sys.executable, "-c", FAULTS, *map(str, args)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, "-c", FAULTS, *map(str, args)],
+                            **interruptible(env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 60) -> None:
@@ -406,6 +406,7 @@ def test_sweep_spares_a_live_runs_directory(tmp_path):
 
 # --- full size: the same promises when the write takes real time --------------------------------------------------------------
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_signal_during_a_124m_conversion(sig, gpt2_hf_repo, gpt2_ckpt, tmp_path):

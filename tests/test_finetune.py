@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from gpt2port import GPT
 from gpt2port.training import data as tokens
-from tests.support import assert_clean_failure, assert_valid_checkpoint, run_cli, snapshot
+from tests.support import assert_clean_failure, assert_valid_checkpoint, interruptible, run_cli, snapshot
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +46,7 @@ def numbers(run: Path) -> list[tuple]:
 
 def finetune_process(*args, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gpt2port", "finetune", *map(str, args)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+                            **interruptible(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw))
 
 
 def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -77,8 +78,9 @@ def torchrun(*args) -> None:
     """`torchrun --nproc-per-node 2 -m gpt2port finetune ARGS`, which must succeed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "gpt2port", "finetune", *args]
-    r = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:  # torchrun's own torchelastic_* directories
+        r = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp})
     assert r.returncode == 0, r.stderr[-3000:]
 
 

@@ -89,6 +89,7 @@ def test_stop_token_ends_each_row_like_hf(lively):
     assert list(stream(ours, prompts[0], 20, temperature=0, stop_token=stop)) == got[0]
 
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 def test_greedy_equals_hf_generate_124m(gpt2_hf_repo, gpt2_ckpt):
     """Tokens from single prompts and a ragged batch, and the logits of every step (a random 124M model settles

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from torch.nn import functional as F
 
@@ -25,6 +26,7 @@ def test_gradients_equal_transformers_tiny(tiny_ckpt, make_hf_repo):
     assert g["params"] == 2 + 12 * 2 + 2  # wte (tied head once), wpe, 12 per block, final norm
 
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 def test_gradients_equal_transformers_124m(gpt2_ckpt, gpt2_hf_repo):
     g = gradient_parity(lambda: GPT.from_pretrained(gpt2_ckpt), gpt2_hf_repo, ids_of(T=65, seed=1))
     assert g["loss_rel"] < 1e-6 and g["max_rel"] <= TOLERANCE, g

@@ -27,6 +27,7 @@ from click.testing import CliRunner
 
 from scripts import fake_hub, fill_fake_hub, hf_fixtures
 from gpt2port.errors import GPT2PortError
+from tests.support import interruptible
 
 TINY_REPO = "gpt2port-fixtures/tiny"
 BIN_REPO = "gpt2port-fixtures/tiny-bin-only"
@@ -327,8 +328,9 @@ def test_connection_cut_for_good_fails_then_rerun_completes(hub, tmp_path, hub_m
 
 def test_ctrl_c_leaves_nothing_and_rerun_completes(hub, tmp_path, hub_models):
     hub.set_faults({"throttle": {"model.safetensors": 256 << 10}})  # ~25 s for the whole file
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2port", "download", TINY_REPO, "--out", "int"], cwd=tmp_path,
-                            env=_env(hub.url, tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2port", "download", TINY_REPO, "--out", "int"],
+                            **interruptible(cwd=tmp_path, env=_env(hub.url, tmp_path), stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True))
     try:
         deadline = time.monotonic() + 60
         while not any(e["file"] == "model.safetensors" and e["method"] == "GET" and e["status"] == 200
@@ -499,6 +501,7 @@ def test_hub_module_does_not_import_transformers():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 def test_fullsize_gpt2_download(tmp_path_factory, tmp_path, gpt2_hf_repo):
     """124M shapes through the whole path: 0.5 GB over loopback, hashed, converted, logits equal HF's."""

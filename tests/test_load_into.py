@@ -259,6 +259,7 @@ def test_untied_head_format_keeps_a_changed_head(tiny_ckpt, tmp_path, config):
 
 # --- full size -----------------------------------------------------------------------------------------------------
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 def test_124m_shape_meta_built(gpt2_ckpt):
     reference = GPT.from_pretrained(gpt2_ckpt)

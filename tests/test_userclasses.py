@@ -113,6 +113,7 @@ def test_every_class_builds_on_the_meta_device(style, tiny_ckpt):
     assert all(p.is_meta for p in model.parameters())
 
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 def test_syds_hand_loaded_at_124m_shape(gpt2_ckpt):
     case = Case("syds")

@@ -147,6 +147,7 @@ def test_reduced_precision_weights_judged_at_their_precision(tiny_ckpts):
     assert report.metrics["overall"]["ours_vs_f64"]["max_rel"] > 10 * TOLERANCES["fp32"].logits_rel
 
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 def test_passes_correct_124m_conversion(gpt2_ckpt):
     report = run_verify(gpt2_ckpt, tokens=96)
@@ -321,6 +322,7 @@ def test_reference_keeps_no_mapping_of_the_weights(make_hf_repo):
     assert len(mapped) == 1 + hf_fixtures.TINY["n_layer"] + 2 and not any(mapped)
 
 
+@pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
 def test_reference_agrees_with_transformers_124m(gpt2_hf_repo):
     ids = torch.randint(0, 50257, (2, 48), generator=torch.Generator().manual_seed(1))

@@ -5,6 +5,7 @@ the float64 reference, and the report says why HF did not join."""
 from __future__ import annotations
 
 import gc
+import inspect
 from pathlib import Path
 
 import torch
@@ -67,10 +68,12 @@ def hf_phase(ref_path, dt, inputs, ref_logits, ours_logits, tol, report, say) ->
 
 
 def _hf_greedy(hf, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    """Greedy decoding through HF's own KV cache (past_key_values), free of any generation_config settings."""
+    """Greedy decoding through HF's own KV cache, free of any generation_config settings. The cache goes back in
+    under the name this transformers takes (`cache` since 5.x, `past_key_values` before, which 5.x warns about)."""
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
     out = hf(prompt, use_cache=True)
     chosen = [out.logits[:, -1].argmax(-1)]
     while len(chosen) < n:
-        out = hf(chosen[-1][:, None], past_key_values=out.past_key_values, use_cache=True)
+        out = hf(chosen[-1][:, None], use_cache=True, **{name: out[name]})
         chosen.append(out.logits[:, -1].argmax(-1))
     return torch.stack(chosen, dim=1)

@@ -52,7 +52,8 @@ def run_verify(ckpt, reference=None, dtype=None, tokens: int | None = None, prog
     already open, which the caller keeps and closes. dtype: compute dtype for ours and HF (default: the
     checkpoint's). tokens: length of the random-id inputs (default: the full context). hf=False skips transformers
     even when it is installed (float64 reference only). grads: also compare the loss and every parameter's gradient
-    with transformers' in fp32 (grads.py), on the random-id input.
+    with transformers' in fp32 (grads.py), on the random-id input. progress: show each step on stderr (a line that
+    redraws itself on a terminal; one plain line per step in a log, a pipe or a notebook).
     """
     from gpt2port.checkpoint import WEIGHTS
     from gpt2port.formats.safetensors import read_header
@@ -122,7 +123,7 @@ def _manifest_reference(ckpt_dir: Path, manifest: dict) -> Path:
 def _verify(load_ours: Callable, label: str, reference, tokenizer_dirs: list[Path], tokens: int | None,
             progress: bool, known_answer: bool, use_hf: bool = True, weights_dtype=None,
             load_for_grads: Callable | None = None) -> VerifyReport:
-    say = StatusLine("verify", quiet=not progress)
+    say = StatusLine("verify", quiet=not progress, lines=True, tick=1.0)  # a terminal: a line; a log: step lines
     try:
         report = _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype, say)
         if load_for_grads is not None:
