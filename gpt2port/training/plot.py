@@ -120,6 +120,9 @@ def loss_plot(path: Path, train, eval=(), title: str = "", width: int = 800, hei
             out.extend(f'<circle class="{name}" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}"/>'
                        for x, y in zip(px, py))
     out.append("</g>")
+    if series:  # the legend sits in the top right corner, over a white box so lines passing under it stay apart
+        out.append(f'<rect x="{x1 - 208}" y="{y0 + 2}" width="204" height="{20 * len(series) + 6}" fill="white" '
+                   f'fill-opacity="0.85"/>')
     for i, (name, colour, *_) in enumerate(series):
         y = y0 + 14 + i * 20
         label = {"train": "train", "train-ema": "train (running average)", "eval": "eval"}[name]
