@@ -3,6 +3,7 @@ onto the plot area (loss up, step right), with tick labels that bracket the data
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -38,7 +39,7 @@ def assert_follows(points, logged, tol=0.1):
     grows downwards), so the shape on the chart is the shape of the log."""
     assert len(points) == len(logged)
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    assert all(a < b for a, b in zip(xs, xs[1:]))
+    assert all(a < b for a, b in itertools.pairwise(xs))
     (s0, l0), (s1, l1) = logged[0], logged[-1]
     ax, ay = (xs[-1] - xs[0]) / (s1 - s0), (ys[-1] - ys[0]) / (l1 - l0)
     assert ax > 0 and ay < 0

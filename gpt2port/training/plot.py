@@ -81,8 +81,8 @@ def loss_plot(path: Path, train, eval=(), title: str = "", width: int = 800, hei
     def sy(v: float) -> float:
         return y1 - (v - ylo) / (yhi - ylo) * (y1 - y0)
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12" fill="{INK}">',
+    out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12" fill="{INK}">'),
            f"<title>{escape(title or 'loss')}</title>",
            f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<clipPath id="plot"><rect x="{x0}" y="{y0}" width="{x1 - x0}" height="{y1 - y0}"/></clipPath>']
