@@ -399,7 +399,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
             sys.exit(EXIT_FAILURE)
         raise
     if os.environ.get("RANK", "0") == "0":
-        _succeeded(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.png)")
+        _succeeded(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.svg)")
 
 
 if __name__ == "__main__":

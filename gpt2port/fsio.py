@@ -269,10 +269,11 @@ def refuse_hf_cache(out: Path) -> None:
 # --- what --force may replace ------------------------------------------------------------------------------------
 
 # Every name a gpt2port writer gives what it puts in an output directory (a checkpoint, an hf/llmc/gguf export, a
-# fine-tuning run) or leaves there while working. A directory holding anything else is not replaced.
+# fine-tuning run) or leaves there while working (loss.png: the chart of runs made before it became loss.svg).
+# A directory holding anything else is not replaced.
 _WRITTEN = re.compile(r"""(model\.safetensors|config\.json|manifest\.json|model\.gguf|gpt2_\w+\.bin
     |vocab\.json|merges\.txt|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|encoder\.json|vocab\.bpe
-    |train_log\.jsonl|loss\.png|tokens|train_state|\.train_state\.(partial|old)|\.checkpoint
+    |train_log\.jsonl|loss\.svg|loss\.png|tokens|train_state|\.train_state\.(partial|old)|\.checkpoint
     |\..+(\.partial|\.replaced)-\d+)""", re.X)
 _TAG_LIMIT = 64 << 20  # bytes: far above any manifest or meta.json gpt2port writes
 _LLMC_MAGICS = (20240326, 20240327, 20240328)  # llm.c's model, debug-state and tokenizer files (formats/llmc.py)

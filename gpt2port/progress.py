@@ -13,20 +13,27 @@ def show_bars(quiet: bool = False) -> bool:
     return not quiet and sys.stderr.isatty()
 
 
+def tqdm_bar(quiet: bool = False, **tqdm_args):
+    """A tqdm bar on stderr, or None where bars are not shown (quiet, a log, a pipe)."""
+    if not show_bars(quiet):
+        return None
+    from tqdm import tqdm  # arrives with huggingface_hub
+
+    return tqdm(**tqdm_args)
+
+
 @contextlib.contextmanager
 def byte_progress(label: str, quiet: bool = False):
     """Yield a callback(done_bytes, total_bytes) that drives one byte-count bar on stderr (or does nothing)."""
     if not show_bars(quiet):
         yield None
         return
-    from tqdm import tqdm  # arrives with huggingface_hub
-
     bar = None
 
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1000, leave=False)
+            bar = tqdm_bar(quiet, total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1000, leave=False)
         bar.update(done - bar.n)
 
     try:

@@ -50,14 +50,6 @@ class Runtime:
         """True on every rank if it is True on any (how ranks agree to stop at the same step)."""
         return self.sum([1.0 if flag else 0.0])[0] > 0
 
-    def broadcast(self, obj):
-        """rank 0's Python object, on every rank."""
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self._comm_device())
-        return box[0]
-
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -137,8 +129,3 @@ def _fill(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
             start = per * p.device_mesh.get_local_rank()
             src = src[start : start + local.shape[0]]
         local.copy_(src)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPT inside a DDP wrapper (fully_shard wraps in place: the module is the GPT itself)."""
-    return getattr(model, "module", model)

@@ -2,7 +2,7 @@
 
 The run directory DIR holds, while training: tokens/ (the dataset tokenized once, memory-mapped), train_log.jsonl,
 train_state/ (what --resume continues from); when done, DIR is also an ordinary gpt2port checkpoint (weights in
-fp32, config, tokenizer files, manifest naming the parent and the data) and loss.png shows the run.
+fp32, config, tokenizer files, manifest naming the parent and the data) and loss.svg charts the run.
 Everything that can be refused is checked before anything is written.
 """
 
@@ -24,7 +24,7 @@ from gpt2port.training.loop import Log, Plan, Stopped, Trainer
 from gpt2port.training.optim import adamw
 
 LOG = "train_log.jsonl"
-PLOT = "loss.png"
+PLOT = "loss.svg"
 TOKENS = "tokens"
 # What a resumed run must keep: the numbers its arithmetic depends on. World size, accumulation, device and the
 # intervals may change (they move sums around, not what is summed).

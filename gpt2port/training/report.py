@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import sys
 
-from gpt2port.progress import show_bars
+from gpt2port.progress import tqdm_bar
 
 
 class Progress:
     def __init__(self, steps: int, start: int, quiet: bool, every: int = 10):
-        self.quiet, self.every, self.bar = quiet, every, None
-        self.steps = steps
-        if show_bars(quiet):
-            from tqdm import tqdm  # arrives with huggingface_hub
-
-            self.bar = tqdm(total=steps, initial=start, desc="fine-tuning", unit="step", dynamic_ncols=True)
+        self.quiet, self.every, self.steps = quiet, every, steps
+        self.bar = tqdm_bar(quiet, total=steps, initial=start, desc="fine-tuning", unit="step", dynamic_ncols=True)
 
     def __call__(self, row: dict) -> None:
         if self.quiet:
