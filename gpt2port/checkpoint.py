@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from gpt2port.config import GPTConfig, canonical_name, is_known_name, read_json
+from gpt2port.config import ConfigError, GPTConfig, canonical_name, is_known_name, read_json
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
@@ -82,10 +82,20 @@ def read_config(ckpt_dir: Path) -> GPTConfig:
     data = read_json(ckpt_dir / CONFIG)
     if data.get("format") != CONFIG_FORMAT:
         raise GPT2PortError(f"{ckpt_dir / CONFIG}: not a gpt2port config (no \"format\": \"{CONFIG_FORMAT}\")")
+    if not isinstance(data.get("model"), dict):
+        raise GPT2PortError(f"{ckpt_dir / CONFIG}: has no valid \"model\" section")
     try:
-        return GPTConfig.from_dict(data["model"])
-    except (KeyError, TypeError):
-        raise GPT2PortError(f"{ckpt_dir / CONFIG}: has no valid \"model\" section") from None
+        config = GPTConfig.from_dict(data["model"])
+    except ConfigError as e:
+        raise e.named(ckpt_dir / CONFIG, f"model.{e.field}") from None
+    # Before anything sizes itself by it: the parameters it claims must fit in the weights file (at 2 bytes each, the
+    # smallest float dtype), so that a config.json claiming 10**9 layers is refused here, not after gigabytes.
+    weights = ckpt_dir / WEIGHTS
+    _, n_params = canonical.counts(config)
+    if weights.is_file() and 2 * n_params > weights.stat().st_size:
+        raise GPT2PortError(f"{ckpt_dir / CONFIG}: describes a model of {n_params:,} parameters, more than "
+                            f"{weights.name} ({weights.stat().st_size:,} bytes) can hold")
+    return config
 
 
 def config_json(config: GPTConfig) -> dict:
@@ -107,6 +117,9 @@ def check_weights(path: Path, config: GPTConfig) -> Header:
     if tag not in READABLE:
         raise GPT2PortError(f"{path}: not in gpt2port layout (metadata {FORMAT_KEY}={tag!r}; this version reads "
                             f"{', '.join(READABLE)})")
+    n_tensors, _ = canonical.counts(config)
+    if n_tensors > 2 * len(header.entries) + 16:  # before the expected table is built: its size is config.json's word
+        raise GPT2PortError(f"{path}: holds {len(header.entries)} tensors; config.json implies {n_tensors}")
     expected = canonical.shapes(config)
     missing = [k for k in expected if k not in header.entries]
     extra = [k for k in header.entries if k not in expected]

@@ -40,6 +40,13 @@ def _handle_errors(fn):
                 raise
             click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(EXIT_FAILURE)
+        except RuntimeError as e:
+            if debug or not str(e).startswith("Symlink loop from "):
+                raise
+            # pathlib before Python 3.13 reports a path that is a symbolic link loop this way (ELOOP later): the
+            # user's path, not a bug
+            click.echo(f"error: {str(e).removeprefix('Symlink loop from ').strip(chr(39))}: a symbolic link loop", err=True)
+            sys.exit(EXIT_FAILURE)
         except KeyboardInterrupt:
             if debug:
                 raise
@@ -274,6 +281,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     The prompt is echoed, then each sample's continuation; the prefill and decode rates go to stderr. The model sees
     at most its context (1024 tokens): a longer prompt keeps its end, and a longer generation slides its window.
     """
+    import math
     import time
 
     import torch
@@ -283,11 +291,15 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     from gpt2port.generate import stream
     from gpt2port.tokenizer import StreamDecoder
 
+    for name, value in (("--temperature", temperature), ("--top-p", top_p)):  # click's ranges let NaN through
+        if value is not None and not math.isfinite(value):
+            raise GPT2PortError(f"{name} {value}: must be a finite number")
     if prompt == "-":
         prompt = sys.stdin.read()
     device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
+    _check_device(device)
     tokenizer = load_tokenizer(ckpt)
     model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
     ids = tokenizer.encode(prompt, allowed_special="all")  # a typed <|endoftext|> is the document separator
@@ -327,6 +339,24 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
 
         for line in decode_report(model, device, rate):
             click.echo(line, err=True)
+
+
+def _check_device(device: str | None) -> None:
+    """A --device that torch knows and this machine has: torch's own refusal of "bogus" is a RuntimeError, which
+    would read as a bug."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise GPT2PortError(f"--device {device}: not a device name (cpu, cuda, cuda:N, ...)") from None
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, ValueError, AssertionError) as e:
+        reason = " ".join(str(e).split())[:160] or type(e).__name__
+        raise GPT2PortError(f"--device {device}: not available on this machine ({reason})") from None
 
 
 @main.command()
@@ -371,6 +401,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
 
     from gpt2port.training.finetune import Interrupted, Settings, finetune as run_finetune
 
+    _check_device(device)
     ctx = click.get_current_context()
     given = {k for k in numbers if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE}
     try:

@@ -107,7 +107,7 @@ def _config(reader: Reader, layout: Layout, root: Path) -> tuple[GPTConfig, Path
     shapes = layout.canonical_shapes({k: t.shape for k, t in reader.tensors.items()})
     if reader.model_config is not None:  # the file (or one that goes with it) says what model it holds
         where = reader.config_file or reader.path
-        config = GPTConfig.from_hf_config(reader.model_config, str(where))
+        config = GPTConfig.from_hf_config(reader.model_config, str(where), reader.config_keys)
         check_config_matches_weights(config, shapes, where)
         return config, reader.config_file
     path = root / checkpoint.CONFIG
