@@ -84,8 +84,20 @@ def _gguf_value(kind: int, value) -> bytes:
         return struct.pack("<f", value)
     if kind == STRING:
         return _gguf_string(value)
+    if isinstance(value, bytes):  # an array's bytes as a test wants them (a count its items do not bear out)
+        return value
     item, items = value
     return struct.pack("<IQ", item, len(items)) + b"".join(_gguf_value(item, v) for v in items)
+
+
+def gguf_offsets(tensors: dict[str, np.ndarray], alignment: int = 32) -> dict[str, int]:
+    """Where each F32 tensor's bytes start, from the start of the data section, each aligned."""
+    out, at = {}, 0
+    for name, t in tensors.items():
+        at += -at % alignment
+        out[name] = at
+        at += t.size * 4
+    return out
 
 
 def write_gguf(path: Path, metadata: list, tensors: dict[str, np.ndarray], offsets: dict[str, int] | None = None,
@@ -101,16 +113,15 @@ def write_gguf(path: Path, metadata: list, tensors: dict[str, np.ndarray], offse
         note(_gguf_string(key) + struct.pack("<I", kind), [0])
         v = _gguf_value(kind, value)
         fields = [0] if kind == STRING else [4] if kind == ARRAY else []
-        if kind == ARRAY and value[0] == STRING:
+        if kind == ARRAY and not isinstance(value, bytes) and value[0] == STRING:
             pos = 12
             for s in value[1]:
                 fields.append(pos)
                 pos += 8 + len(s.encode("utf-8"))
         note(v, fields)
-    data, placed = bytearray(), {}
+    placed, data = gguf_offsets(tensors, alignment), bytearray()
     for name, t in tensors.items():
-        data.extend(b"\0" * (-len(data) % alignment))
-        placed[name] = len(data)
+        data.extend(b"\0" * (placed[name] - len(data)))
         data.extend(np.ascontiguousarray(t, dtype=np.float32).tobytes())
     for name, t in tensors.items():
         info = _gguf_string(name) + struct.pack("<I", t.ndim) + struct.pack(f"<{t.ndim}Q", *reversed(t.shape))
@@ -168,7 +179,10 @@ def write_sstable(path: Path, table: dict[bytes, bytes]) -> None:
     Path(path).write_bytes(data + meta + index + footer)
 
 
-def write_tf(directory: Path, tensors: dict[str, np.ndarray], header: bytes | None = None) -> None:
+def write_tf(directory: Path, tensors: dict[str, np.ndarray], header: bytes | None = None,
+             entries: dict[str, bytes] | None = None) -> None:
+    """A one-shard bundle of F32 `tensors`; `header` and `entries` (name -> BundleEntryProto bytes) replace what
+    would be written."""
     from gpt2port.formats.tf_bundle import masked_crc32c
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -177,6 +191,7 @@ def write_tf(directory: Path, tensors: dict[str, np.ndarray], header: bytes | No
         raw = np.ascontiguousarray(t, dtype=np.float32).tobytes()
         table[name.encode()] = tf_entry(t.shape, len(blob), len(raw), masked_crc32c(raw))
         blob += raw
+    table.update({k.encode(): v for k, v in (entries or {}).items()})
     (directory / "model.ckpt.data-00000-of-00001").write_bytes(bytes(blob))
     write_sstable(directory / "model.ckpt.index", table)
 

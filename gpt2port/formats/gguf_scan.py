@@ -82,7 +82,7 @@ class _Cursor:
             item = self.u32(what)
             if item in FIXED:  # a run of fixed-size items: skipped in one step
                 n = self.u64(what)
-                self.need(n * FIXED[item], f"{what}: an array of {n:,} items")
+                self.need(n * FIXED[item], f"{what}: an array of {n:,} {FIXED[item]}-byte items")
                 self.pos += n * FIXED[item]
             elif item in (STRING, ARRAY):
                 n = self.count(f"{what}: an array", 8 if item == STRING else _MIN_ITEM)
