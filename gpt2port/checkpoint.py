@@ -107,7 +107,41 @@ def config_json(config: GPTConfig) -> dict:
 
 def read_manifest(ckpt_dir: Path) -> dict:
     path = ckpt_dir / MANIFEST
-    return read_json(path) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    _check_manifest(data, path)
+    return data
+
+
+# The JSON types of what gpt2port writes in manifest.json, which its readers (info, verify, export, download) rely
+# on: a damaged file is named, not met as a TypeError deep inside one of them.
+_MANIFEST_TYPES = {"tool": str, "version": str, "created": str, "dtype": str, "n_params": int, "source": dict,
+                   "files": dict, "warnings": list, "saves": list, "exports": list}
+_MANIFEST_ITEMS = {"warnings": str, "saves": dict, "exports": dict}
+_SOURCE_FILE = {"name": str, "size": int, "sha256": str}
+
+
+def _check_manifest(data: dict, path: Path) -> None:
+    def refuse(key: str, kind: type) -> None:
+        raise GPT2PortError(f"{path}: {key} is not {'an' if kind is int else 'a'} "
+                            f"{ {str: 'string', int: 'integer', dict: 'JSON object', list: 'list'}[kind]}")
+    for key, kind in _MANIFEST_TYPES.items():
+        if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool)):
+            refuse(key, kind)
+    for key, kind in _MANIFEST_ITEMS.items():
+        for i, item in enumerate(data.get(key, [])):
+            if not isinstance(item, kind):
+                refuse(f"{key}[{i}]", kind)
+    files = data.get("source", {}).get("files", [])
+    if not isinstance(files, list):
+        refuse("source.files", list)
+    for i, f in enumerate(files):
+        if not isinstance(f, dict):
+            refuse(f"source.files[{i}]", dict)
+        for key, kind in _SOURCE_FILE.items():
+            if not isinstance(f.get(key), kind) or isinstance(f.get(key), bool):
+                refuse(f"source.files[{i}].{key}", kind)
 
 
 def check_weights(path: Path, config: GPTConfig) -> Header:

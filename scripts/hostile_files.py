@@ -208,7 +208,7 @@ def build(root: Path, formats=FORMATS, seed: int = 0) -> dict[str, Path]:
     from safetensors.torch import save_file
 
     from gpt2port.checkpoint import save_state
-    from gpt2port.conversion import export
+    from gpt2port.conversion import convert, export
     from gpt2port.layouts import GGUF, HF
     from gpt2port.layouts.nanogpt import NANOGPT
     from gpt2port.layouts.openai_tf import OPENAI_TF
@@ -217,10 +217,13 @@ def build(root: Path, formats=FORMATS, seed: int = 0) -> dict[str, Path]:
     tok = root / "_tokenizer"
     tokens, merges = tokenizer(tok)
     state = canonical_state(seed=seed)
-    ckpt = root / "gpt2port"
-    save_state(state, CONFIG, ckpt, tokenizer_from=tok)
+    saved = root / "_saved"
+    save_state(state, CONFIG, saved, tokenizer_from=tok)
     hf = root / "safetensors"
-    export(ckpt, hf, to="hf")
+    export(saved, hf, to="hf")
+    ckpt = root / "gpt2port"  # converted, so that its manifest records a source and its files
+    convert(hf, ckpt)
+    shutil.rmtree(saved)
     hf_state = layout_state(HF, state)
     out = {"gpt2port": ckpt, "safetensors": hf}
     if "shards" in formats:

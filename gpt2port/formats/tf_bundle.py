@@ -91,7 +91,9 @@ def _fields(buf) -> list[tuple[int, int | bytes]]:
     return out
 
 
-def _shape(buf: bytes) -> tuple[int, ...]:
+def _shape(buf) -> tuple[int, ...]:
+    if not isinstance(buf, bytes):
+        raise ValueError("the shape is not a message")
     dims = []
     for number, value in _fields(buf):
         if number == 2:  # repeated Dim {int64 size = 1; string name = 2}
