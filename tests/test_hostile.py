@@ -48,6 +48,13 @@ def seeds(tmp_path_factory) -> dict[str, Path]:
     return hf.build(tmp_path_factory.mktemp("seeds"))
 
 
+@pytest.fixture(scope="module")
+def gguf_meta(tmp_path_factory) -> list:
+    """A valid GGUF's metadata: the tiny model's sizes and its tokenizer."""
+    tokens, merges = hf.tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    return hf.gguf_metadata(tokens=tokens, merges=merges)
+
+
 def copy_of(seeds, fmt: str, tmp_path: Path) -> Path:
     src = seeds[fmt]
     root = src if src.is_dir() else src.parent
@@ -72,16 +79,17 @@ HUGE_ARRAY = struct.pack("<IQ", 0, 2**62) + b"\0" * 11  # 2**62 u8 items, 11 byt
 
 
 @pytest.mark.parametrize("where", ["alone", "in a valid model"])
-def test_gguf_array_of_2_62_items_is_refused_at_once(tmp_path, where):
+def test_gguf_array_of_2_62_items_is_refused_at_once(tmp_path, gguf_meta, where):
     from gpt2port.layouts import GGUF
 
-    path = tmp_path / "evil.gguf"
+    path = tmp_path / "src" / "evil.gguf"
+    path.parent.mkdir()
     if where == "alone":  # 60 bytes: the header, one key, an array header claiming 2**62 bytes
         path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a"
                          + struct.pack("<I", hf.ARRAY) + HUGE_ARRAY)
         assert path.stat().st_size == 60
     else:
-        hf.write_gguf(path, hf.gguf_metadata() + [("evil", hf.ARRAY, HUGE_ARRAY)], tiny_tensors(GGUF))
+        hf.write_gguf(path, gguf_meta + [("evil", hf.ARRAY, HUGE_ARRAY)], tiny_tensors(GGUF))
     line = refused("convert", path, "--out", tmp_path / "out", names=[path])
     assert "4,611,686,018,427,387,904" in line, line
     assert not (tmp_path / "out").exists()
@@ -135,11 +143,12 @@ def _tf_with(tmp_path, **hp):
     return ["convert", d, "--out", tmp_path / "out"], [d / "hparams.json"]
 
 
-def _gguf_with(tmp_path, key, kind, value):
+def _gguf_with(tmp_path, meta, key, kind, value):
     from gpt2port.layouts import GGUF
 
-    path = tmp_path / "model.gguf"
-    meta = [(k, kind, value) if k == key else (k, t, v) for k, t, v in hf.gguf_metadata()]
+    path = tmp_path / "src" / "model.gguf"
+    path.parent.mkdir()
+    meta = [(k, kind, value) if k == key else (k, t, v) for k, t, v in meta]
     hf.write_gguf(path, meta, tiny_tensors(GGUF))
     return ["convert", path, "--out", tmp_path / "out"], [path, key]
 
@@ -159,21 +168,21 @@ def _gpt2port_with(seeds, tmp_path, **model):
 
 
 SIZE_CASES = {
-    "hparams n_head 0": lambda s, t: _tf_with(t, n_head=0),
-    "hparams n_layer 1.5": lambda s, t: _tf_with(t, n_layer=1.5),
-    "gguf head_count 0": lambda s, t: _gguf_with(t, "gpt2.attention.head_count", hf.U32, 0),
-    "gguf eps NaN": lambda s, t: _gguf_with(t, "gpt2.attention.layer_norm_epsilon", hf.F32, float("nan")),
-    "nanoGPT n_head -4": lambda s, t: _nanogpt_with(s, t, n_head=-4),
-    "nanoGPT n_layer 2.5": lambda s, t: _nanogpt_with(s, t, n_layer=2.5),
-    "config.json n_head -4": lambda s, t: _gpt2port_with(s, t, n_head=-4),
-    "config.json eps -1": lambda s, t: _gpt2port_with(s, t, layer_norm_epsilon=-1.0),
-    "config.json dropout 1.5": lambda s, t: _gpt2port_with(s, t, dropout=1.5),
+    "hparams n_head 0": lambda s, t, m: _tf_with(t, n_head=0),
+    "hparams n_layer 1.5": lambda s, t, m: _tf_with(t, n_layer=1.5),
+    "gguf head_count 0": lambda s, t, m: _gguf_with(t, m, "gpt2.attention.head_count", hf.U32, 0),
+    "gguf eps NaN": lambda s, t, m: _gguf_with(t, m, "gpt2.attention.layer_norm_epsilon", hf.F32, float("nan")),
+    "nanoGPT n_head -4": lambda s, t, m: _nanogpt_with(s, t, n_head=-4),
+    "nanoGPT n_layer 1.5": lambda s, t, m: _nanogpt_with(s, t, n_layer=1.5),
+    "config.json n_head -4": lambda s, t, m: _gpt2port_with(s, t, n_head=-4),
+    "config.json eps -1": lambda s, t, m: _gpt2port_with(s, t, layer_norm_epsilon=-1.0),
+    "config.json dropout 1.5": lambda s, t, m: _gpt2port_with(s, t, dropout=1.5),
 }
 
 
 @pytest.mark.parametrize("case", list(SIZE_CASES))
-def test_impossible_sizes_are_refused_naming_file_and_key(seeds, tmp_path, case):
-    args, names = SIZE_CASES[case](seeds, tmp_path)
+def test_impossible_sizes_are_refused_naming_file_and_key(seeds, tmp_path, gguf_meta, case):
+    args, names = SIZE_CASES[case](seeds, tmp_path, gguf_meta)
     refused(*args, names=names)
     assert not (tmp_path / "out").exists()
 
@@ -236,17 +245,27 @@ def _tf_header(header: bytes):
     return make
 
 
-def _pickle_with(tensor):
-    def make(seeds, t):
-        d = copy_of(seeds, "pickle", t)
-        sd = torch.load(d / "pytorch_model.bin", weights_only=True)
-        proj = next(k for k in sd if k.endswith("h.0.attn.c_proj.weight"))
-        sd[proj if tensor == "sparse" else "junk"] = {
-            "sparse": lambda: sd[proj].to_sparse(),
-            "stride 0": lambda: torch.zeros(1).expand(2**19, 2**17)}[tensor]()  # 2**36 floats: 256 GB
-        torch.save(sd, d / "pytorch_model.bin")
-        return ["convert", d, "--out", t / "out"], [d / "pytorch_model.bin"]
-    return make
+def _sparse_pickle(seeds, t):
+    d = copy_of(seeds, "pickle", t)
+    sd = torch.load(d / "pytorch_model.bin", weights_only=True)
+    proj = next(k for k in sd if k.endswith("h.0.attn.c_proj.weight"))
+    sd[proj] = sd[proj].to_sparse()
+    torch.save(sd, d / "pytorch_model.bin")
+    return ["convert", d, "--out", t / "out"], [d / "pytorch_model.bin"]
+
+
+def _stride_0_pickle(seeds, t):
+    """A model of 2**20 x 2**14 embeddings (64 GB, and 4 GB per MLP matrix) whose every tensor is one stored number
+    repeated by strides of 0: 15 KB on disk, and a config.json that agrees with every shape."""
+    from gpt2port.config import GPTConfig
+    from gpt2port.layouts import HF
+
+    d = copy_of(seeds, "pickle", t)
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=2**14, vocab_size=2**20, n_positions=8)
+    sd = {w.key: torch.zeros(1).expand(w.shape) for w in HF.plan_write(config)}
+    torch.save(sd, d / "pytorch_model.bin")
+    (d / "config.json").write_text(json.dumps(config.to_hf_config()))
+    return ["convert", d, "--out", t / "out"], [d / "pytorch_model.bin"]
 
 
 def _symlink_loop(seeds, t):
@@ -263,8 +282,8 @@ INTERNAL_ERROR_CASES = {
     "two shard indexes naming each other": _indexes_naming_each_other,
     "TF header wire type 3": _tf_header(bytes([1 << 3 | 3])),
     "TF header num_shards 0": _tf_header(hf.proto((1, 0, 0))),
-    "sparse tensor in a pickle": _pickle_with("sparse"),
-    "stride-0 tensor in a pickle": _pickle_with("stride 0"),
+    "sparse tensor in a pickle": _sparse_pickle,
+    "stride-0 tensors in a pickle": _stride_0_pickle,
     "symlink loop as --out": _symlink_loop,
     "--device bogus": lambda s, t: (["generate", s["gpt2port"], "hi", "--device", "bogus"], ["--device bogus"]),
     "--temperature nan": lambda s, t: (["generate", s["gpt2port"], "hi", "--temperature", "nan"], ["--temperature"]),
@@ -282,14 +301,15 @@ def test_hostile_inputs_get_a_one_line_refusal(seeds, tmp_path, case):
 
 # --- 12b/c. GGUF: overlapping tensors, and no embedded tokenizer ---------------------------------------------------------
 
-def test_gguf_tensors_at_overlapping_offsets_are_refused(tmp_path):
+def test_gguf_tensors_at_overlapping_offsets_are_refused(tmp_path, gguf_meta):
     from gpt2port.layouts import GGUF
 
     tensors = tiny_tensors(GGUF)
-    path = tmp_path / "model.gguf"
+    path = tmp_path / "src" / "model.gguf"
+    path.parent.mkdir()
     offsets = hf.gguf_offsets(tensors)
     offsets["blk.0.attn_norm.bias"] = offsets["blk.0.attn_norm.weight"]  # one info pointing into another's bytes
-    hf.write_gguf(path, hf.gguf_metadata(), tensors, offsets=offsets)
+    hf.write_gguf(path, gguf_meta, tensors, offsets=offsets)
     refused("convert", path, "--out", tmp_path / "out", names=[path, "blk.0.attn_norm.bias", "overlap"])
 
 
