@@ -19,6 +19,7 @@ DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
+LOOP = "Symlink loop from "
 
 
 def _handle_errors(fn):
@@ -40,12 +41,10 @@ def _handle_errors(fn):
                 raise
             click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(EXIT_FAILURE)
-        except RuntimeError as e:
-            if debug or not str(e).startswith("Symlink loop from "):
+        except RuntimeError as e:  # pathlib before 3.13 says a path is a symlink loop so: the user's path, not a bug
+            if debug or not str(e).startswith(LOOP):
                 raise
-            # pathlib before Python 3.13 reports a path that is a symbolic link loop this way (ELOOP later): the
-            # user's path, not a bug
-            click.echo(f"error: {str(e).removeprefix('Symlink loop from ').strip(chr(39))}: a symbolic link loop", err=True)
+            click.echo(f"error: {str(e)[len(LOOP):].strip(chr(39))}: a symbolic link loop", err=True)
             sys.exit(EXIT_FAILURE)
         except KeyboardInterrupt:
             if debug:
@@ -288,6 +287,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
 
     from gpt2port.model import GPT
     from gpt2port.checkpoint import load_tokenizer
+    from gpt2port.devices import check_device
     from gpt2port.generate import stream
     from gpt2port.tokenizer import StreamDecoder
 
@@ -299,7 +299,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
-    _check_device(device)
+    check_device(device)
     tokenizer = load_tokenizer(ckpt)
     model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
     ids = tokenizer.encode(prompt, allowed_special="all")  # a typed <|endoftext|> is the document separator
@@ -339,24 +339,6 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
 
         for line in decode_report(model, device, rate):
             click.echo(line, err=True)
-
-
-def _check_device(device: str | None) -> None:
-    """A --device that torch knows and this machine has: torch's own refusal of "bogus" is a RuntimeError, which
-    would read as a bug."""
-    if device is None:
-        return
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise GPT2PortError(f"--device {device}: not a device name (cpu, cuda, cuda:N, ...)") from None
-    try:
-        torch.empty(0, device=dev)
-    except (RuntimeError, ValueError, AssertionError) as e:
-        reason = " ".join(str(e).split())[:160] or type(e).__name__
-        raise GPT2PortError(f"--device {device}: not available on this machine ({reason})") from None
 
 
 @main.command()
@@ -399,9 +381,10 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
     """Fine-tune a converted checkpoint on text; run under torchrun for several processes (DDP, or --fsdp)."""
     import os
 
+    from gpt2port.devices import check_device
     from gpt2port.training.finetune import Interrupted, Settings, finetune as run_finetune
 
-    _check_device(device)
+    check_device(device)
     ctx = click.get_current_context()
     given = {k for k in numbers if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE}
     try:
