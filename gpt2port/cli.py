@@ -41,11 +41,6 @@ def _handle_errors(fn):
                 raise
             click.echo(f"error: {_one_line(e)}", err=True)
             sys.exit(EXIT_FAILURE)
-        except RuntimeError as e:  # pathlib before 3.13 says a path is a symlink loop so: the user's path, not a bug
-            if debug or not str(e).startswith(LOOP):
-                raise
-            click.echo(f"error: {str(e)[len(LOOP):].strip(chr(39))}: a symbolic link loop", err=True)
-            sys.exit(EXIT_FAILURE)
         except KeyboardInterrupt:
             if debug:
                 raise
@@ -56,6 +51,9 @@ def _handle_errors(fn):
         except Exception as e:  # noqa: BLE001 - the last line of defence of the one-line promise
             if debug:
                 raise
+            if isinstance(e, RuntimeError) and str(e).startswith(LOOP):  # pathlib before 3.13: the user's path
+                click.echo(f"error: {str(e)[len(LOOP):].strip(chr(39))}: a symbolic link loop", err=True)
+                sys.exit(EXIT_FAILURE)
             click.echo(f"error: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)

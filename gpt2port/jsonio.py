@@ -17,8 +17,8 @@ from gpt2port.errors import GPT2PortError
 MAX_DEPTH = 64  # the deepest gpt2port's own files go is 4 (a manifest); tokenizer.json is about 6
 
 
-def loads(data: bytes | str, where) -> object:
-    """The JSON value in `data` (read from `where`, which the refusal names)."""
+def loads(data: bytes | str, where, invalid: str = "not valid JSON") -> object:
+    """The JSON value in `data` (read from `where`, which the refusal names, saying `invalid` if it does not parse)."""
     try:
         value = json.loads(data)
     except RecursionError:
@@ -26,7 +26,7 @@ def loads(data: bytes | str, where) -> object:
     except UnicodeDecodeError as e:
         raise GPT2PortError(f"{where}: not UTF-8 (invalid byte at offset {e.start})") from None
     except ValueError as e:  # JSONDecodeError, and the int() digit limit
-        raise GPT2PortError(f"{where}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
+        raise GPT2PortError(f"{where}: {invalid} ({' '.join(str(e).split())[:200]})") from None
     if _depth(value) > MAX_DEPTH:
         raise GPT2PortError(f"{where}: JSON nested more than {MAX_DEPTH} deep")
     return value

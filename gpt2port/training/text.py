@@ -75,7 +75,7 @@ def _decode(chunk: bytes, path: Path, offset: int, decoder=None, final: bool = T
 
 
 def _json_text(line: bytes, path: Path, number: int) -> str:
-    obj = jsonio.loads(line, f"{path}:{number}")
+    obj = jsonio.loads(line, f"{path}:{number}", "not a JSON line")
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         raise GPT2PortError(f"{path}:{number}: needs a JSON object with a \"text\" string")
     return obj["text"]
