@@ -63,6 +63,7 @@ class _PackageReader(gguf.GGUFReader):
     def data(self, value):
         self._plain = value.view(np.ndarray)  # the view keeps the map alive
 
+
 _V = gguf.GGUFValueType
 _INTEGERS = {_V.UINT8, _V.INT8, _V.UINT16, _V.INT16, _V.UINT32, _V.INT32, _V.UINT64, _V.INT64}
 _REALS = _INTEGERS | {_V.FLOAT32, _V.FLOAT64}
@@ -161,7 +162,6 @@ class GGUFFileReader(Reader):
             raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} holds a string that is not UTF-8") from None
 
     def _model_config(self) -> dict:
-        arch = {"arch": ARCH}
         table = self.tensors.get(GGUF.key_for("tok_emb.weight"))
         if table is None:
             raise GPT2PortError(f"{self.path}: no {GGUF.key_for('tok_emb.weight')!r} tensor")
