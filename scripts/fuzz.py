@@ -6,7 +6,8 @@ accepted or refused in one line naming the file, within a memory bound and a tim
 
 Seeds: scripts/hostile_files.py (safetensors, shards + index, pytorch pickle, nanoGPT ckpt.pt, TF bundle, llm.c .bin,
 GGUF, gpt2port checkpoint with config.json/manifest.json). Each case copies one seed, applies one mutation, seeded by
-(--seed, case number), to one of its files, and runs `convert SRC --out OUT` (and `info` on a gpt2port checkpoint).
+(--seed, case number), to one of its files, and runs `convert SRC --out OUT` (and `info` on a gpt2port checkpoint, and
+`generate` with --generate).
 Mutations: truncation, bit flips, huge or negative integers written over a count or length (the GGUF seed says
 where its counts are; elsewhere aligned words in the file's structured head), bytes inserted or deleted, garbage
 appended; JSON files get a hostile value at a random key (0, -4, 2.5, NaN, 10**5000, 100k-deep nesting, wrong types)
@@ -148,14 +149,15 @@ def judge(result: dict, case_dir: Path, rss_bound: int) -> str | None:
 
 # --- the run ---------------------------------------------------------------------------------------------------------
 
-def commands(fmt: str, src: Path, out: Path) -> list[list]:
+def commands(fmt: str, src: Path, out: Path, generate: bool = False) -> list[list]:
     if fmt == "gpt2port":
-        return [["info", src], ["convert", src, "--out", out]]
+        return [["info", src], ["convert", src, "--out", out]] + \
+            ([["generate", src, "hi", "-n", "2", "--seed", "0", "--device", "cpu"]] if generate else [])
     return [["convert", src, "--out", out]]
 
 
 def fuzz(cases: int, seed: int, formats: list[str], work: Path, memory: int, timeout: float, rss_bound: int,
-         keep: Path | None, log=print) -> dict:
+         keep: Path | None, generate: bool = False, log=print) -> dict:
     from scripts import hostile_files
 
     work.mkdir(parents=True, exist_ok=True)
@@ -178,7 +180,7 @@ def fuzz(cases: int, seed: int, formats: list[str], work: Path, memory: int, tim
             what = MUTATORS[kind][1](target, rng)
             before = files_of(case_dir)
             counts[fmt] = counts.get(fmt, 0) + 1
-            for args in commands(fmt, src, work / f"out-{i}"):
+            for args in commands(fmt, src, work / f"out-{i}", generate):
                 result = worker.run(args, case_dir, memory, timeout)
                 runs += 1
                 outcomes["accepted" if result["rc"] == 0 else "refused"] += 1
@@ -216,6 +218,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a new temporary one)")
     ap.add_argument("--keep", type=Path, default=None, help="copy each failing case here")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
+    ap.add_argument("--generate", action="store_true", help="also run `generate` on each gpt2port checkpoint")
     a = ap.parse_args()
     formats = a.formats.split(",")
     unknown = sorted(set(formats) - set(FORMATS))
@@ -223,7 +226,8 @@ def main() -> None:
         ap.error(f"unknown format(s) {', '.join(unknown)}")
     work = a.work or Path(tempfile.mkdtemp(prefix="gpt2port-fuzz-"))
     try:
-        report = fuzz(a.cases, a.seed, formats, work, int(a.memory * GB), a.timeout, int(a.rss * GB), a.keep)
+        report = fuzz(a.cases, a.seed, formats, work, int(a.memory * GB), a.timeout, int(a.rss * GB), a.keep,
+                      a.generate)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
