@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from gpt2port.config import GPTConfig, canonical_name, is_known_name, read_json
+from gpt2port.config import ConfigError, GPTConfig, canonical_name, is_known_name, read_json
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
@@ -104,10 +104,20 @@ def read_config(ckpt_dir: Path) -> GPTConfig:
     data = read_json(ckpt_dir / CONFIG)
     if data.get("format") != CONFIG_FORMAT:
         raise GPT2PortError(f"{ckpt_dir / CONFIG}: not a gpt2port config (no \"format\": \"{CONFIG_FORMAT}\")")
+    if not isinstance(data.get("model"), dict):
+        raise GPT2PortError(f"{ckpt_dir / CONFIG}: has no valid \"model\" section")
     try:
-        return GPTConfig.from_dict(data["model"])
-    except (KeyError, TypeError):
-        raise GPT2PortError(f"{ckpt_dir / CONFIG}: has no valid \"model\" section") from None
+        config = GPTConfig.from_dict(data["model"])
+    except ConfigError as e:
+        raise e.named(ckpt_dir / CONFIG, f"model.{e.field}") from None
+    # Before anything sizes itself by it: the parameters it claims must fit in the weights file (at 2 bytes each, the
+    # smallest float dtype), so that a config.json claiming 10**9 layers is refused here, not after gigabytes.
+    weights = ckpt_dir / WEIGHTS
+    _, n_params = canonical.counts(config)
+    if weights.is_file() and 2 * n_params > weights.stat().st_size:
+        raise GPT2PortError(f"{ckpt_dir / CONFIG}: describes a model of {n_params:,} parameters, more than "
+                            f"{weights.name} ({weights.stat().st_size:,} bytes) can hold")
+    return config
 
 
 def config_json(config: GPTConfig) -> dict:
@@ -119,7 +129,41 @@ def config_json(config: GPTConfig) -> dict:
 
 def read_manifest(ckpt_dir: Path) -> dict:
     path = ckpt_dir / MANIFEST
-    return read_json(path) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    data = read_json(path)
+    _check_manifest(data, path)
+    return data
+
+
+# The JSON types of what gpt2port writes in manifest.json, which its readers (info, verify, export, download) rely
+# on: a damaged file is named, not met as a TypeError deep inside one of them.
+_MANIFEST_TYPES = {"tool": str, "version": str, "created": str, "dtype": str, "n_params": int, "source": dict,
+                   "files": dict, "warnings": list, "saves": list, "exports": list}
+_MANIFEST_ITEMS = {"warnings": str, "saves": dict, "exports": dict}
+_SOURCE_FILE = {"name": str, "size": int, "sha256": str}
+
+
+def _check_manifest(data: dict, path: Path) -> None:
+    def refuse(key: str, kind: type) -> None:
+        raise GPT2PortError(f"{path}: {key} is not {'an' if kind is int else 'a'} "
+                            f"{ {str: 'string', int: 'integer', dict: 'JSON object', list: 'list'}[kind]}")
+    for key, kind in _MANIFEST_TYPES.items():
+        if key in data and (not isinstance(data[key], kind) or isinstance(data[key], bool)):
+            refuse(key, kind)
+    for key, kind in _MANIFEST_ITEMS.items():
+        for i, item in enumerate(data.get(key, [])):
+            if not isinstance(item, kind):
+                refuse(f"{key}[{i}]", kind)
+    files = data.get("source", {}).get("files", [])
+    if not isinstance(files, list):
+        refuse("source.files", list)
+    for i, f in enumerate(files):
+        if not isinstance(f, dict):
+            refuse(f"source.files[{i}]", dict)
+        for key, kind in _SOURCE_FILE.items():
+            if not isinstance(f.get(key), kind) or isinstance(f.get(key), bool):
+                refuse(f"source.files[{i}].{key}", kind)
 
 
 def check_weights(path: Path, config: GPTConfig) -> Header:
@@ -129,6 +173,9 @@ def check_weights(path: Path, config: GPTConfig) -> Header:
     if tag not in READABLE:
         raise GPT2PortError(f"{path}: not in gpt2port layout (metadata {FORMAT_KEY}={tag!r}; this version reads "
                             f"{', '.join(READABLE)})")
+    n_tensors, _ = canonical.counts(config)
+    if n_tensors > 2 * len(header.entries) + 16:  # before the expected table is built: its size is config.json's word
+        raise GPT2PortError(f"{path}: holds {len(header.entries)} tensors; config.json implies {n_tensors}")
     expected = canonical.shapes(config)
     missing = [k for k in expected if k not in header.entries]
     extra = [k for k in header.entries if k not in expected]

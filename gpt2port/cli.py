@@ -31,6 +31,9 @@ def _succeeded(text: str, code: int = 0) -> int:
     return code
 
 
+LOOP = "Symlink loop from "
+
+
 def _handle_errors(fn):
     """Turn every failure into one line on stderr and an exit code (tracebacks only with --debug).
 
@@ -65,6 +68,9 @@ def _handle_errors(fn):
         except Exception as e:  # noqa: BLE001 - the last line of defence of the one-line promise
             if debug:
                 raise
+            if isinstance(e, RuntimeError) and str(e).startswith(LOOP):  # pathlib before 3.13: the user's path
+                click.echo(f"error: {str(e)[len(LOOP):].strip(chr(39))}: a symbolic link loop", err=True)
+                sys.exit(EXIT_FAILURE)
             click.echo(f"error: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)
@@ -287,20 +293,26 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     The prompt is echoed, then each sample's continuation; the prefill and decode rates go to stderr. The model sees
     at most its context (1024 tokens): a longer prompt keeps its end, and a longer generation slides its window.
     """
+    import math
     import time
 
     import torch
 
     from gpt2port.model import GPT
     from gpt2port.checkpoint import load_tokenizer
+    from gpt2port.devices import check_device
     from gpt2port.generate import stream
     from gpt2port.tokenizer import StreamDecoder
 
+    for name, value in (("--temperature", temperature), ("--top-p", top_p)):  # click's ranges let NaN through
+        if value is not None and not math.isfinite(value):
+            raise GPT2PortError(f"{name} {value}: must be a finite number")
     if prompt == "-":
         prompt = sys.stdin.read()
     device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
+    check_device(device)
     tokenizer = load_tokenizer(ckpt)
     model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
     ids = tokenizer.encode(prompt, allowed_special="all")  # a typed <|endoftext|> is the document separator
@@ -382,8 +394,10 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
     """Fine-tune a converted checkpoint on text; run under torchrun for several processes (DDP, or --fsdp)."""
     import os
 
+    from gpt2port.devices import check_device
     from gpt2port.training.finetune import Interrupted, Settings, finetune as run_finetune
 
+    check_device(device)
     ctx = click.get_current_context()
     given = {k for k in numbers if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE}
     try:

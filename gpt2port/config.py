@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
+import numbers
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.kernels import ACTIVATIONS  # the model's own table: a name is valid iff the model implements it
 
@@ -28,12 +31,7 @@ class GPTConfig:
     tie_word_embeddings: bool = True
 
     def __post_init__(self):
-        if self.n_embd % self.n_head:
-            raise GPT2PortError(f"config: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if self.activation not in ACTIVATIONS:
-            raise GPT2PortError(
-                f"config: activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
-            )
+        _validate(self)
 
     @property
     def mlp_width(self) -> int:
@@ -56,36 +54,40 @@ class GPTConfig:
         return cls(**PRESETS[canonical_name(name)])
 
     @classmethod
-    def from_hf_config(cls, hf: dict, source: str = "config.json") -> "GPTConfig":
-        """Build from a transformers GPT2Config dict; refuse settings this model cannot reproduce exactly."""
+    def from_hf_config(cls, hf: dict, source: str = "config.json", keys: dict | None = None) -> "GPTConfig":
+        """Build from a transformers GPT2Config dict; refuse settings this model cannot reproduce exactly, and values
+        GPTConfig refuses, naming `source` and the key (keys: config.json name -> the name the source uses, for
+        sizes read from other files: hparams.json, GGUF metadata, a training checkpoint's model_args)."""
         model_type = hf.get("model_type", "gpt2")
         if model_type != "gpt2":
-            raise GPT2PortError(f"{source}: model_type {model_type!r} is not GPT-2")
+            raise GPT2PortError(f"{source}: model_type {_shown(model_type)} is not GPT-2")
         for key, ok_value in _HF_SETTINGS_MUST_BE.items():
             if key in hf and hf[key] not in (None, ok_value):
-                raise GPT2PortError(f"{source}: {key}={hf[key]!r} is not supported ({_HF_SETTING_WHY[key]})")
+                raise GPT2PortError(f"{source}: {key}={_shown(hf[key])} is not supported ({_HF_SETTING_WHY[key]})")
         activation = hf.get("activation_function", "gelu_new")
-        if activation not in ACTIVATIONS:
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise GPT2PortError(
-                f"{source}: activation_function {activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
+                f"{source}: activation_function {_shown(activation)} is not supported (supported: {', '.join(ACTIVATIONS)})"
             )
+        positions = "n_positions" if hf.get("n_positions") is not None or "n_ctx" not in hf else "n_ctx"
         try:
             return cls(
-                n_layer=int(hf["n_layer"]),
-                n_head=int(hf["n_head"]),
-                n_embd=int(hf["n_embd"]),
-                vocab_size=int(hf["vocab_size"]),
-                n_positions=int(hf.get("n_positions", hf.get("n_ctx", 1024))),
+                n_layer=hf["n_layer"],
+                n_head=hf["n_head"],
+                n_embd=hf["n_embd"],
+                vocab_size=hf["vocab_size"],
+                n_positions=hf.get(positions) if hf.get(positions) is not None else 1024,
                 n_inner=hf.get("n_inner"),
-                layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+                layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
                 activation=activation,
-                scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                scale_attn_weights=hf.get("scale_attn_weights", True),
+                tie_word_embeddings=hf.get("tie_word_embeddings", True),
             )
         except KeyError as e:
-            raise GPT2PortError(f"{source}: missing required field {e.args[0]!r}") from None
-        except GPT2PortError as e:
-            raise GPT2PortError(f"{source}: {e}") from None
+            raise GPT2PortError(f"{source}: missing required field {(keys or {}).get(e.args[0], e.args[0])!r}") from None
+        except ConfigError as e:
+            key = positions if e.field == "n_positions" else e.field
+            raise e.named(source, (keys or {}).get(key, key)) from None
 
     def to_hf_config(self) -> dict:
         """A config.json that transformers.GPT2LMHeadModel loads as this exact model."""
@@ -113,6 +115,55 @@ class GPTConfig:
             "bos_token_id": 50256,
             "eos_token_id": 50256,
         }
+
+
+class ConfigError(GPT2PortError):
+    """A GPTConfig value it cannot hold; `field` names it, so that a reader can name the key as its file spells it."""
+
+    def __init__(self, field: str, value, why: str):
+        self.field, self.value, self.why = field, value, why
+        super().__init__(f"config: {field}={_shown(value)} {why}")
+
+    def named(self, source, key: str) -> GPT2PortError:
+        return GPT2PortError(f"{source}: {key}={_shown(self.value)} {self.why}")
+
+
+def _shown(value) -> str:
+    """A value read from a file, as a message shows it: bounded, however long or deep it is."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = 40
+    r.maxlist = r.maxdict = 4
+    r.maxlevel = 2
+    return r.repr(value)
+_SIZES = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "n_inner")  # n_inner may also be None
+_SWITCHES = ("scale_attn_weights", "tie_word_embeddings")
+
+
+def _validate(c: GPTConfig) -> None:
+    """Every field a value this model can hold; integers (numpy's included) stored as int, reals as float. A value
+    that merely converts (2.5 layers, "12", True) is refused, not truncated: it says the file is not what it seems."""
+    for name in _SIZES:
+        v = getattr(c, name)
+        if v is None and name == "n_inner":
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ConfigError(name, v, "must be a positive integer")
+        setattr(c, name, int(v))
+    eps = c.layer_norm_epsilon
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps <= 0:
+        raise ConfigError("layer_norm_epsilon", eps, "must be a finite number > 0")
+    c.layer_norm_epsilon = float(eps)
+    p = c.dropout
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p < 1:
+        raise ConfigError("dropout", p, "must be a number in [0, 1)")
+    c.dropout = float(p)
+    for name in _SWITCHES:
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(name, getattr(c, name), "must be true or false")
+    if c.n_embd % c.n_head:
+        raise ConfigError("n_embd", c.n_embd, f"is not divisible by n_head={c.n_head}")
+    if not isinstance(c.activation, str) or c.activation not in ACTIVATIONS:
+        raise ConfigError("activation", c.activation, f"is not supported (supported: {', '.join(ACTIVATIONS)})")
 
 
 # HF GPT2Config switches that change the computation in ways this model does not implement.
@@ -162,13 +213,4 @@ def is_known_name(name: str) -> bool:
 
 
 def read_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise GPT2PortError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GPT2PortError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise GPT2PortError(f"{path}: expected a JSON object")
-    return data
+    return jsonio.read(path)

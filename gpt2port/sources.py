@@ -21,7 +21,7 @@ from gpt2port.formats.tf_bundle import index_for
 from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
-from gpt2port.layouts.infer import check_config_matches_weights, check_config_values, infer_config
+from gpt2port.layouts.infer import check_config_matches_weights, infer_config
 from gpt2port.tokenizer import NO_TOKENIZER, TOKENIZER_FILES, defines_tokenizer, side_file_problem
 
 
@@ -138,7 +138,7 @@ def _config(reader: Reader, layout: Layout, root: Path) -> tuple[GPTConfig, Path
     shapes = layout.canonical_shapes({k: t.shape for k, t in reader.tensors.items()})
     if reader.model_config is not None:  # the file (or one that goes with it) says what model it holds
         where = reader.config_file or reader.path
-        config = GPTConfig.from_hf_config(reader.model_config, str(where))
+        config = GPTConfig.from_hf_config(reader.model_config, str(where), reader.config_keys)
         check_config_matches_weights(config, shapes, where)
         return config, reader.config_file
     path = root / checkpoint.CONFIG
@@ -147,8 +147,6 @@ def _config(reader: Reader, layout: Layout, root: Path) -> tuple[GPTConfig, Path
     if layout is GPT2PORT:
         config = checkpoint.read_config(root)
     else:
-        hf = read_json(path)
-        check_config_values(hf, path)
-        config = GPTConfig.from_hf_config(hf, str(path))
+        config = GPTConfig.from_hf_config(read_json(path), str(path))
     check_config_matches_weights(config, shapes, path)
     return config, path

@@ -27,6 +27,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
+from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 
 ENDOFTEXT = "<|endoftext|>"
@@ -152,10 +153,7 @@ def write_bpe_files(directory: Path, tokens: list[str], merges: list[tuple[str, 
 
 
 def _read_json(path: Path):
-    try:
-        return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise GPT2PortError(f"{path}: not valid JSON ({e})") from None
+    return jsonio.read(path)
 
 
 def _read_merges(path: Path) -> list[tuple[str, str]]:

@@ -51,6 +51,7 @@ class Reader:
     # n_embd, vocab_size, n_positions, ...); None: they come from a config.json beside the file, or from shapes.
     model_config: dict | None = None
     config_file: Path | None = None  # the file model_config was read from, if it is one beside the weights
+    config_keys: dict[str, str] = {}  # config.json's name -> the name model_config's source uses, where it differs
     # Findings a conversion should report (e.g. a tokenizer that could not be carried over).
     warnings: tuple[str, ...] | list[str] = ()
 

@@ -18,10 +18,11 @@ import torch
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
+from gpt2port.formats.gguf_scan import check_structure
 from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
 from gpt2port.layouts.gguf import GGUF
-from gpt2port.tokenizer import ENDOFTEXT, bpe_tables
+from gpt2port.tokenizer import ENDOFTEXT, NO_TOKENIZER, bpe_tables
 
 ARCH = "gpt2"
 FILE_NAME = "model.gguf"  # the one file an export writes into its directory
@@ -60,24 +61,56 @@ class _PackageReader(gguf.GGUFReader):
     def data(self, value):
         self._plain = value.view(np.ndarray)  # the view keeps the map alive
 
+
+_V = gguf.GGUFValueType
+_INTEGERS = {_V.UINT8, _V.INT8, _V.UINT16, _V.INT16, _V.UINT32, _V.INT32, _V.UINT64, _V.INT64}
+_REALS = _INTEGERS | {_V.FLOAT32, _V.FLOAT64}
+
+
+def _whole(f, path: Path):
+    """The whole file as a read-only buffer (mapped: nothing is read until walked)."""
+    import mmap
+
+    try:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (ValueError, OSError) as e:
+        raise GPT2PortError(f"{path}: cannot be mapped for reading ({e})") from None
+
+
+def _refuse_overlaps(path: Path, tensors) -> None:
+    """Every tensor's bytes its own, as safetensors requires: two infos pointing at the same bytes are a damaged or
+    crafted file, not a model (a write through one would change the other)."""
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors if t.nbytes)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise GPT2PortError(f"{path}: tensors {a!r} and {b!r} overlap (the bytes of {b!r} start at {start}, "
+                                f"before those of {a!r} end at {end})")
+
+
 class GGUFFileReader(Reader):
     """A GPT-2 GGUF (f32/f16/bf16 tensors): its tensors, the model's sizes and tokenizer from its metadata."""
 
     layout = GGUF.name
+    config_keys = {k: v.format(arch=ARCH) for k, v in {  # config.json's names -> this file's
+        "n_layer": _KEYS.LLM.BLOCK_COUNT, "n_head": _KEYS.Attention.HEAD_COUNT, "n_embd": _KEYS.LLM.EMBEDDING_LENGTH,
+        "n_positions": _KEYS.LLM.CONTEXT_LENGTH, "n_inner": _KEYS.LLM.FEED_FORWARD_LENGTH,
+        "layer_norm_epsilon": _KEYS.Attention.LAYERNORM_EPS}.items()}
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.files = [self.path]
         with open(self.path, "rb") as f:
             refuse_lfs_pointer(self.path, f.read(64))
+            with _whole(f, self.path) as whole:
+                check_structure(self.path, whole)
         try:
             self._gguf = _PackageReader(self.path)
         except Exception as e:  # the package raises ValueError, KeyError, IndexError... on a damaged file
             raise GPT2PortError(f"{self.path}: not a readable GGUF file (truncated or corrupt: "
                                 f"{' '.join(str(e).split()) or type(e).__name__})") from None
-        arch = self._string(_KEYS.General.ARCHITECTURE)
+        arch = self._field(_KEYS.General.ARCHITECTURE)
         if arch != ARCH:
-            raise GPT2PortError(f"{self.path}: a GGUF of architecture {arch!r}, not GPT-2 ({ARCH!r})")
+            raise GPT2PortError(f"{self.path}: a GGUF of architecture {str(arch)[:60]!r}, not GPT-2 ({ARCH!r})")
         size = self.path.stat().st_size
         self.tensors, self._data = {}, {}
         for t in self._gguf.tensors:
@@ -91,7 +124,9 @@ class GGUFFileReader(Reader):
             self.tensors[t.name] = TensorInfo(t.name, TORCH_TYPES[t.tensor_type], shape, self.path,
                                               int(t.data_offset), int(t.n_bytes))
             self._data[t.name] = t.data
+        _refuse_overlaps(self.path, self.tensors.values())
         self.metadata = {}
+        self.warnings: list[str] = []
         self.model_config = self._model_config()
 
     def _field(self, key: str, required: bool = True):
@@ -100,27 +135,45 @@ class GGUFFileReader(Reader):
             if required:
                 raise GPT2PortError(f"{self.path}: GGUF metadata lacks {key!r}")
             return None
+        try:
+            return field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError):
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is damaged (not a readable value)") from None
+
+    def _number(self, key: str, real: bool = False):
+        """A size or eps from the metadata: one number (GPTConfig judges its value), or a refusal naming the key."""
+        field = self._gguf.fields.get(key)
+        kinds = _REALS if real else _INTEGERS
+        if field is None or len(field.types) != 1 or field.types[0] not in kinds:
+            self._field(key)  # names a missing key
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not {'a number' if real else 'an integer'}")
         return field.contents()
 
-    def _string(self, key: str) -> str:
-        return str(self._field(key))
+    def _strings(self, key: str) -> list[str]:
+        field = self._gguf.fields.get(key)
+        if field is None or field.types != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not a list of strings")
+        try:
+            return field.contents()
+        except UnicodeDecodeError:
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} holds a string that is not UTF-8") from None
 
     def _model_config(self) -> dict:
-        arch = {"arch": ARCH}
         table = self.tensors.get(GGUF.key_for("tok_emb.weight"))
         if table is None:
             raise GPT2PortError(f"{self.path}: no {GGUF.key_for('tok_emb.weight')!r} tensor")
-        embd = int(self._field(_KEYS.LLM.EMBEDDING_LENGTH.format(**arch)))
-        ff = int(self._field(_KEYS.LLM.FEED_FORWARD_LENGTH.format(**arch)))
+        embd = self._number(self.config_keys["n_embd"])
+        ff = self._number(self.config_keys["n_inner"])
+        eps = self._number(self.config_keys["layer_norm_epsilon"], real=True)
         return {
             "model_type": "gpt2",
-            "n_layer": int(self._field(_KEYS.LLM.BLOCK_COUNT.format(**arch))),
-            "n_head": int(self._field(_KEYS.Attention.HEAD_COUNT.format(**arch))),
+            "n_layer": self._number(self.config_keys["n_layer"]),
+            "n_head": self._number(self.config_keys["n_head"]),
             "n_embd": embd,
-            "n_positions": int(self._field(_KEYS.LLM.CONTEXT_LENGTH.format(**arch))),
+            "n_positions": self._number(self.config_keys["n_positions"]),
             "n_inner": None if ff == 4 * embd else ff,  # as config.json says it for every official GPT-2
             # Stored as float32: its shortest decimal gives back the 1e-5 that was written, not 9.99999974e-06.
-            "layer_norm_epsilon": float(str(np.float32(self._field(_KEYS.Attention.LAYERNORM_EPS.format(**arch))))),
+            "layer_norm_epsilon": float(str(np.float32(eps))),
             "vocab_size": table.shape[0],
         }
 
@@ -133,13 +186,17 @@ class GGUFFileReader(Reader):
             raise GPT2PortError(f"{self.path}: reading tensor {name!r} failed: {e}") from None
         return raw.view(info.dtype).reshape(info.shape)
 
-    def _read_tokenizer(self) -> tuple[list, list]:
-        """The embedded tokenizer (see Reader.tokenizer_files)."""
+    def _read_tokenizer(self) -> tuple[list, list] | None:
+        """The embedded tokenizer (see Reader.tokenizer_files); None, with a warning, where the file carries none."""
         model = self._field(_KEYS.Tokenizer.MODEL, required=False)
-        if model != "gpt2":
-            raise GPT2PortError(f"{self.path}: embedded tokenizer is {model!r}, not GPT-2's byte-level BPE")
-        tokens = list(self._field(_KEYS.Tokenizer.LIST))
-        merges = [tuple(m.split(" ")) for m in self._field(_KEYS.Tokenizer.MERGES)]
+        if model is None:  # the weights are usable; GPT-2's tokenizer can be put beside them (as for every format)
+            self.warnings.append(f"{self.path}: no embedded tokenizer (no {_KEYS.Tokenizer.MODEL!r} in its "
+                                 f"metadata); {NO_TOKENIZER}")
+            return None
+        if model != "gpt2":  # token ids of another vocabulary: GPT-2's tokenizer would not fit these weights
+            raise GPT2PortError(f"{self.path}: embedded tokenizer is {str(model)[:60]!r}, not GPT-2's byte-level BPE")
+        tokens = self._strings(_KEYS.Tokenizer.LIST)
+        merges = [tuple(m.split(" ")) for m in self._strings(_KEYS.Tokenizer.MERGES)]
         if any(len(m) != 2 for m in merges):
             raise GPT2PortError(f"{self.path}: a tokenizer merge is not an 'a b' pair")
         return tokens, merges

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import hashing
+from gpt2port import hashing, jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, TensorStream, read_whole, refuse_lfs_pointer
 from gpt2port.formats.prefetch import Prefetcher
@@ -65,9 +65,10 @@ def read_header(path: Path) -> Header:
     except PermissionError:
         raise GPT2PortError(f"{path}: permission denied") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise GPT2PortError(f"{path}: safetensors header is not valid JSON (corrupt or not a safetensors file)") from None
+        header = jsonio.loads(raw, path)
+    except GPT2PortError as e:
+        raise GPT2PortError(f"{path}: safetensors header: {str(e).removeprefix(f'{path}: ')} (corrupt or not a "
+                            f"safetensors file)") from None
     if not isinstance(header, dict):
         raise GPT2PortError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}

@@ -3,12 +3,12 @@ holds each tensor. The one place that reads such an index, for conversion, downl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader
 
@@ -18,20 +18,18 @@ INDEX_SUFFIX = ".index.json"
 def read_index(index_path: Path) -> dict[str, str]:
     """tensor name -> shard file name, every name checked to be a plain file name beside the index: a name with a
     path in it could make us read (and hash into a manifest) any file on the disk."""
-    try:
-        index = json.loads(Path(index_path).read_bytes())
-    except FileNotFoundError:
-        raise GPT2PortError(f"{index_path}: file not found") from None
-    except (OSError, ValueError) as e:
-        raise GPT2PortError(f"{index_path}: not valid JSON ({e})") from None
+    index = jsonio.read(index_path, None)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise GPT2PortError(f"{index_path}: no weight_map")
     for key, shard in weight_map.items():
         if not isinstance(shard, str) or shard in ("", ".", "..") or "/" in shard or "\\" in shard \
                 or shard.startswith("."):
-            raise GPT2PortError(f"{index_path}: key {key!r} is placed in {shard!r}, which is not a file name "
-                                f"beside the index")
+            raise GPT2PortError(f"{index_path}: key {key[:80]!r} is placed in {str(shard)[:80]!r}, which is not a "
+                                f"file name beside the index")
+        if shard.endswith(INDEX_SUFFIX):  # an index is not a shard: two naming each other would recurse for ever
+            raise GPT2PortError(f"{index_path}: key {key[:80]!r} is placed in {shard[:80]!r}, another index, not a "
+                                f"weights file")
     return weight_map
 
 

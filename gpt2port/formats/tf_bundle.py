@@ -15,14 +15,13 @@ as varints); and a 48-byte footer: the metaindex and index handles, padding, and
 from __future__ import annotations
 
 import ctypes
-import json
 import re
 import struct
 from pathlib import Path
 
 import torch
 
-from gpt2port import hashing
+from gpt2port import hashing, jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, TensorStream, read_whole, refuse_lfs_pointer
 
@@ -92,14 +91,32 @@ def _fields(buf) -> list[tuple[int, int | bytes]]:
     return out
 
 
-def _shape(buf: bytes) -> tuple[int, ...]:
+def _shape(buf) -> tuple[int, ...]:
+    if not isinstance(buf, bytes):
+        raise ValueError("the shape is not a message")
     dims = []
     for number, value in _fields(buf):
         if number == 2:  # repeated Dim {int64 size = 1; string name = 2}
-            dims.append(next((v for n, v in _fields(value) if n == 1), 0))
+            if not isinstance(value, bytes):
+                raise ValueError("a dimension that is not a message")
+            size = next((v for n, v in _fields(value) if n == 1), 0)
+            if not isinstance(size, int) or size >= 1 << 63:  # bytes, or a negative int64 (-1: unknown)
+                raise ValueError(f"dimension {len(dims)} is not a size")
+            dims.append(size)
         elif number == 3 and value:
             raise ValueError("a shape of unknown rank")
     return tuple(dims)
+
+
+def _ints(fields: list[tuple[int, int | bytes]], numbers: tuple[int, ...], what: str) -> dict[int, int]:
+    """Fields `numbers` of a message, each an integer (a varint or fixed field) where present."""
+    out = {}
+    for n, v in fields:
+        if n in numbers:
+            if not isinstance(v, int):
+                raise ValueError(f"{what} field {n} is not an integer")
+            out[n] = v
+    return out
 
 
 # --- the sorted string table -----------------------------------------------------------------------------------
@@ -200,15 +217,13 @@ def _hparams(directory: Path) -> dict | None:
     path = directory / "hparams.json"
     if not path.is_file():
         return None
-    try:
-        raw = json.loads(path.read_text())
-        return {HPARAMS[k]: v for k, v in raw.items() if k in HPARAMS}
-    except (ValueError, AttributeError) as e:
-        raise GPT2PortError(f"{path}: not a JSON object of hyperparameters ({e})") from None
+    raw = jsonio.read(path)
+    return {HPARAMS[k]: v for k, v in raw.items() if k in HPARAMS}
 
 
 class TFBundleReader(Reader):
     layout = "openai-tf"
+    config_keys = {v: k for k, v in HPARAMS.items()}
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -218,24 +233,32 @@ class TFBundleReader(Reader):
             raise GPT2PortError(f"{self.index_file}: no such file (a TensorFlow checkpoint needs its .index)")
         table = read_table(self.index_file)
         where = str(self.index_file)
-        header = dict(_fields(table.pop(b"", b"")))
+        try:  # BundleHeaderProto {int32 num_shards = 1; Endianness endianness = 2; ...}
+            header = _ints(_fields(table.pop(b"", b"")), (1, 2), "header")
+        except (ValueError, struct.error) as e:
+            raise GPT2PortError(f"{where}: damaged checkpoint header ({e})") from None
         shards = header.get(1, 1)
         if header.get(2, 0) != 0:
             raise GPT2PortError(f"{where}: written big-endian; only little-endian checkpoints are read")
-        self.files = [prefix.with_name(f"{prefix.name}.data-{i:05d}-of-{shards:05d}") for i in range(shards)]
-        for f in self.files:
+        if not 1 <= shards <= 99999:  # the 5-digit file names; 0 shards cannot hold a tensor
+            raise GPT2PortError(f"{where}: the header claims {shards} data shards")
+        self.files = []
+        for i in range(shards):  # looked for one by one: a count the disk does not bear out stops at the first gap
+            f = prefix.with_name(f"{prefix.name}.data-{i:05d}-of-{shards:05d}")
             if not f.is_file():
                 raise GPT2PortError(f"{f}: missing data shard ({shards} shard(s) listed in {self.index_file.name})")
+            self.files.append(f)
         sizes = [f.stat().st_size for f in self.files]
         self.tensors, self._crc = {}, {}
         for key, value in table.items():
             name = key.decode("utf-8", "replace")
-            try:
-                entry = dict((n, v) for n, v in _fields(value) if n != 2)
-                shape = _shape(next((v for n, v in _fields(value) if n == 2), b""))
-            except ValueError as e:
+            try:  # BundleEntryProto {dtype = 1; shape = 2; shard_id = 3; offset = 4; size = 5; crc32c = 6; slices = 7}
+                fields = _fields(value)
+                entry = _ints(fields, (1, 3, 4, 5, 6), f"entry {name!r}:")
+                shape = _shape(next((v for n, v in fields if n == 2), b""))
+            except (ValueError, struct.error) as e:
                 raise GPT2PortError(f"{where}: entry {name!r} is damaged ({e})") from None
-            if any(n == 7 for n, _ in _fields(value)):
+            if any(n == 7 for n, _ in fields):
                 raise GPT2PortError(f"{where}: {name!r} is stored in slices (a partitioned variable); not supported")
             dtype = DTYPES.get(entry.get(1, 0))
             if dtype not in FLOAT_DTYPES:

@@ -26,6 +26,9 @@ class PickleReader(Reader):
         self.path = Path(path)
         self.files = [self.path]
         self._state, self.model_config = _unwrap(load_state_dict(self.path), self.path)
+        for k, v in self._state.items():
+            _refuse_unbacked(self.path, k, v)
+        self.config_keys = NANOGPT_KEYS if self.model_config is not None else {}
         self.tensors = {k: TensorInfo(k, v.dtype, tuple(v.shape), self.path, n, v.numel() * v.element_size())
                         for n, (k, v) in enumerate(self._state.items())}
         self.metadata = {}
@@ -65,8 +68,26 @@ def load_state_dict(file: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _refuse_unbacked(file: Path, name: str, t: torch.Tensor) -> None:
+    """A tensor is dense and holds no more elements than its stored bytes: a pickle may describe a sparse tensor, or
+    a view with stride 0 whose 1 stored number stands for 2**36 of them, and converting either would allocate what
+    its shape claims (hundreds of GB) from a file of a few bytes."""
+    if t.layout != torch.strided or t.is_meta:
+        raise GPT2PortError(f"{file}: tensor {name!r} is {'a meta' if t.is_meta else str(t.layout).removeprefix('torch.')}"
+                            f" tensor; weights are dense tensors")
+    stored = t.untyped_storage().nbytes()
+    if t.numel() * t.element_size() > stored:
+        raise GPT2PortError(f"{file}: tensor {name!r} of shape {list(t.shape)} claims {t.numel() * t.element_size():,} "
+                            f"bytes, but stores {stored:,} (strides {list(t.stride())}: a view repeating its data)")
+
+
 def _flat(sd) -> bool:
     return isinstance(sd, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items())
+
+
+# config.json's names -> where a training checkpoint keeps them
+NANOGPT_KEYS = {"n_layer": "model_args.n_layer", "n_head": "model_args.n_head", "n_embd": "model_args.n_embd",
+                "vocab_size": "model_args.vocab_size", "n_positions": "model_args.block_size"}
 
 
 def _unwrap(sd: dict, file: Path) -> tuple[dict[str, torch.Tensor], dict | None]:

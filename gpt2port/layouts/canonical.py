@@ -54,6 +54,22 @@ def shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def counts(config: GPTConfig) -> tuple[int, int]:
+    """(how many tensors, how many parameters) shapes(config) holds, without building it: what a size read from a
+    file is checked against (the weights' header, the file's bytes) before anything proportional to it is made."""
+    dims = _dims(config)
+
+    def numel(spec: str) -> int:
+        n = 1
+        for d in spec.split():
+            n *= dims[d]
+        return n
+
+    top = _TOP_BEFORE + _TOP_AFTER + ([(HEAD, "V C")] if not config.tie_word_embeddings else [])
+    return (len(top) + config.n_layer * len(_PER_BLOCK),
+            sum(numel(s) for _, s in top) + config.n_layer * sum(numel(s) for _, s in _PER_BLOCK))
+
+
 def layer_of(name: str) -> int | None:
     m = _LAYER.match(name)
     return int(m.group(1)) if m else None

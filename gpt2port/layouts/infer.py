@@ -11,20 +11,8 @@ from gpt2port.config import PRESETS, GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import canonical
 
-_CONFIG_SIZES = ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "n_ctx", "n_inner")
-_CONFIG_NULLABLE = ("n_positions", "n_ctx", "n_inner")  # null means "the default"
 _WORDS = {"n_layer": "{} layers", "n_embd": "width {}", "vocab_size": "vocab_size {}",
           "n_positions": "n_positions {}", "mlp_width": "MLP width {}"}
-
-
-def check_config_values(hf: dict, path: Path) -> None:
-    """Sizes in config.json must be positive integers (a hand-edited file may say "twelve", 0 or -1)."""
-    for key in _CONFIG_SIZES:
-        if key not in hf or (hf[key] is None and key in _CONFIG_NULLABLE):
-            continue  # absent: from_hf_config names a missing required field, or a default applies
-        value = hf[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise GPT2PortError(f"{path}: {key} must be a positive integer, got {value!r}")
 
 
 def layers_held(shapes: dict[str, tuple[int, ...]], where) -> int | None:

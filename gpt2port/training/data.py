@@ -9,7 +9,6 @@ held-out split is the end of the token stream. Text that happens to contain "<|e
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import missing_parents, remove_if_empty, write_json
 from gpt2port.progress import StatusLine
@@ -66,8 +66,8 @@ def _fingerprint(tokenizer_dir: Path) -> str:
 
 def _read_meta(cache_dir: Path) -> dict | None:
     try:
-        return json.loads((cache_dir / "meta.json").read_text())
-    except (OSError, ValueError):
+        return jsonio.read(cache_dir / "meta.json")
+    except (OSError, GPT2PortError):
         return None
 
 

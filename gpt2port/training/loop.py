@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from gpt2port import jsonio
 from gpt2port.training import data as tokens
 from gpt2port.training.dist import Runtime
 from gpt2port.training.optim import lr_at, set_lr
@@ -98,7 +99,7 @@ def _read_rows(path: Path, done: int) -> list[dict]:
     logged later steps, which will run again)."""
     if not path.is_file():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [jsonio.loads(line, f"{path}:{n}") for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
     return [r for r in rows if r["step"] <= done]
 
 

@@ -8,13 +8,13 @@ complete state (as train_state, or as .train_state.old if the kill fell between 
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
+from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import write_json
 
@@ -31,7 +31,7 @@ def where(out: Path) -> Path | None:
 
 
 def read_meta(state_dir: Path) -> dict:
-    meta = json.loads((state_dir / "meta.json").read_text())
+    meta = jsonio.read(state_dir / "meta.json")
     if meta.get("format") != FORMAT:
         raise GPT2PortError(f"{state_dir / 'meta.json'}: not a gpt2port training state (format {meta.get('format')!r})")
     return meta

@@ -9,10 +9,10 @@ tokens of the whole text, without holding a multi-gigabyte file as one string.
 from __future__ import annotations
 
 import codecs
-import json
 from pathlib import Path
 from typing import Iterator
 
+from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 
 PIECE = 1 << 20  # characters per piece, about: enough to keep tokenizer threads busy, small enough to stream
@@ -75,11 +75,7 @@ def _decode(chunk: bytes, path: Path, offset: int, decoder=None, final: bool = T
 
 
 def _json_text(line: bytes, path: Path, number: int) -> str:
-    try:
-        obj = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise GPT2PortError(f"{path}:{number}: not a JSON line ({e.__class__.__name__}: "
-                            f"{str(e).splitlines()[0]})") from None
+    obj = jsonio.loads(line, f"{path}:{number}", "not a JSON line")
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
         raise GPT2PortError(f"{path}:{number}: needs a JSON object with a \"text\" string")
     return obj["text"]

@@ -11,7 +11,6 @@ activations. All inputs advance through a block together, so each block's weight
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import WEIGHT_FILES
 from gpt2port.formats.shards import INDEX_SUFFIX, shard_names
@@ -178,10 +178,7 @@ class HFFiles:
         path = self.root / "config.json"
         if not path.is_file():
             return {}
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise GPT2PortError(f"{path}: not valid JSON ({e})") from None
+        return jsonio.read(path)
 
     def close(self) -> None:
         self._open.clear()

@@ -1,0 +1,242 @@
+"""Fuzz gpt2port's readers: mutate a tiny valid file of every format at random and check that each result is either
+accepted or refused in one line naming the file, within a memory bound and a time limit, with the source untouched.
+
+    python -m scripts.fuzz                               # 300 cases, seed 0, every format
+    python -m scripts.fuzz --cases 40 --seed 3 --formats gguf,tf --json fuzz.json --keep failures/
+
+Seeds: scripts/hostile_files.py (safetensors, shards + index, pytorch pickle, nanoGPT ckpt.pt, TF bundle, llm.c .bin,
+GGUF, gpt2port checkpoint with config.json/manifest.json). Each case copies one seed, applies one mutation, seeded by
+(--seed, case number), to one of its files, and runs `convert SRC --out OUT` (and `info` on a gpt2port checkpoint, and
+`generate` with --generate).
+Mutations: truncation, bit flips, huge or negative integers written over a count or length (the GGUF seed says
+where its counts are; elsewhere aligned words in the file's structured head), bytes inserted or deleted, garbage
+appended; JSON files get a hostile value at a random key (0, -4, 2.5, NaN, 10**5000, 100k-deep nesting, wrong types)
+or a deleted key; the TF index gets entries and header re-encoded with a hostile field and valid checksums; a
+safetensors header gets a JSON mutation with its length fixed up.
+
+Each command runs in a child forked from one worker process that has imported gpt2port (a fresh interpreter per case
+would cost seconds), under RLIMIT_AS (--memory, 2 GB) and --timeout. A failure is: a traceback or "internal error",
+a refusal that is not one line starting "error: " and naming a path in the case, a hang, a peak RSS over the worker's
+by more than --rss, death by a signal, or any change to the source's bytes. Exit status 1 if any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.fuzz_mutate import MUTATORS
+
+GB = 1 << 30
+
+
+# --- the worker: one process with gpt2port imported, forking a child per command ---------------------------------
+
+def worker() -> None:
+    import resource
+    import signal
+    import traceback
+
+    import gpt2port.cli
+    import gpt2port.conversion  # noqa: F401 - everything a command imports lazily, imported once here
+    import gpt2port.formats.gguf  # noqa: F401
+    import gpt2port.formats.tf_bundle  # noqa: F401
+    import gpt2port.info  # noqa: F401
+
+    channel = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        job = json.loads(line)
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            code = 70
+            try:
+                resource.setrlimit(resource.RLIMIT_AS, (job["memory"], job["memory"]))
+                for fd, name in ((1, "stdout"), (2, "stderr")):
+                    out = os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    os.dup2(out, fd)
+                    os.close(out)
+                os.chdir(job["cwd"])
+                gpt2port.cli.main(job["args"], prog_name="gpt2port")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:  # noqa: BLE001 - what escapes main() is exactly what the fuzzer looks for
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        timed_out = False
+        while True:
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() - t0 > job["timeout"]:
+                os.kill(pid, signal.SIGKILL)
+                _, status, usage = os.wait4(pid, 0)
+                timed_out = True
+                break
+            time.sleep(0.005)
+        channel.write(json.dumps({
+            "rc": os.waitstatus_to_exitcode(status), "timed_out": timed_out, "seconds": time.monotonic() - t0,
+            "maxrss": usage.ru_maxrss * 1024, "base_rss": _rss(),
+        }) + "\n")
+        channel.flush()
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+class Worker:
+    def __init__(self):
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "CUDA_VISIBLE_DEVICES": ""}
+        self.proc = subprocess.Popen([sys.executable, "-m", "scripts.fuzz", "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).parents[1])
+
+    def run(self, args: list[str], cwd: Path, memory: int, timeout: float) -> dict:
+        out, err = cwd.parent / f".{cwd.name}-stdout", cwd.parent / f".{cwd.name}-stderr"
+        self.proc.stdin.write(json.dumps({"args": [str(a) for a in args], "cwd": str(cwd), "memory": memory,
+                                          "timeout": timeout, "stdout": str(out), "stderr": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        result = json.loads(self.proc.stdout.readline())
+        result["stdout"], result["stderr"] = out.read_text(errors="replace"), err.read_text(errors="replace")
+        out.unlink()
+        err.unlink()
+        return result
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+# --- judging ---------------------------------------------------------------------------------------------------------
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def judge(result: dict, case_dir: Path, rss_bound: int) -> str | None:
+    """Why this run failed, or None."""
+    text = result["stdout"] + result["stderr"]
+    if result["timed_out"]:
+        return "hang"
+    if result["rc"] < 0:
+        return f"killed by signal {-result['rc']}"
+    if "Traceback" in text or "internal error" in text:
+        return "internal error"
+    if result["maxrss"] - result["base_rss"] > rss_bound:
+        return f"memory: peak RSS {result['maxrss'] / 1e9:.2f} GB"
+    if result["rc"] != 0:
+        lines = result["stderr"].strip().splitlines()
+        if len(lines) != 1 or not lines[0].startswith("error: "):
+            return "not a one-line refusal"
+        if str(case_dir) not in lines[0]:
+            return "refusal does not name the file"
+    return None
+
+
+# --- the run ---------------------------------------------------------------------------------------------------------
+
+def commands(fmt: str, src: Path, out: Path, generate: bool = False) -> list[list]:
+    if fmt == "gpt2port":
+        return [["info", src], ["convert", src, "--out", out]] + \
+            ([["generate", src, "hi", "-n", "2", "--seed", "0", "--device", "cpu"]] if generate else [])
+    return [["convert", src, "--out", out]]
+
+
+def fuzz(cases: int, seed: int, formats: list[str], work: Path, memory: int, timeout: float, rss_bound: int,
+         keep: Path | None, generate: bool = False, log=print) -> dict:
+    from scripts import hostile_files
+
+    work.mkdir(parents=True, exist_ok=True)
+    seeds = hostile_files.build(work / "seeds", formats)
+    pristine = {fmt: (p if p.is_dir() else p.parent) for fmt, p in seeds.items()}
+    worker = Worker()
+    failures, counts, runs, t0 = [], {}, 0, time.perf_counter()
+    outcomes = {"accepted": 0, "refused": 0}
+    try:
+        for i in range(cases):
+            fmt = formats[i % len(formats)]
+            rng = random.Random(f"{seed}:{i}")
+            case_dir = work / f"case-{i}"
+            shutil.copytree(pristine[fmt], case_dir)
+            src = case_dir / seeds[fmt].relative_to(pristine[fmt]) if not seeds[fmt].is_dir() else case_dir
+            target = rng.choice(sorted(p for p in case_dir.iterdir() if p.is_file() and p.suffix != ".txt"
+                                       and p.name not in ("vocab.json", "merges.txt")))
+            kinds = [k for k, (applies, _, _) in MUTATORS.items() if applies(target)]
+            kind = rng.choices(kinds, [MUTATORS[k][2] for k in kinds])[0]
+            what = MUTATORS[kind][1](target, rng)
+            before = files_of(case_dir)
+            counts[fmt] = counts.get(fmt, 0) + 1
+            for args in commands(fmt, src, work / f"out-{i}", generate):
+                result = worker.run(args, case_dir, memory, timeout)
+                runs += 1
+                outcomes["accepted" if result["rc"] == 0 else "refused"] += 1
+                why = judge(result, case_dir, rss_bound)
+                if why is None and files_of(case_dir) != before:
+                    why = "the source changed"
+                if why is not None:
+                    failures.append({"case": i, "format": fmt, "file": target.name, "mutation": f"{kind}: {what}",
+                                     "command": " ".join(map(str, args[:1])), "why": why, "rc": result["rc"],
+                                     "output": (result["stderr"] or result["stdout"])[-600:]})
+                    log(f"FAIL case {i} {fmt} {target.name} {kind}: {what}: {why}\n    "
+                        f"{(result['stderr'] or result['stdout']).strip()[-300:]}")
+                    if keep is not None:
+                        shutil.copytree(case_dir, keep / f"case-{i}", dirs_exist_ok=True)
+                shutil.rmtree(work / f"out-{i}", ignore_errors=True)
+            shutil.rmtree(case_dir)
+    finally:
+        worker.close()
+    return {"cases": cases, "runs": runs, **outcomes, "seed": seed, "formats": counts, "failures": failures,
+            "seconds": round(time.perf_counter() - t0, 1), "memory_cap": memory, "timeout": timeout}
+
+
+def main() -> None:
+    if sys.argv[1:] == ["--worker"]:
+        return worker()
+    from scripts.hostile_files import FORMATS
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    ap.add_argument("--memory", type=float, default=2.0, help="RLIMIT_AS of each run, GB")
+    ap.add_argument("--rss", type=float, default=1.0, help="peak RSS growth allowed over the worker's, GB")
+    ap.add_argument("--timeout", type=float, default=20.0, help="seconds per run")
+    ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a new temporary one)")
+    ap.add_argument("--keep", type=Path, default=None, help="copy each failing case here")
+    ap.add_argument("--json", type=Path, default=None, help="write the report here")
+    ap.add_argument("--generate", action="store_true", help="also run `generate` on each gpt2port checkpoint")
+    a = ap.parse_args()
+    formats = a.formats.split(",")
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        ap.error(f"unknown format(s) {', '.join(unknown)}")
+    work = a.work or Path(tempfile.mkdtemp(prefix="gpt2port-fuzz-"))
+    try:
+        report = fuzz(a.cases, a.seed, formats, work, int(a.memory * GB), a.timeout, int(a.rss * GB), a.keep,
+                      a.generate)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=2))
+    print(f"{report['cases']} cases ({report['runs']} runs: {report['accepted']} accepted, {report['refused']} refused) over {len(report['formats'])} formats "
+          f"({', '.join(f'{k} {v}' for k, v in report['formats'].items())}) in {report['seconds']} s, seed "
+          f"{report['seed']}: {len(report['failures'])} failures")
+    sys.exit(1 if report["failures"] else 0)
+
+
+if __name__ == "__main__":
+    main()
