@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,10 +75,14 @@ def run_cli(*args, env: dict | None = None):
     return CliRunner().invoke(main, [str(a) for a in args], env=env)
 
 
+PROGRESS_LINE = re.compile(r"^[\w-]+ \[\s*\d+s\] ")
+
+
 def assert_one_line_error(exit_code: int, stderr: str, stdout: str = "", names=()) -> str:
     assert exit_code != 0, f"expected failure, got exit 0; stdout={stdout!r}"
     assert "Traceback" not in stderr + stdout, stderr
-    lines = stderr.strip().splitlines()
+    # a log's progress lines ("verify [   3s] loading ...", see gpt2port.progress) are not part of the error
+    lines = [ln for ln in stderr.strip().splitlines() if not PROGRESS_LINE.match(ln)]
     assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{stderr}"
     line = lines[0]
     assert line.startswith("error: "), line
