@@ -1,15 +1,16 @@
 """What a class is, measured rather than guessed: its head count, its MLP's activation, its LayerNorm eps (and the
 choices names and shapes leave open), for a class that no checkpoint was loaded into.
 
-A copy of the class's first block is filled with weights at a trained GPT-2's scales (q/k and MLP pre-activations
-of std ~2: at the 0.02 init every head count gives nearly uniform attention and erf and tanh GELU agree to 1e-7)
-and run in float64 beside gpt2port's own block under each candidate; the candidate that computes the same block is
-the fact. The class's own weights are never touched, and whatever they are (fresh init, zeros) does not matter.
+The class's own first block is run in float64 beside gpt2port's block under each candidate, both with weights at
+a trained GPT-2's scales swapped in for the duration (q/k and MLP pre-activations of std ~2: at the 0.02 init every
+head count gives nearly uniform attention, and erf and tanh GELU agree to 1e-7); the candidate that computes the
+same block is the fact. The class's own weights are put back as they were; what they are (fresh init, zeros, a
+trained model's) does not matter.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -105,35 +106,42 @@ def probe_state(lay: UserLayout, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def _block_copy(model: nn.Module, lay: UserLayout, state: dict, dtype) -> nn.Module | None:
-    """Block 0 copied and filled with `state` through the layout (the class's parameters stay as they are); None
-    where it cannot be (buffers without values, or a block that cannot be copied)."""
+@contextlib.contextmanager
+def _probe_weights(model: nn.Module, lay: UserLayout, state: dict, dtype):
+    """Block 0 itself, its parameters and floating buffers swapped for `state` (through the layout) in `dtype` on
+    the CPU for the duration, and put back as they were (the very same tensors) after. Not a copy: a block's
+    forward may reach its modules through closures that a copy would still share with the original. Yields None
+    where it cannot be probed (buffers without values, a parameter the layout cannot fill)."""
     prefix = lay.modules.block(0)
     block = model.get_submodule(prefix)
     if any(b.is_meta for b in block.buffers()):
-        return None
+        yield None
+        return
+    saved = []
     try:
-        twin = copy.deepcopy(block)
-    except Exception:  # noqa: BLE001 - a block holding something that cannot be copied is simply not probed
-        return None
-    for m in twin.modules():
-        for k, p in list(m._parameters.items()):
-            if p is not None:
-                m._parameters[k] = nn.Parameter(torch.zeros(p.shape, dtype=dtype), requires_grad=False)
-    twin.to(device="cpu", dtype=dtype)
-    with torch.no_grad():
-        for a in lay.assignments:
-            if not a.param.startswith(prefix + "."):
-                continue
-            p = twin.get_parameter(a.param[len(prefix) + 1:])
-            if a.target is None:
-                p.zero_()
-            else:
-                value = a.transform.to_layout(state[a.target])
-                if tuple(value.shape) != tuple(p.shape):
-                    return None
-                p.copy_(value)
-    return twin.eval()
+        for m in block.modules():
+            for k, p in m._parameters.items():
+                if p is not None:
+                    saved.append((m._parameters, k, p))
+                    m._parameters[k] = nn.Parameter(torch.zeros(p.shape, dtype=dtype), requires_grad=False)
+            for k, b in m._buffers.items():
+                if b is not None:
+                    saved.append((m._buffers, k, b))
+                    m._buffers[k] = b.to(device="cpu", dtype=dtype if b.is_floating_point() else b.dtype)
+        with torch.no_grad():
+            for a in lay.assignments:
+                if a.param.startswith(prefix + "."):
+                    p = block.get_parameter(a.param[len(prefix) + 1:])
+                    value = torch.zeros_like(p) if a.target is None else a.transform.to_layout(state[a.target])
+                    if tuple(value.shape) != tuple(p.shape):
+                        yield None
+                        return
+                    p.copy_(value)
+        with torch.random.fork_rng(devices=[]), evaluating(block):
+            yield block
+    finally:
+        for table, k, t in reversed(saved):
+            table[k] = t
 
 
 def _reference(cfg: GPTConfig, state: dict, dtype) -> nn.Module:
@@ -160,12 +168,12 @@ def measure(model: nn.Module, lay: UserLayout, heads: list[int], activations: li
             continue
         got = None
         for dtype in (torch.float64, torch.float32):
-            twin = _block_copy(model, cand, state, dtype)
-            if twin is None:
-                break
             try:
-                with torch.random.fork_rng(devices=[]), evaluating(twin):
-                    got = first_tensor(twin(x.to(dtype)))
+                with _probe_weights(model, cand, state, dtype) as block:
+                    if block is None:
+                        break
+                    got = first_tensor(block(x.to(dtype)))
+                    got = got.detach().to(torch.float64) if got is not None else None
             except Exception as e:  # noqa: BLE001 - user code: float64 may not suit it; float32 is tried next
                 why = f"block 0 did not run on its own ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                 continue
@@ -174,7 +182,6 @@ def measure(model: nn.Module, lay: UserLayout, heads: list[int], activations: li
             why, got = "block 0 does not return a (batch, tokens, width) tensor", None
         if got is None:
             continue
-        got = got.to(torch.float64)
         scale = float(got.abs().max()) or 1.0
         for h in heads:
             for act in activations:
