@@ -18,7 +18,8 @@ from torch import nn
 from gpt2port.config import GPTConfig
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import IDENTITY, TRANSPOSE, AddDim, Chain
-from gpt2port.userclass.block import Picker, block_template, for_block, norm_assignments
+from gpt2port.userclass.block import (Picker, block_template, for_block, norm_assignments, scale_only_norm,
+                                      scale_only_reason)
 from gpt2port.userclass.layout import Assignment, CropRows, Modules, Note, UserLayout
 from gpt2port.userclass.facts import ACTIVATIONS, divisors_first, eps_hints, head_hints, measure
 from gpt2port.userclass.observe import Trace, Unit, aliases, probe_ids, trace, units
@@ -60,14 +61,24 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
     lay.assignments.append(Assignment(tok[0].full(tok[1]), canonical.EMBEDDING))
     _positions(lay, pos, P, C, crop)
     _head(lay, tok, head, head_bias, same, V, C)
+    if final is None:  # a norm of one (C,) parameter after the blocks: a LayerNorm without a bias, or RMSNorm
+        alone = [x for x in extra if len(x[0].params) == 1 and tuple(x[2].shape) == (C,)]
+        kind = scale_only_norm(alone[0][0]) if len(alone) == 1 else None
+        if len(alone) == 1:
+            extra.remove(alone[0])
+            if kind == "layernorm":
+                final = alone[0][0]
+            else:
+                lay.reasons.append(scale_only_reason(alone[0][0], kind))
     lay.reasons += [f"{u.full(k)}: shape {tuple(p.shape)} matches no GPT-2 tensor outside the blocks"
                     for u, k, p in extra]
     if final is None:
-        lay.reasons.append("no final LayerNorm with a weight and a bias of (width,) after the blocks "
-                           "(a norm without learned parameters, or RMSNorm, is not GPT-2's)")
+        if not any(r.endswith("then scales and shifts") for r in lay.reasons):
+            lay.reasons.append("no final LayerNorm with a weight and a bias of (width,) after the blocks "
+                               "(a norm without learned parameters, or RMSNorm, is not GPT-2's)")
     else:
         lay.modules.final_norm = final.name
-        lay.assignments += norm_assignments(pk, "final norm", final, "final_norm")
+        lay.assignments += norm_assignments(pk, "final norm", final, "final_norm", lay)
     if not kids:
         lay.reasons.append("no stack of blocks (a ModuleList, Sequential or ModuleDict of identical modules)")
         return lay, pk
