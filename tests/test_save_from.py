@@ -333,3 +333,16 @@ def test_every_class_saved_and_exported_is_itself_in_transformers(case, path, re
     idx = ids(T=24)
     with torch.no_grad():
         assert rel(hf(idx).logits, case.logits(model, idx)) < REL
+
+
+@pytest.mark.heavy
+def test_a_124m_class_trained_from_scratch_is_saved_as_itself(tmp_path):
+    """gpt_mini's style at GPT-2 small's shape, never loaded: 12 heads measured, the checkpoint proven, and
+    transformers computes the class."""
+    model = as_if_trained(Mini(ctx=1024, layers=12, h=12, d=768)).eval()
+    out = gpt2port.save_from(model, tmp_path / "mini124")
+    assert json.loads((out / "config.json").read_text())["model"]["n_head"] == 12
+    assert out.report.max_rel < 1e-4
+    hf, _ = in_transformers(out, tmp_path)
+    with torch.no_grad():
+        assert rel(hf(ids(T=16)).logits, model(ids(T=16))) < 1e-4

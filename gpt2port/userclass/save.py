@@ -35,7 +35,9 @@ from gpt2port.userclass.roles import FACTS, as_config, context, own_layout
 from gpt2port.userclass.settle import run
 
 PROOF_TOKENS = 16
-PROOF_REL = {torch.float32: 1e-5, torch.float64: 1e-5}  # else (fp16, bf16 on either side) 3e-2
+# fp32 rounding grows with depth and activation scale (past 1e-5 at 124M with trained-scale weights); a wrong head
+# count, GELU or bias costs 1e-3 and more. fp16/bf16 on either side: 3e-2.
+PROOF_REL = {torch.float32: 1e-4, torch.float64: 1e-4}
 
 
 def canonical_state(model: nn.Module, lay: UserLayout) -> tuple[GPTConfig, dict[str, torch.Tensor], list[str]]:
@@ -164,8 +166,7 @@ def prove(model: nn.Module, lay: UserLayout, ckpt: Path) -> tuple[float, int]:
     got, want = run(model, ids), run(ref, ids.cpu())
     saved_dtype = checkpoint.load_state(ckpt)[2][canonical.EMBEDDING].dtype
     own_dtype = next(model.parameters()).dtype
-    tol = min(PROOF_REL.get(saved_dtype, 3e-2), PROOF_REL.get(own_dtype, 3e-2)) if saved_dtype in PROOF_REL and \
-        own_dtype in PROOF_REL else 3e-2
+    tol = max(PROOF_REL.get(saved_dtype, 3e-2), PROOF_REL.get(own_dtype, 3e-2))
     rel = float((got - want).abs().max() / want.abs().max()) if got.shape == want.shape else float("inf")
     if not rel <= tol:
         raise GPT2PortError(f"{lay.model_name}: the checkpoint written from it does not compute it: gpt2port's GPT "
