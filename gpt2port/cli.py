@@ -244,10 +244,9 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
     """Build your own GPT class with FACTORY from FILE.py, load CKPT (default: gpt2) into it, and verify it.
 
     Prints how each of its parameters was read as GPT-2, then the verdict: whether its logits match GPT-2's, and if
-    not, the first stage that differs and the known mistake that explains it. FACTORY is called with a config that
-    answers to the usual names as keys and attributes (vocab_size, block_size, n_layer, n_head, n_embd, emb_dim,
-    embedding_dim, context_length, num_heads, n_heads, num_layers, drop_rate, qkv_bias, ...). An error raised in
-    your file is reported with its place there. Exit code 0 when the class computes GPT-2.
+    not, the first stage that differs and the known mistake that explains it. FACTORY gets a config answering to
+    the tutorials' names as keys and attributes (n_embd, emb_dim, embedding_dim, num_heads, n_heads, num_layers,
+    context_length, block_size, drop_rate, qkv_bias, ...). Exit code 0 when the class computes GPT-2.
     """
     from gpt2port.userclass.check import run_check
 

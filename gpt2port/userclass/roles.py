@@ -282,9 +282,10 @@ def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | 
     new.config = dataclasses.replace(cfg, n_head=found.n_head, activation=found.activation,
                                      layer_norm_epsilon=found.eps)
     new.unknown, new.reasons = [], new.reasons + wrong
+    to = "exactly" if found.rel == 0 else f"to {found.rel:.1g}"
     new.decided.append(f"n_head={found.n_head}, {ACTIVATIONS[found.activation]}, LayerNorm eps {found.eps:g}: "
-                       f"measured (a copy of block 0 at a trained GPT-2's scales computes gpt2port's block to "
-                       f"{found.rel:.1g})")
+                       f"measured (block 0, run with weights at a trained GPT-2's scales, computes gpt2port's block "
+                       f"{to})")
     new.decided += [f"{n}: {inside[n][i]} (measured on block 0)" for n, i in found.options.items()]
     for n in inside:
         pk.choices.pop(n)

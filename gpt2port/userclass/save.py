@@ -126,6 +126,7 @@ def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = Fa
         raise GPT2PortError(f"{lay.model_name}: {undecided[0]}; load it with gpt2port.load_into first, which settles "
                             f"this by running it")
     cfg, state, zeros = canonical_state(model, lay)
+    notes = [d for d in lay.decided if d.startswith("n_head=")] + notes
     if zeros:
         notes.append(f"the class has no {', '.join(z.replace('{}', '{i}') for z in zeros)}: saved as zeros (GPT-2 "
                      f"with these biases at zero computes exactly this class)")
