@@ -253,18 +253,25 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):
 @click.option("--tokens", type=click.IntRange(min=2), default=64, show_default=True,
               help="Length of the random-token inputs of the check.")
 @click.option("--no-hf", is_flag=True, help="Skip transformers (float64 reference only).")
+@click.option("--drop-biases", is_flag=True,
+              help="Load into a class without some of GPT-2's biases, and measure what their absence costs.")
+@click.option("--crop-positions", is_flag=True,
+              help="A class with a shorter context keeps the first rows of GPT-2's position table.")
+@click.option("--tie", is_flag=True, help="Make an untied head the token embedding's own Parameter.")
 @_handle_errors
-def check(factory, ckpt, reference, tokens, no_hf):
+def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, tie):
     """Build your own GPT class with FACTORY from FILE.py, load CKPT (default: gpt2) into it, and verify it.
 
     Prints how each of its parameters was read as GPT-2, then the verdict: whether its logits match GPT-2's, and if
-    not, the first stage that differs and the known mistake that explains it. FACTORY is called with a config that
-    answers to the usual names (vocab_size, block_size, n_layer, n_head, n_embd, emb_dim, context_length, ...).
-    Exit code 0 when the class computes GPT-2.
+    not, the first stage that differs and the known mistake that explains it. FACTORY gets a config answering to
+    the tutorials' names as keys and attributes (n_embd, emb_dim, embedding_dim, num_heads, n_heads, num_layers,
+    context_length, block_size, drop_rate, qkv_bias, ...). Exit code 0 when the class computes GPT-2.
     """
     from gpt2port.userclass.check import run_check
 
-    sys.exit(0 if run_check(factory, ckpt, reference, tokens, not no_hf, click.echo) else EXIT_FAILURE)
+    ok = run_check(factory, ckpt, reference, tokens, not no_hf, click.echo, drop_biases=drop_biases,
+                   crop_positions=crop_positions, tie=True if tie else None, progress=True)
+    sys.exit(0 if ok else EXIT_FAILURE)
 
 
 @main.command()

@@ -97,6 +97,10 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     with open_source(src) as source:
         refuse_overlap(out, source.root)
         refuse_hf_cache(out)
+        if to in ("llmc", "gguf") and source.config.activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+            raise GPT2PortError(f"{source.where}: its MLP's activation is {source.config.activation!r}; {to} files "
+                                f"always compute GPT-2's tanh GELU, so this export would be another model (--to hf "
+                                f"keeps the activation)")
         out_dtype = parse_dtype(dtype) or source.dtype()
         warnings = source.warnings()
         # gpt2port's and HF's layouts are written by stream_safetensors, which takes tensors in pieces

@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from gpt2port.layouts.transforms import IDENTITY, TRANSPOSE, Chain, Part
 from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.names import HEAD_COUNT_ATTRS, norm_role, role_of, stem
-from gpt2port.userclass.observe import Trace, Unit
+from gpt2port.userclass.observe import Trace, Unit, first_tensor
 
 ORIENT = ["(out, in), as nn.Linear stores it", "(in, out), as HF's Conv1D stores it"]
 QKV = ("q", "k", "v")
@@ -68,8 +69,14 @@ class Lin:
 
 
 
-def norm_assignments(pk: Picker, what: str, u: Unit, prefix: str) -> list[Assignment]:
-    """A LayerNorm's two (C,) parameters: which scales and which shifts, by name, or else a choice."""
+def norm_assignments(pk: Picker, what: str, u: Unit, prefix: str, lay: UserLayout | None = None) -> list[Assignment]:
+    """A LayerNorm's two (C,) parameters: which scales and which shifts, by name, or else a choice. A LayerNorm
+    without a bias (one parameter) scales, and lacks GPT-2's shift as a Linear without a bias lacks its bias."""
+    if len(u.params) == 1:
+        if lay is not None:
+            lay.missing_biases.append(u.name)
+            lay.missing_bias_targets.add(f"{prefix}.bias")
+        return [Assignment(u.full(next(iter(u.params))), f"{prefix}.weight")]
     a, b = list(u.params)
     ra, rb = norm_role(a), norm_role(b)
     if ra == "bias" or rb == "weight":
@@ -80,10 +87,40 @@ def norm_assignments(pk: Picker, what: str, u: Unit, prefix: str) -> list[Assign
     return [Assignment(u.full(a), f"{prefix}.weight"), Assignment(u.full(b), f"{prefix}.bias")]
 
 
+def scale_only_norm(u: Unit) -> str | None:
+    """What a module with a single (C,) parameter is: "layernorm" (it subtracts the mean: a LayerNorm built without
+    a bias), "rms" (it does not: RMSNorm), or None where it cannot be run apart (its values are not there)."""
+    m = u.module
+    if isinstance(m, nn.LayerNorm):
+        return "layernorm"
+    if isinstance(m, getattr(nn, "RMSNorm", ())):
+        return "rms"
+    p = next(iter(u.params.values()))
+    if p.is_meta or not p.is_floating_point():
+        return None
+    x = torch.randn(2, 4, p.shape[0], generator=torch.Generator().manual_seed(0)).to(p.device, p.dtype)
+    try:
+        with torch.no_grad():
+            a, b = first_tensor(m(x)), first_tensor(m(x + 3))
+    except Exception:  # noqa: BLE001 - a module that cannot run on its own is judged by its parameters alone
+        return None
+    if a is None or b is None or a.shape != x.shape:
+        return None
+    tol = 1e-3 if p.dtype in (torch.float32, torch.float64) else 3e-2
+    return "layernorm" if float((a - b).abs().max()) <= tol * (float(a.abs().max()) or 1.0) else "rms"
+
+
+def scale_only_reason(u: Unit, kind: str | None) -> str:
+    if kind == "rms":
+        return (f"{u.name}: a norm that scales without subtracting the mean (RMSNorm); GPT-2's LayerNorm subtracts "
+                f"the mean, then scales and shifts")
+    return f"{u.name}: a norm with a scale only; GPT-2's LayerNorm subtracts the mean, then scales and shifts"
+
+
 def block_template(lay: UserLayout, pk: Picker, us: list[Unit], prefix: str, tr: Trace, rank, C: int, H: int,
                    F: int, block: nn.Module) -> list[Assignment]:
     """Block 0's rows (targets with '{}' for the layer)."""
-    norms, lins = [], []
+    norms, lins, said_norms = [], [], False
     for u in us:
         mats = {k: p for k, p in u.params.items() if p.dim() == 2}
         vecs = {k: p for k, p in u.params.items() if p.dim() == 1}
@@ -94,21 +131,25 @@ def block_template(lay: UserLayout, pk: Picker, us: list[Unit], prefix: str, tr:
             if len(vecs) == 2 and all(p.shape[0] == C for p in vecs.values()):
                 norms.append(u)
             elif len(vecs) == 1 and next(iter(vecs.values())).shape[0] == C:
-                lay.reasons.append(f"{u.name}: a norm with a scale only (RMSNorm-style); GPT-2's LayerNorm has a "
-                                   f"weight and a bias and subtracts the mean")
+                kind = scale_only_norm(u)
+                if kind == "layernorm":  # a LayerNorm built with bias=False: it lacks a bias, as a Linear can
+                    norms.append(u)
+                else:
+                    lay.reasons.append(scale_only_reason(u, kind))
+                    said_norms = True
             else:
                 lay.reasons += [f"{u.full(k)}: shape {tuple(p.shape)} matches no GPT-2 tensor" for k, p in vecs.items()]
             continue
         lins += _pair(lay, u, mats, vecs, tr)
-    if not norms:
+    if not norms and not said_norms:
         lay.reasons.append(f"{prefix}: no LayerNorm with a weight and a bias (a norm without learned parameters, "
                            f"or RMSNorm, is not GPT-2's)")
     rows = []
     norms.sort(key=lambda u: rank(u.name))
     if len(norms) == 2:
         lay.modules.ln1, lay.modules.ln2 = (_rel(prefix, u.name) for u in norms)
-        rows += norm_assignments(pk, "block LayerNorm 1", norms[0], "blocks.{}.ln1")
-        rows += norm_assignments(pk, "block LayerNorm 2", norms[1], "blocks.{}.ln2")
+        rows += norm_assignments(pk, "block LayerNorm 1", norms[0], "blocks.{}.ln1", lay)
+        rows += norm_assignments(pk, "block LayerNorm 2", norms[1], "blocks.{}.ln2", lay)
         if tr.error:
             lay.notes.append(f"the forward pass could not be traced ({tr.error}); the LayerNorms are taken in the "
                              f"order they are defined")

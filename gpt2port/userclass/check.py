@@ -2,9 +2,11 @@
 it was read and whether it computes GPT-2 (and if not, which stage differs and why).
 
 The factory is called with a config that answers to the names tutorials use for GPT-2's sizes (vocab_size or
-n_vocab, block_size or context_length, n_embd or emb_dim or d_model, ...), as attributes and as dict keys; a
+n_vocab, block_size or context_length, n_embd or emb_dim or embedding_dim, ...), as attributes and as dict keys; a
 factory with no parameters is just called; one whose single parameter is called name/size/model_type gets the
-size name ("gpt2-medium").
+size name ("gpt2-medium"); one whose parameters are all such names gets each by name.
+
+An error raised in the user's file is theirs: it is reported with where it happened in their code, never as ours.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import dataclasses
 import importlib.util
 import inspect
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from torch import nn
@@ -22,27 +26,45 @@ from gpt2port.errors import GPT2PortError
 
 # the names tutorials give GPT-2's config fields -> gpt2port's
 ALIASES = {
-    "n_vocab": "vocab_size", "vocab": "vocab_size",
-    "block_size": "n_positions", "n_ctx": "n_positions", "context_length": "n_positions",
+    "n_vocab": "vocab_size", "vocab": "vocab_size", "num_embeddings": "vocab_size",
+    "block_size": "n_positions", "n_ctx": "n_positions", "context_length": "n_positions", "ctx": "n_positions",
     "max_seq_len": "n_positions", "seq_len": "n_positions", "max_position_embeddings": "n_positions",
+    "context_size": "n_positions", "ctx_len": "n_positions", "max_len": "n_positions", "sequence_len": "n_positions",
     "n_layers": "n_layer", "num_layers": "n_layer", "layers": "n_layer", "num_hidden_layers": "n_layer",
-    "n_heads": "n_head", "num_heads": "n_head", "num_attention_heads": "n_head",
+    "depth": "n_layer", "num_blocks": "n_layer",
+    "n_heads": "n_head", "num_heads": "n_head", "num_attention_heads": "n_head", "heads": "n_head",
     "emb_dim": "n_embd", "d_model": "n_embd", "hidden_size": "n_embd", "dim": "n_embd", "embed_dim": "n_embd",
-    "drop_rate": "dropout", "dropout_rate": "dropout", "p_drop": "dropout",
+    "embedding_dim": "n_embd", "n_embed": "n_embd", "d_embed": "n_embd", "emb_size": "n_embd", "width": "n_embd",
+    "drop_rate": "dropout", "dropout_rate": "dropout", "p_drop": "dropout", "attn_pdrop": "dropout",
+    "resid_pdrop": "dropout", "embd_pdrop": "dropout", "drop": "dropout",
+    "layer_norm_eps": "layer_norm_epsilon", "ln_eps": "layer_norm_epsilon", "eps": "layer_norm_epsilon",
+    "norm_eps": "layer_norm_epsilon",
+}
+DERIVED = {  # sizes tutorials compute from the others
+    "head_size": lambda c: c.n_embd // c.n_head, "head_dim": lambda c: c.n_embd // c.n_head,
+    "d_head": lambda c: c.n_embd // c.n_head, "d_ff": lambda c: c.mlp_width, "ff_dim": lambda c: c.mlp_width,
+    "hidden_dim": lambda c: c.mlp_width, "intermediate_size": lambda c: c.mlp_width,
+    "mlp_dim": lambda c: c.mlp_width, "d_hidden": lambda c: c.mlp_width,
 }
 FLAGS = {"bias": True, "qkv_bias": True, "use_bias": True}  # GPT-2 has every bias
 
 
 @dataclasses.dataclass
 class FactoryConfig(GPTConfig):
-    """A GPTConfig that also answers to the tutorials' names, as attributes and as dict keys."""
+    """A GPTConfig that also answers to the tutorials' names, as attributes and as dict keys (cfg["emb_dim"],
+    cfg.num_heads, **cfg, cfg.get(...), cfg.keys())."""
 
     def __getattr__(self, name):
         if name in ALIASES:
             return getattr(self, ALIASES[name])
+        if name in DERIVED:
+            return DERIVED[name](self)
         if name in FLAGS:
             return FLAGS[name]
         raise AttributeError(name)
+
+    def __setattr__(self, name, value):  # cfg.emb_dim = 768 sets n_embd
+        object.__setattr__(self, ALIASES.get(name, name), value)
 
     def __getitem__(self, key):
         try:
@@ -50,11 +72,65 @@ class FactoryConfig(GPTConfig):
         except AttributeError:
             raise KeyError(key) from None
 
+    def __setitem__(self, key, value):
+        setattr(self, key, value)
+
     def get(self, key, default=None):
         return getattr(self, key, default)
 
     def __contains__(self, key):
         return hasattr(self, key)
+
+    def keys(self):
+        return [f.name for f in dataclasses.fields(self)] + list(ALIASES) + list(DERIVED) + list(FLAGS)
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    def __len__(self):
+        return len(self.keys())
+
+    def items(self):
+        return [(k, self[k]) for k in self.keys()]
+
+    def values(self):
+        return [self[k] for k in self.keys()]
+
+    def copy(self):
+        return dataclasses.replace(self)
+
+    def update(self, other=(), **more):
+        for k, v in {**dict(other), **more}.items():
+            self[k] = v
+
+
+class UserCodeError(GPT2PortError):
+    """An exception raised in the user's own file, with where it happened there."""
+
+
+def theirs(e: BaseException, root: Path, what: str) -> GPT2PortError | None:
+    """`e` as the user's error when it was raised in their code (a frame in a file under `root`, outside gpt2port
+    and the installed packages): file:line of the last such frame, and the frames that led there."""
+    own = Path(__file__).resolve().parents[1]
+    frames = []
+    for f in traceback.extract_tb(e.__traceback__):
+        path = Path(f.filename).resolve()
+        if root in path.parents and own not in path.parents and "site-packages" not in path.parts:
+            frames.append(f)
+    if not frames:
+        return None
+    last = frames[-1]
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    chain = " <- ".join(f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(frames[-4:]))
+    return UserCodeError(f"{_short(last.filename)}:{last.lineno}: {type(e).__name__}{': ' + text if text else ''} "
+                         f"(raised in your code while {what}; traceback, innermost first: {chain})")
+
+
+def _short(filename: str) -> str:
+    try:
+        return str(Path(filename).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return filename
 
 
 def load_factory(spec: str):
@@ -67,13 +143,19 @@ def load_factory(spec: str):
         raise GPT2PortError(f"{file}: no such file")
     mod_name = f"_gpt2port_check_{file.stem}"
     loader = importlib.util.spec_from_file_location(mod_name, file)
+    if loader is None or loader.loader is None:
+        raise GPT2PortError(f"{file}: not a Python file that can be imported")
     module = importlib.util.module_from_spec(loader)
     sys.path.insert(0, str(file.resolve().parent))
     try:
         sys.modules[mod_name] = module
         loader.loader.exec_module(module)
+    except SystemExit as e:
+        raise GPT2PortError(f"{file}: exits while being imported (SystemExit({e.code!r})"
+                            f"{_at(e, file)}); put the code that runs it under `if __name__ == \"__main__\":`") from e
     except Exception as e:
-        raise GPT2PortError(f"{file}: importing it failed: {type(e).__name__}: {e}") from e
+        raise theirs(e, file.resolve().parent, f"importing {file.name}") or \
+            GPT2PortError(f"{file}: importing it failed: {type(e).__name__}: {e}") from e
     finally:
         sys.path.pop(0)
     factory = getattr(module, name, None)
@@ -82,8 +164,14 @@ def load_factory(spec: str):
     return factory
 
 
+def _at(e: BaseException, file: Path) -> str:
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == file.resolve()]
+    return f" at {_short(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+
+
 def build(factory, config: GPTConfig, size_name: str | None) -> nn.Module:
     """Call the factory the way its signature asks; its model (or the first module it returns)."""
+    cfg = FactoryConfig(**config.to_dict())
     try:
         params = [p for p in inspect.signature(factory).parameters.values()
                   if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -93,8 +181,10 @@ def build(factory, config: GPTConfig, size_name: str | None) -> nn.Module:
         out = factory()
     elif len(params) == 1 and params[0] is not None and params[0].name in ("name", "size", "model_type") and size_name:
         out = factory(size_name)
+    elif all(p is not None and p.name in cfg for p in params):  # GPT(vocab_size, context_length, d_model, ...)
+        out = factory(**{p.name: cfg[p.name] for p in params})
     else:
-        out = factory(FactoryConfig(**config.to_dict()))
+        out = factory(cfg)
     if isinstance(out, (tuple, list)):
         out = next((x for x in out if isinstance(x, nn.Module)), None)
     if not isinstance(out, nn.Module):
@@ -102,8 +192,57 @@ def build(factory, config: GPTConfig, size_name: str | None) -> nn.Module:
     return out
 
 
-def run_check(spec: str, ckpt: str, reference=None, tokens: int = 64, hf: bool = True, say=print) -> bool:
-    """The whole check, printed through `say`; True when the class computes GPT-2."""
+# what load_into's keyword arguments are called on check's command line
+FLAG_WORDS = {"drop_biases": "--drop-biases", "crop_positions": "--crop-positions", "tie": "--tie"}
+
+
+def cli_words(text: str) -> str:
+    for arg, flag in FLAG_WORDS.items():
+        for said in (f"{arg}=True", arg):
+            text = text.replace(f"pass {said}", f"pass {flag}").replace(f"({said})", f"({flag})")
+    return text
+
+
+class Steps:
+    """Step lines while check works ("check [3/4] 2.1 s: verifying ..."), through `say`."""
+
+    def __init__(self, say, total: int):
+        self.say, self.total, self.n, self.t0 = say, total, 0, time.perf_counter()
+        self.current = "starting"
+
+    def __call__(self, what: str) -> None:
+        self.n += 1
+        self.current = what[0].lower() + what[1:]
+        self.say(f"check [{self.n}/{self.total}] {time.perf_counter() - self.t0:.1f} s: {what}")
+
+
+def run_check(spec: str, ckpt: str, reference=None, tokens: int = 64, hf: bool = True, say=print, *,
+              drop_biases: bool = False, crop_positions: bool = False, tie: bool | None = None,
+              progress: bool = False) -> bool:
+    """The whole check, printed through `say`; True when the class computes GPT-2. An exception raised in the
+    user's file comes out as their error (UserCodeError), with where it happened there."""
+    root = Path(spec.rpartition(":")[0] or ".").resolve().parent
+    step = Steps(say, 4)
+    try:
+        return _run(spec, ckpt, reference, tokens, hf, say, drop_biases, crop_positions, tie, progress, step)
+    except GPT2PortError:
+        raise
+    except SystemExit as e:
+        raise GPT2PortError(f"{spec}: your code exited (SystemExit({e.code!r})){_where(e, root)}; check needs the "
+                            f"factory to return the model") from e
+    except Exception as e:
+        mine = theirs(e, root, step.current)
+        if mine is None:
+            raise
+        raise mine from e
+
+
+def _where(e: BaseException, root: Path) -> str:
+    mine = theirs(e, root, "")
+    return f" at {str(mine).split(': ', 1)[0]}" if mine is not None else ""
+
+
+def _run(spec, ckpt, reference, tokens, hf, say, drop_biases, crop_positions, tie, progress, step) -> bool:
     from gpt2port.checkpoint import is_checkpoint, read_manifest
     from gpt2port.sources import open_source, source_path
     from gpt2port.userclass.load import LoadRefused, load_into
@@ -113,14 +252,20 @@ def run_check(spec: str, ckpt: str, reference=None, tokens: int = 64, hf: bool =
     path = source_path(ckpt)
     with open_source(path) as src:
         config = src.config
+    step(f"building the model with {spec}")
     model = build(load_factory(spec), config, ckpt if is_known_name(str(ckpt)) else None)
+    step(f"loading {path} into {type(model).__name__}")
     try:
-        report = load_into(model, path)
+        report = load_into(model, path, tie=tie, crop_positions=crop_positions, drop_biases=drop_biases)
     except LoadRefused as e:
-        say(str(layout_of(model, config)))
-        say(str(e))
+        table = str(layout_of(model, config)).splitlines()
+        say("\n".join(line for line in table if not line.startswith("cannot hold GPT-2: ")))
+        reasons = list(dict.fromkeys(e.reasons))
+        say(f"{type(model).__name__} cannot hold these GPT-2 weights ({len(reasons)} reason"
+            f"{'s' if len(reasons) > 1 else ''}):")
+        say("\n".join(f"  {cli_words(r)}" for r in reasons))
         return False
-    say(str(report))
+    say(cli_words(str(report)))
     if reference is None:
         if is_checkpoint(path):
             reference = read_manifest(path).get("source", {}).get("path")
@@ -129,6 +274,8 @@ def run_check(spec: str, ckpt: str, reference=None, tokens: int = 64, hf: bool =
                                     f"gone; pass --reference with the Hugging Face directory it came from")
         else:
             reference = path
-    verdict = verify_model(model, reference, tokens=tokens, hf=hf)
+    step(f"verifying {type(model).__name__} against {reference}" + (" and transformers" if hf else ""))
+    verdict = verify_model(model, reference, tokens=tokens, hf=hf, progress=progress)
+    step("done")
     say(verdict.to_text())
     return verdict.passed

@@ -27,6 +27,18 @@ class CropRows(Transform):
         return tuple(layout_shape)
 
 
+class Note(str):
+    """A note about what loading does, said in the past tense (a load report) and, as `future`, in the future
+    tense (layout_of, before anything is loaded)."""
+
+    future: str
+
+    def __new__(cls, past: str, future: str):
+        note = super().__new__(cls, past)
+        note.future = future
+        return note
+
+
 @dataclass(frozen=True)
 class Assignment:
     param: str  # the user's full parameter name
@@ -66,6 +78,8 @@ class UserLayout:
     reasons: list[str] = field(default_factory=list)  # why it cannot hold GPT-2 (refusals), one line each
     missing_biases: list[str] = field(default_factory=list)  # modules without the bias GPT-2 has
     missing_bias_targets: set[str] = field(default_factory=set)  # GPT-2's biases they would hold ('{}': layer)
+    unknown: list[str] = field(default_factory=list)  # config fields neither shapes nor attributes told ("n_head")
+    before_load: bool = False  # read by layout_of: notes say what loading will do
 
     def __str__(self) -> str:
         return self.table()
@@ -75,7 +89,8 @@ class UserLayout:
         rows, seen = [], set()
         block = re.compile(rf"^{re.escape(self.modules.blocks)}\.(\d+)\.") if self.modules.blocks else None
         for a in self.assignments:
-            param, target = a.param, a.target or "(none: set to zero)"
+            param, target = a.param, a.target or ("(none: to be set to zero)" if self.before_load else
+                                                  "(none: set to zero)")
             if block is not None and block.match(param):
                 param = block.sub(f"{self.modules.blocks}.{{i}}.", param)
                 target = re.sub(r"^blocks\.\d+\.", "blocks.{i}.", target)
@@ -88,12 +103,13 @@ class UserLayout:
             rows.append((self.modules.head or "(head)", "tok_emb.weight", "tied: the token embedding's Parameter"))
         w0 = max((len(r[0]) for r in rows), default=10)
         w1 = max((len(r[1]) for r in rows), default=10)
-        head = f"{self.model_name} as GPT-2 (n_layer={self.config.n_layer}, n_head={self.config.n_head}, " \
+        n_head = "?" if "n_head" in self.unknown else self.config.n_head
+        head = f"{self.model_name} as GPT-2 (n_layer={self.config.n_layer}, n_head={n_head}, " \
                f"n_embd={self.config.n_embd}, vocab_size={self.config.vocab_size}, " \
                f"n_positions={self.config.n_positions})"
         lines = [head, f"{'parameter'.ljust(w0)}  {'GPT-2 tensor'.ljust(w1)}  how"]
         lines += [f"{p.ljust(w0)}  {t.ljust(w1)}  {h}" for p, t, h in rows]
         lines += [f"decided: {d}" for d in self.decided]
-        lines += [f"note: {n}" for n in self.notes]
+        lines += [f"note: {n.future if self.before_load and isinstance(n, Note) else n}" for n in self.notes]
         lines += [f"cannot hold GPT-2: {r}" for r in self.reasons]
         return "\n".join(lines)

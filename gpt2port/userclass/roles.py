@@ -9,16 +9,19 @@ against gpt2port's own GPT and keeps the one that computes GPT-2.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import re
 
 from torch import nn
 
-from gpt2port.config import PRESETS, GPTConfig
+from gpt2port.config import GPTConfig
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import IDENTITY, TRANSPOSE, AddDim, Chain
-from gpt2port.userclass.block import Picker, block_template, for_block, norm_assignments
-from gpt2port.userclass.layout import Assignment, CropRows, Modules, UserLayout
-from gpt2port.userclass.names import HEAD_COUNT_ATTRS
+from gpt2port.userclass.block import (Picker, block_template, for_block, norm_assignments, scale_only_norm,
+                                      scale_only_reason)
+from gpt2port.userclass.layout import Assignment, CropRows, Modules, Note, UserLayout
+from gpt2port.userclass.facts import ACTIVATIONS, divisors_first, eps_hints, head_hints, measure
 from gpt2port.userclass.observe import Trace, Unit, aliases, probe_ids, trace, units
 
 
@@ -41,14 +44,15 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
         return lay, pk
     C = tok[2].shape[1]
     inner = [u for u in us if u not in outside]
-    cfg = config or _own_config(model, tok, pos, kids, inner, C)
-    lay = UserLayout(type(model).__name__, cfg, modules=Modules(blocks=blocks))
+    own, unknown = _own_config(model, tok, pos, kids, inner, C)
+    cfg = config or own
+    lay = UserLayout(type(model).__name__, cfg, modules=Modules(blocks=blocks), unknown=[] if config else unknown)
     V, P, L, H, F = cfg.vocab_size, cfg.n_positions, cfg.n_layer, cfg.n_head, cfg.mlp_width
     if tuple(tok[2].shape) != (V, C) or C != cfg.n_embd:
         lay.reasons.append(f"{tok[0].full(tok[1])}: token embedding is {tuple(tok[2].shape)}, GPT-2 needs ({V}, "
                            f"{cfg.n_embd}); build the class with {_config_words(cfg)}")
         # and whatever else keeps it from being a GPT-2 of any size, read at its own size
-        own, _ = infer(model, _own_config(model, tok, pos, kids, inner, C), tr, options, crop)
+        own, _ = infer(model, _own_config(model, tok, pos, kids, inner, C)[0], tr, options, crop)
         lay.reasons += own.reasons
         lay.modules, lay.missing_biases, lay.missing_bias_targets = own.modules, own.missing_biases, \
             own.missing_bias_targets
@@ -57,14 +61,24 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
     lay.assignments.append(Assignment(tok[0].full(tok[1]), canonical.EMBEDDING))
     _positions(lay, pos, P, C, crop)
     _head(lay, tok, head, head_bias, same, V, C)
+    if final is None:  # a norm of one (C,) parameter after the blocks: a LayerNorm without a bias, or RMSNorm
+        alone = [x for x in extra if len(x[0].params) == 1 and tuple(x[2].shape) == (C,)]
+        kind = scale_only_norm(alone[0][0]) if len(alone) == 1 else None
+        if len(alone) == 1:
+            extra.remove(alone[0])
+            if kind == "layernorm":
+                final = alone[0][0]
+            else:
+                lay.reasons.append(scale_only_reason(alone[0][0], kind))
     lay.reasons += [f"{u.full(k)}: shape {tuple(p.shape)} matches no GPT-2 tensor outside the blocks"
                     for u, k, p in extra]
     if final is None:
-        lay.reasons.append("no final LayerNorm with a weight and a bias of (width,) after the blocks "
-                           "(a norm without learned parameters, or RMSNorm, is not GPT-2's)")
+        if not any(r.endswith("then scales and shifts") for r in lay.reasons):
+            lay.reasons.append("no final LayerNorm with a weight and a bias of (width,) after the blocks "
+                               "(a norm without learned parameters, or RMSNorm, is not GPT-2's)")
     else:
         lay.modules.final_norm = final.name
-        lay.assignments += norm_assignments(pk, "final norm", final, "final_norm")
+        lay.assignments += norm_assignments(pk, "final norm", final, "final_norm", lay)
     if not kids:
         lay.reasons.append("no stack of blocks (a ModuleList, Sequential or ModuleDict of identical modules)")
         return lay, pk
@@ -178,30 +192,24 @@ def _head(lay: UserLayout, tok, head, head_bias, same, V: int, C: int) -> None:
     if head_bias is not None:
         u, k, _ = head_bias
         lay.assignments.append(Assignment(u.full(k), None, note="GPT-2's head has no bias"))
-        lay.notes.append(f"{u.full(k)}: set to zero (GPT-2's head has no bias)")
+        lay.notes.append(Note(f"{u.full(k)}: set to zero (GPT-2's head has no bias)",
+                              f"{u.full(k)}: will be set to zero when GPT-2 is loaded (GPT-2's head has no bias)"))
 
 
-def _own_config(model, tok, pos, kids, us, C) -> GPTConfig:
-    """The GPT-2 a class is shaped as, when no checkpoint says (layout_of(model) alone)."""
+def _own_config(model, tok, pos, kids, us, C) -> tuple[GPTConfig, list[str]]:
+    """The GPT-2 a class is shaped as, when no checkpoint says (layout_of(model) alone), and the facts its shapes
+    and attributes do not tell (["n_head"]: read as 1 until measured; see facts.py)."""
     V = tok[2].shape[0]
     P = pos[2].shape[-2] if pos is not None else 1024
-    H = None
-    for m in model.modules():
-        for attr in HEAD_COUNT_ATTRS:
-            if isinstance(getattr(m, attr, None), int):
-                H = getattr(m, attr)
-                break
-        if H:
-            break
+    hints = [h for h in head_hints(model) if C % h == 0]
+    H = hints[0] if hints else None
     mats = [tuple(p.shape) for u in us for p in u.params.values() if p.dim() == 2 and C in p.shape]
     per_head = [min(s) for s in mats if max(s) == C and min(s) < C and C % min(s) == 0]
-    if (H is None or C % H) and per_head:  # one module per head: (C/H, C) weights tell H
+    if H is None and per_head:  # one module per head: (C/H, C) weights tell H
         H = C // per_head[0]
-    if H is None or C % H:
-        H = next((p["n_head"] for p in PRESETS.values() if p["n_embd"] == C), 1)
     F = next((max(s) for s in mats if min(s) == C and max(s) not in (C, 3 * C)), 4 * C)
-    return GPTConfig(n_layer=max(len(kids), 1), n_head=H, n_embd=C, vocab_size=V, n_positions=P,
-                     n_inner=None if F == 4 * C else F)
+    return GPTConfig(n_layer=max(len(kids), 1), n_head=H or 1, n_embd=C, vocab_size=V, n_positions=P,
+                     n_inner=None if F == 4 * C else F), [] if H else ["n_head"]
 
 
 def _config_words(cfg: GPTConfig) -> str:
@@ -212,20 +220,76 @@ def _config_words(cfg: GPTConfig) -> str:
 
 def layout_of(model: nn.Module, config: GPTConfig | str | None = None) -> UserLayout:
     """How gpt2port reads `model` as GPT-2, as a printable table. config: the GPT-2 to read it as (a GPTConfig, a
-    size name such as "gpt2-medium", or a checkpoint/source path); default: the one the class's shapes imply.
-    Choices that only a checkpoint's numbers can settle are listed as undecided."""
+    size name such as "gpt2-medium", or a checkpoint/source path); default: the one the class is, its head count,
+    activation and LayerNorm eps measured on a copy of its first block (facts.py). Choices that only a
+    checkpoint's numbers can settle are listed as undecided."""
+    config = as_config(config)
+    if config is None:
+        lay, pk, _ = own_layout(model)
+    else:
+        lay, pk, _ = read_class(model, config)
+    lay.decided += [f"undecided until loaded: {n} ({' | '.join(labels)})" for n, labels in pk.choices.items()]
+    lay.before_load = True
+    return lay
+
+
+def as_config(config) -> GPTConfig | None:
+    """A GPTConfig from a GPTConfig, a size name or a checkpoint/source path (None stays None)."""
     from gpt2port.config import is_known_name
 
+    if config is None or isinstance(config, GPTConfig):
+        return config
     if isinstance(config, str) and is_known_name(config):
-        config = GPTConfig.preset(config)
-    elif config is not None and not isinstance(config, GPTConfig):
-        from gpt2port.sources import open_source, source_path
+        return GPTConfig.preset(config)
+    from gpt2port.sources import open_source, source_path
 
-        with open_source(source_path(config)) as src:
-            config = src.config
-    lay, pk, _ = read_class(model, config)
-    lay.decided += [f"undecided until loaded: {n} ({' | '.join(labels)})" for n, labels in pk.choices.items()]
-    return lay
+    with open_source(source_path(config)) as src:
+        return src.config
+
+
+FACTS = ("n_head", "activation", "layer_norm_epsilon")
+
+
+def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | None = None):
+    """(layout, the choices still open, why the facts could not be measured or None): the class read as the GPT-2
+    it is, without a checkpoint. Its head count, activation and LayerNorm eps (and every choice inside a block) are
+    measured (facts.measure); `given` (n_head, activation, layer_norm_epsilon) are tried first, and a measurement
+    that contradicts one is a reason."""
+    given = {k: v for k, v in (given or {}).items() if k in FACTS}
+    lay, pk, tr = read_class(model, config)
+    if lay.reasons or not lay.modules.blocks:
+        return lay, pk, None
+    C = lay.config.n_embd
+    stated = [] if "n_head" in lay.unknown else [lay.config.n_head]
+    heads = divisors_first(([given["n_head"]] if "n_head" in given else []) + stated, C)
+    acts = ([given["activation"]] if "activation" in given else []) + list(ACTIVATIONS)
+    eps = ([given["layer_norm_epsilon"]] if "layer_norm_epsilon" in given else []) + eps_hints(model, lay)
+    inside = {n: labels for n, labels in pk.choices.items() if not n.startswith("final norm")}
+    combos = [dict(zip(inside, c)) for c in itertools.product(*(range(len(v)) for v in inside.values()))][:96]
+    cfg = lay.config
+
+    def build(opts):
+        return infer(model, cfg, tr, opts)[0]
+
+    found = measure(model, lay, heads, list(dict.fromkeys(acts)), list(dict.fromkeys(eps)), build, combos)
+    if isinstance(found, str):
+        lay.notes.append(f"not measured: {found}")
+        return lay, pk, found
+    wrong = [f"{k}={given[k]!r} was given, but block 0 computes GPT-2's block with {k}={v!r}"
+             for k, v in (("n_head", found.n_head), ("activation", found.activation),
+                          ("layer_norm_epsilon", found.eps)) if k in given and given[k] != v]
+    new = found.layout
+    new.config = dataclasses.replace(cfg, n_head=found.n_head, activation=found.activation,
+                                     layer_norm_epsilon=found.eps)
+    new.unknown, new.reasons = [], new.reasons + wrong
+    to = "exactly" if found.rel == 0 else f"to {found.rel:.1g}"
+    new.decided.append(f"n_head={found.n_head}, {ACTIVATIONS[found.activation]}, LayerNorm eps {found.eps:g}: "
+                       f"measured (block 0, run with weights at a trained GPT-2's scales, computes gpt2port's block "
+                       f"{to})")
+    new.decided += [f"{n}: {inside[n][i]} (measured on block 0)" for n, i in found.options.items()]
+    for n in inside:
+        pk.choices.pop(n)
+    return new, pk, None
 
 
 def context(model: nn.Module, lay: UserLayout) -> int:

@@ -1,14 +1,21 @@
-"""save_from: a user's class written back as a gpt2port checkpoint, through the layout's inverse.
+"""save_from: a user's class written back as a gpt2port checkpoint, through the layout's inverse, and proven.
 
 Every parameter goes back through its transform (q, k and v parts, or one per head, merged into GPT-2's fused
 projection; Conv1D-style weights transposed back). The head is never silently re-tied or dropped: an untied head
 that still equals the token embedding is stored once, as GPT-2 stores it; one that differs (fine-tuned) is kept as
-the checkpoint's own head. A bias GPT-2 does not have (a head bias) is dropped only while it is zero.
+the checkpoint's own head. A bias GPT-2 does not have (a head bias) is dropped only while it is zero; a bias GPT-2
+has and the class lacks is written as zeros, which computes exactly the class.
+
+Nothing is guessed: sizes come from the loaded layout or from the class itself, and its head count, activation
+and LayerNorm eps are measured (facts.py); what cannot be is asked for (config=...). The checkpoint is written to
+a staging directory, loaded into gpt2port's GPT and compared with the class on a short input; only a checkpoint
+that computes the class takes the output's place.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -17,15 +24,25 @@ from torch import nn
 from gpt2port import checkpoint
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
+from gpt2port.fsio import refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import merge
+from gpt2port.userclass.facts import ACTIVATIONS, eps_hints, measure
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.load import loaded
-from gpt2port.userclass.roles import layout_of
+from gpt2port.userclass.observe import probe_ids
+from gpt2port.userclass.roles import FACTS, as_config, context, own_layout
+from gpt2port.userclass.settle import run
+
+PROOF_TOKENS = 16
+# fp32 rounding grows with depth and activation scale (past 1e-5 at 124M with trained-scale weights); a wrong head
+# count, GELU or bias costs 1e-3 and more. fp16/bf16 on either side: 3e-2.
+PROOF_REL = {torch.float32: 1e-4, torch.float64: 1e-4}
 
 
-def canonical_state(model: nn.Module, lay: UserLayout) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """(the config the class is, its weights as GPT-2's canonical tensors)."""
+def canonical_state(model: nn.Module, lay: UserLayout) -> tuple[GPTConfig, dict[str, torch.Tensor], list[str]]:
+    """(the config the class is, its weights as GPT-2's canonical tensors, the biases written as zeros because
+    the class has none: '{}' for the layer)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     rows = {a.target: [] for a in lay.assignments}
     for a in lay.assignments:
@@ -42,13 +59,16 @@ def canonical_state(model: nn.Module, lay: UserLayout) -> tuple[GPTConfig, dict[
     if head:
         rows[canonical.EMBEDDING] = [a for a in rows[canonical.EMBEDDING] if a.param != lay.head_param]
     shapes = canonical.shapes(config)
+    zeros = {t.format(i) for t in lay.missing_bias_targets for i in range(config.n_layer)}
     state = {}
     with torch.no_grad():
         for name, shape in shapes.items():
-            if name not in rows:
-                continue
-            parts = [(a.transform, params[a.param].detach().cpu()) for a in rows[name]]
-            state[name] = merge(parts, shape).contiguous()
+            if name in rows:
+                parts = [(a.transform, params[a.param].detach().cpu()) for a in rows[name]]
+                state[name] = merge(parts, shape).contiguous()
+        dtype = state[canonical.EMBEDDING].dtype if canonical.EMBEDDING in state else torch.float32
+        for name in zeros - set(state):
+            state[name] = torch.zeros(shapes[name], dtype=dtype)
         if head:
             h = head[0].transform.from_layout(params[lay.head_param].detach().cpu(), shapes[canonical.EMBEDDING])
             if not torch.equal(h, state[canonical.EMBEDDING]):
@@ -57,25 +77,169 @@ def canonical_state(model: nn.Module, lay: UserLayout) -> tuple[GPTConfig, dict[
     missing = [k for k in canonical.shapes(config) if k not in state]
     if missing:
         raise GPT2PortError(f"{lay.model_name}: holds no {', '.join(missing[:4])}; it cannot be saved as GPT-2")
-    return config, state
+    return config, state, sorted(lay.missing_bias_targets)
 
 
-def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = False, config=None) -> Path:
-    """Write a user's class (e.g. after fine-tuning) as a gpt2port checkpoint at `out`; `gpt2port export --to hf`
-    then gives transformers a checkpoint. A model filled by load_into is read the way it was loaded (and carries
-    that checkpoint's tokenizer and provenance); another is read with layout_of(model, config)."""
+class Saved(type(Path())):
+    """The checkpoint's path, carrying the SaveReport (`.report`) of what was written and proven."""
+
+    report: "SaveReport"
+
+
+@dataclasses.dataclass
+class SaveReport:
+    path: Path
+    model_name: str
+    config: GPTConfig
+    max_rel: float
+    tokens: int
+    notes: list[str]
+
+    @property
+    def proven(self) -> str:
+        how = "exactly" if self.max_rel == 0 else f"to {self.max_rel:.1g} (max relative)"
+        return f"gpt2port's GPT over the saved checkpoint gives logits equal to {self.model_name}'s {how} on " \
+               f"{self.tokens} tokens"
+
+    def __str__(self) -> str:
+        return "\n".join([f"saved {self.model_name} to {self.path}", f"proven: {self.proven}"] +
+                         [f"note: {n}" for n in self.notes])
+
+
+def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = False, config=None) -> Saved:
+    """Write a user's class (e.g. after fine-tuning, or trained from scratch) as a gpt2port checkpoint at `out`;
+    `gpt2port export --to hf` then gives transformers a checkpoint that computes the same. A model filled by
+    load_into is read the way it was loaded (and carries that checkpoint's tokenizer and provenance); another is
+    read as the GPT-2 it is, its head count, activation and LayerNorm eps measured by running a copy of its first
+    block. config: what cannot be measured, as a dict ({"n_head": 12, "activation": "gelu"}), a GPTConfig, a size
+    name or a checkpoint path. Returns the path; its `.report` says what was proven (also in manifest.json)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if any(p.is_meta for p in model.parameters()):
+        raise GPT2PortError(f"{type(model).__name__}: its parameters are on the meta device (no values): load "
+                            f"weights into it first")
     report = loaded(model)
-    lay = report.layout if report is not None else layout_of(model, config)
+    lay, notes = (_loaded_layout(model, report) if report is not None else _own(model, config))
     if lay.reasons:
         raise GPT2PortError(f"{lay.model_name}: cannot be saved as GPT-2: {lay.reasons[0]}")
     undecided = [d for d in lay.decided if d.startswith("undecided")]
     if undecided:
         raise GPT2PortError(f"{lay.model_name}: {undecided[0]}; load it with gpt2port.load_into first, which settles "
                             f"this by running it")
-    cfg, state = canonical_state(model, lay)
+    cfg, state, zeros = canonical_state(model, lay)
+    notes = [d for d in lay.decided if d.startswith("n_head=")] + notes
+    if zeros:
+        notes.append(f"the class has no {', '.join(z.replace('{}', '{i}') for z in zeros)}: saved as zeros (GPT-2 "
+                     f"with these biases at zero computes exactly this class)")
+    if cfg.activation != "gelu_new":
+        notes.append(f"activation: {ACTIVATIONS[cfg.activation]}, recorded in config.json (activation "
+                     f"{cfg.activation!r}; exported to transformers as activation_function {cfg.activation!r})")
     origin = Path(report.source) if report is not None else None
-    return checkpoint.save_state(state, cfg, Path(out), dtype=dtype, force=force,
-                                 origin=origin if origin is not None and checkpoint.is_checkpoint(origin) else None,
-                                 tokenizer_from=(origin if origin.is_dir() else origin.parent) if origin else None,
-                                 kind=f"in-memory {lay.model_name}")
+    origin = origin if origin is not None and checkpoint.is_checkpoint(origin) else None
+    tok_from = (Path(report.source) if Path(report.source).is_dir() else Path(report.source).parent) \
+        if report is not None else None
+    out = Path(out)
+    if origin is not None and out.resolve() != origin.resolve():
+        refuse_overlap(out, origin, "the checkpoint the model was loaded from")
+    record = {"class": lay.model_name, "activation": cfg.activation,
+              "zero_biases": [z.replace("{}", "{i}") for z in zeros]}
+    with staged_directory(out, force) as stage:
+        inner = checkpoint.save_state(state, cfg, stage / "checkpoint", dtype=dtype, origin=origin,
+                                      tokenizer_from=tok_from, kind=f"in-memory {lay.model_name}", record=record)
+        rel, tokens = prove(model, lay, inner)
+        saved = SaveReport(out, lay.model_name, cfg, rel, tokens, notes)
+        _add_proof(inner, saved)
+        for f in inner.iterdir():
+            os.replace(f, stage / f.name)
+        inner.rmdir()
+    result = Saved(out)
+    result.report = saved
+    return result
 
+
+def prove(model: nn.Module, lay: UserLayout, ckpt: Path) -> tuple[float, int]:
+    """(max relative logit difference, tokens) between the class and gpt2port's GPT over the written checkpoint;
+    refused when they differ beyond what the dtypes allow."""
+    from gpt2port.model import GPT
+
+    ref = GPT.from_pretrained(ckpt, dtype=torch.float32)
+    T = min(PROOF_TOKENS, context(model, lay))
+    ids = probe_ids(model, lay.config.vocab_size, T, seed=3)
+    got, want = run(model, ids), run(ref, ids.cpu())
+    saved_dtype = checkpoint.load_state(ckpt)[2][canonical.EMBEDDING].dtype
+    own_dtype = next(model.parameters()).dtype
+    tol = max(PROOF_REL.get(saved_dtype, 3e-2), PROOF_REL.get(own_dtype, 3e-2))
+    rel = float((got - want).abs().max() / want.abs().max()) if got.shape == want.shape else float("inf")
+    if not rel <= tol:
+        raise GPT2PortError(f"{lay.model_name}: the checkpoint written from it does not compute it: gpt2port's GPT "
+                            f"over it differs from the class by {rel:.3g} (relative, logits on {T} tokens; allowed "
+                            f"{tol:g}); nothing was saved. " + _hint(lay))
+    return rel, T
+
+
+def _hint(lay: UserLayout) -> str:
+    return (f"It was read as n_head={lay.config.n_head}, activation {lay.config.activation!r}, LayerNorm eps "
+            f"{lay.config.layer_norm_epsilon:g}; if one of these is wrong, pass it: save_from(model, out, "
+            f"config={{'n_head': ..., 'activation': ...}})")
+
+
+def _add_proof(ckpt: Path, saved: SaveReport) -> None:
+    manifest = checkpoint.read_manifest(ckpt)
+    entry = manifest["saves"][-1] if manifest.get("saves") else manifest.setdefault("source", {})
+    entry["proof"] = {"max_rel": saved.max_rel, "tokens": saved.tokens, "text": saved.proven}
+    entry["notes"] = list(saved.notes)
+    write_json(ckpt / checkpoint.MANIFEST, manifest)
+
+
+def _given(config) -> tuple[GPTConfig | None, dict]:
+    """(a whole config to read the class as, the facts stated) from save_from's config argument."""
+    if isinstance(config, dict):
+        known = {f.name for f in dataclasses.fields(GPTConfig)}
+        odd = sorted(set(config) - known)
+        if odd:
+            raise GPT2PortError(f"config: unknown key {odd[0]!r} (GPTConfig's fields: {', '.join(sorted(known))})")
+        if config.get("activation", "gelu_new") not in ACTIVATIONS:
+            raise GPT2PortError(f"config: activation {config['activation']!r}: one of {', '.join(ACTIVATIONS)}")
+        return None, dict(config)
+    whole = as_config(config)
+    return whole, ({k: getattr(whole, k) for k in FACTS} if whole is not None else {})
+
+
+def _own(model: nn.Module, config) -> tuple[UserLayout, list[str]]:
+    """A class no checkpoint was loaded into: read as the GPT-2 it is, its facts measured."""
+    whole, given = _given(config)
+    if whole is None and set(given) - set(FACTS):  # sizes given as a dict: read the class as that config
+        from gpt2port.userclass.roles import read_class
+
+        own = read_class(model, None, run=False)[0].config
+        whole = dataclasses.replace(own, **{k: v for k, v in given.items() if k not in FACTS})
+    lay, _, why = own_layout(model, whole, given)
+    if lay.reasons or why is None:
+        return lay, []
+    if "closest" in why:
+        lay.reasons.append(why)
+        return lay, []
+    # not measurable (block 0 does not run apart): the class's statements and `config` must say it all
+    name = lay.model_name
+    if "n_head" in lay.unknown and "n_head" not in given:
+        raise GPT2PortError(f"{name}: its head count is stated nowhere in the class (no n_head, num_heads or n_heads "
+                            f"attribute, no config holding one, no per-head modules) and could not be measured "
+                            f"({why}); pass it: save_from(model, out, config={{'n_head': ...}})")
+    if "activation" not in given:
+        raise GPT2PortError(f"{name}: its MLP's activation could not be measured ({why}); pass it: save_from(model, "
+                            f"out, config={{'activation': 'gelu_new'}}) ('gelu_new': GPT-2's tanh GELU, 'gelu': the "
+                            f"exact erf GELU, 'relu', 'silu')")
+    facts = {k: v for k, v in given.items() if k in FACTS}
+    lay.config = dataclasses.replace(lay.config, **facts)
+    lay.unknown = []
+    return lay, [f"{', '.join(f'{k}={v!r}' for k, v in facts.items())}: as given (config=), proven below"]
+
+
+def _loaded_layout(model: nn.Module, report) -> tuple[UserLayout, list[str]]:
+    """A class filled by load_into: its layout as loaded; the activation (which GPT-2's checkpoint does not say for
+    the class) measured on a copy of block 0."""
+    lay = dataclasses.replace(report.layout)
+    found = measure(model, lay, [lay.config.n_head], list(ACTIVATIONS), eps_hints(model, lay))
+    if isinstance(found, str):
+        return lay, []
+    lay.config = dataclasses.replace(lay.config, activation=found.activation, layer_norm_epsilon=found.eps)
+    return lay, []
