@@ -95,6 +95,8 @@ def test_onednn_linear_is_for_fp32_inference_only(pointwise_calls):
     assert not pointwise_calls
 
 
+# torch.compile's inductor imports PyTorch's own torch/utils/mkldnn.py, whose classes use torch.jit.script_method
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_torch_compile_for_inference():
     # Under torch.compile the fast layers leave the kernel choice to the compiler: oneDNN's op on a plain weight
     # cannot be traced.
