@@ -93,7 +93,7 @@ class Int8Linear(nn.Module):
     rounding into the weight)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 smoothed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                 smoothed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, fbgemm: bool = True):
         super().__init__()
         self.out_features, self.in_features = q.shape
         # Parameters (frozen) rather than buffers: they are the model's weights, counted by num_params() as such.
@@ -102,14 +102,15 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("kernel_scale", scale.to(ACTIVATION_DTYPE))  # int8pack wants it in x's dtype
         self.register_buffer("in_scale", None if smoothed is None else smoothed[2])  # fbgemm's inputs only
-        self._packed = _pack(*(smoothed[:2] if smoothed is not None else (q, scale)), self.bias)
+        # fbgemm False: no packed copy, one row on int8pack (as where fbgemm is missing; for comparisons)
+        self._packed = _pack(*(smoothed[:2] if smoothed is not None else (q, scale)), self.bias) if fbgemm else None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                   smooth: torch.Tensor | None = None) -> "Int8Linear":
+                   smooth: torch.Tensor | None = None, fbgemm: bool = True) -> "Int8Linear":
         """The layer for y = x @ weight.T + bias; smooth (in_features,): fbgemm's copy smoothed by it."""
-        if smooth is None or not _fbgemm_works():
-            return cls(*quantize_rows(weight), bias)
+        if smooth is None or not fbgemm or not _fbgemm_works():
+            return cls(*quantize_rows(weight), bias, fbgemm=fbgemm)
         return cls(*quantize_rows(weight), bias, (*quantize_rows(weight, columns=smooth), smooth.reciprocal()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,9 +209,9 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantized_model(cls, path, device=None, smoothing: bool = True):
+def quantized_model(cls, path, device=None, smoothing: bool = True, fbgemm: bool = True):
     """A GPT whose matrices are int8 (see the module's docstring), built from the checkpoint at `path`; smoothing
-    False quantizes every matrix as it is (for comparisons)."""
+    False quantizes every matrix as it is, fbgemm False leaves one row to int8pack (both for comparisons)."""
     from gpt2port.checkpoint import WEIGHTS, check_weights, read_config, resolve
     from gpt2port.formats.safetensors import SafetensorsReader
 
@@ -239,7 +240,7 @@ def quantized_model(cls, path, device=None, smoothing: bool = True):
         if unloaded or unexpected:
             raise GPT2PortError(f"{ckpt_dir}: internal error quantizing: unloaded {unloaded}, unexpected {unexpected}")
         model.eval()
-        _quantize_matrices(model, reader, smoothing)
+        _quantize_matrices(model, reader, smoothing and fbgemm, fbgemm)
     finally:
         reader.close()
     model.checkpoint_dir = ckpt_dir
@@ -247,7 +248,7 @@ def quantized_model(cls, path, device=None, smoothing: bool = True):
     return model.eval()  # the int8 layers too: they were made after the calibration's eval()
 
 
-def _quantize_matrices(model: nn.Module, reader, smoothing: bool) -> None:
+def _quantize_matrices(model: nn.Module, reader, smoothing: bool, fbgemm: bool) -> None:
     """Every matrix of the model made int8 in place, block by block, the head last (once, shared with the embedding),
     each smoothed where the fp32 model's inputs to it have outlier channels (see the module's docstring)."""
     config = model.config
@@ -269,10 +270,10 @@ def _quantize_matrices(model: nn.Module, reader, smoothing: bool) -> None:
         for layer in layers:
             owner, attr = _owner(model, name_of[id(layer)])
             smooth = _smoothing(inputs[layer], layer.weight) if smoothing else None
-            setattr(owner, attr, Int8Linear.from_float(layer.weight, layer.bias, smooth))
+            setattr(owner, attr, Int8Linear.from_float(layer.weight, layer.bias, smooth, fbgemm))
     with torch.no_grad():
         head_inputs = model.final_norm(h).flatten(0, 1)
-    head = Int8Linear.from_float(table, None, _smoothing(head_inputs, table) if smoothing else None)
+    head = Int8Linear.from_float(table, None, _smoothing(head_inputs, table) if smoothing else None, fbgemm)
     model.lm_head, model.tok_emb = head, Int8Embedding(head)
 
 
