@@ -33,12 +33,16 @@ and s never enlarges a channel's inputs beyond the median channel's factor (a ch
 be quiet later). The int8 weight the other kernels use stays as it is. Elsewhere nothing changes.
 
 Quantization happens at load, from the checkpoint's tensors in whatever dtype they are stored, a block's matrices at a
-time: peak memory is the int8 model plus one block's matrices in fp32, never the fp32 model.
+time: peak memory is the int8 model plus one block's matrices in fp32, never the fp32 model. Once loaded, the memory
+that holds the int8 matrices and fbgemm's packed copies is moved into 2 MB pages where Linux allows (huge_pages): a
+decode step reads it all, and with 4 KB pages it also walks page tables for most of it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import sys
 import warnings
 from pathlib import Path
 
@@ -243,6 +247,7 @@ def quantized_model(cls, path, device=None, smoothing: bool = True, fbgemm: bool
         _quantize_matrices(model, reader, smoothing and fbgemm, fbgemm)
     finally:
         reader.close()
+    huge_pages([p.data_ptr() for p in model.parameters()])
     model.checkpoint_dir = ckpt_dir
     model.quantized = INT8
     return model.eval()  # the int8 layers too: they were made after the calibration's eval()
@@ -332,3 +337,36 @@ def _fbgemm_error(x: torch.Tensor, rows: torch.Tensor, s: torch.Tensor | None, r
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent, _, attr = name.rpartition(".")
     return (model.get_submodule(parent) if parent else model), attr
+
+
+_MADV_HUGEPAGE, _MADV_COLLAPSE, _HUGE = 14, 25, 2 << 20
+
+
+def huge_pages(addresses: list[int]) -> int:
+    """Back the process's anonymous mappings that hold any of `addresses` with 2 MB pages, now (Linux >= 6.1:
+    madvise MADV_HUGEPAGE, then MADV_COLLAPSE on their 2 MB-aligned interior); bytes collapsed. fbgemm allocates its
+    packed copies itself, beside the int8 matrices: their mappings are found in /proc/self/maps, an OS interface,
+    not in any allocator's internals. Where anything is missing (another OS, an older kernel, THP off) nothing
+    changes but speed."""
+    if sys.platform != "linux":
+        return 0
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.restype, madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return 0
+    done = 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 6 or (len(fields) == 6 and fields[5] != "[heap]") or not fields[1].startswith("rw"):
+            continue  # a file, the stack, or read-only: only the heap and anonymous mappings
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        start, end = -(-lo // _HUGE) * _HUGE, hi // _HUGE * _HUGE
+        if end - start < _HUGE or not any(lo <= a < hi for a in addresses):
+            continue
+        if madvise(start, end - start, _MADV_HUGEPAGE) == 0 and madvise(start, end - start, _MADV_COLLAPSE) == 0:
+            done += end - start
+    return done

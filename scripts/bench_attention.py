@@ -43,7 +43,7 @@ H, D, LAYERS = 12, 64, 12
 
 
 def sdpa_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int) -> torch.Tensor:
-    """What the scripted step did before attend_one, the same operations in the same order."""
+    """What a step does without attend_one: the cache writes, slices and SDPA, in that order."""
     q, k, v = qkv.view(1, 3, H, 1, D).unbind(1)
     keys.narrow(2, length, 1).copy_(k)
     values.narrow(2, length, 1).copy_(v)
@@ -175,7 +175,7 @@ def main() -> None:
         print(f"  after {row['length']:>4} positions: {ow:6.1f} / {oc:6.1f}   {sw:6.1f} / {sc:6.1f}   "
               f"cold {sc / oc:.2f}x")
     calls = op_call_us()
-    print("gpt2port::matvec from TorchScript, 4 x 768, us a call: " +
+    print("gpt2port::matvec from Python, 4 x 768, us a call: " +
           ", ".join(f"{k} {v:.2f}" for k, v in calls.items()))
     _, ckpt = prepare("gpt2", root)
     got = step_ms(ckpt, args.rounds)

@@ -37,8 +37,9 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
 --device cuda runs the same on a GPU (no MKL contender there; "gpt2port fp32" is the step recorded as a CUDA graph,
-Settings(cuda_graph=True), the eager step the one not recorded; timings synchronize the device). The targets in the README are for the CPU run; scripts/bench_generate_cuda.py sets
-the recorded step against HF's static cache + compile on a GPU.
+Settings(cuda_graph=True), the eager step the one not recorded; timings synchronize the device). The targets in the
+README are for the CPU run; scripts/bench_generate_cuda.py sets the recorded step against HF's static cache +
+compile on a GPU.
 
 Usage (from the repository root):
     python -m scripts.bench_generate [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]

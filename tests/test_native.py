@@ -316,3 +316,47 @@ def test_verbose_says_when_products_go_through_python(monkeypatch):
     assert decode_report(model, "cpu", 100.0)[-1] == ("gpt2port's one-row kernel is reached through Python, a few us "
                                                       "slower a product: no C++ compiler found (c++, g++ or clang++ "
                                                       "on the PATH, or $CXX)")
+
+
+WITHOUT_KERNELS = """
+import torch
+from gpt2port import GPT, GPTConfig
+from gpt2port.fast import native
+from gpt2port.generate import generate
+torch.manual_seed(0)
+model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=16)).eval()
+report = []
+print(generate(model, [[1, 2, 3]], 6, temperature=0, stop_token=None, report=report) ==
+      generate(model, [[1, 2, 3]], 6, temperature=0, stop_token=None, fast=__import__("gpt2port.fast").fast.OFF))
+print(native.kernels().why_not)
+print(report[0])
+"""
+
+
+def test_without_a_compiler_generation_runs_on_pytorchs_kernels(tmp_path):
+    """The build failing (no compiler here) costs speed only: generate runs, and says what it ran on."""
+    env = {**os.environ, "CC": str(tmp_path / "no-cc"), "CXX": str(tmp_path / "no-cxx"),
+           "GPT2PORT_NATIVE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_KERNELS], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["True", "no C compiler found (cc, gcc or clang on the PATH, or $CC)",
+                                        "gpt2port.fast's step (attention: SDPA)"]
+
+
+def test_doctor_builds_and_reports(tmp_path, monkeypatch, capsys):
+    from click.testing import CliRunner
+
+    from gpt2port.cli import main
+
+    monkeypatch.setattr("gpt2port.fast.doctor.matvec_bandwidth", lambda device: 12.3e9)  # the probe takes seconds
+    r = CliRunner().invoke(main, ["doctor"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()  # stderr: the build's one line, where it built
+    assert lines[0].startswith(f"torch {torch.__version__}; {torch.get_num_threads()} threads")
+    built = native.kernels()
+    assert lines[1].startswith("gpt2port's CPU kernels: " + ("built" if built.attend_one else
+                                                             "one-row" if built.matvec else "not available"))
+    assert "memory bandwidth (one-row product, 256 MB weight): 12.3 GB/s" in lines
+    assert any(line.startswith("generate on the CPU, float32: decode products on ") for line in lines)
+    assert lines[-1].startswith("CUDA: ")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +313,29 @@ def test_verify_decodes_an_int8_models_prompts_one_at_a_time(tiny_ckpt):
         assert torch.equal(tokens, torch.cat([alone[0][step][0], alone[1][step][0]]))
         assert torch.equal(logits, torch.cat([alone[0][step][1], alone[1][step][1]]))
     assert not all(torch.equal(a[1], b[1]) for a, b in zip(got, batched))  # the batch is another kernel
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="2 MB pages through madvise are Linux's")
+def test_an_int8_models_memory_moves_into_huge_pages_where_linux_allows(tiny_ckpt):
+    """The mappings holding the int8 matrices (and fbgemm's packed copies beside them) are collapsed into 2 MB pages
+    when the kernel supports it (MADV_COLLAPSE, Linux >= 6.1, THP not "never"); elsewhere the call is a no-op. Either
+    way the numbers are the same."""
+    import gpt2port.quant as quant
+
+    model = GPT.from_pretrained(tiny_ckpt, dtype="int8")
+    big = torch.empty(8 << 20, dtype=torch.uint8).fill_(1)  # 8 MB of ours, in an anonymous mapping of its own
+    done = quant.huge_pages([big.data_ptr()])
+    if done == 0:
+        pytest.skip("this kernel collapses no pages (MADV_COLLAPSE missing or THP off)")
+    assert done >= 4 << 20 and _anon_huge_kib() >= 4096
+    assert torch.all(big == 1)  # the bytes are where they were
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(prompt), GPT.from_pretrained(tiny_ckpt, dtype="int8")(prompt))
+
+
+def _anon_huge_kib() -> int:
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
