@@ -330,6 +330,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     # each later one from one decode step. Their rates differ by orders of magnitude, so they are timed apart.
     prefill_s = decode_s = 0.0
     decoded = 0
+    how: list[str] = []  # how the decode steps ran, as generate reports it
     for i in range(num_samples):
         if i:
             click.echo("-" * 40)
@@ -338,7 +339,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
         start = time.perf_counter()
         first = None
         for token in stream(model, ids, max_new_tokens, temperature, top_k, top_p,
-                            None if seed is None else seed + i):
+                            None if seed is None else seed + i, report=how):
             if first is None:
                 first = time.perf_counter()
             else:
@@ -355,10 +356,20 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     click.echo(f"prefill {n_prompt} tokens{times} in {prefill_s:.2f} s; then {decoded} tokens in {decode_s:.2f} s: "
                f"{rate:.1f} tokens/s ({label}, {device})", err=True)
     if verbose and decoded:
-        from gpt2port.speed import decode_report
+        from gpt2port.fast.speed import decode_report
 
-        for line in decode_report(model, device, rate):
+        for line in decode_report(model, device, rate, how[-1] if how else None):
             click.echo(line, err=True)
+
+
+@main.command()
+@_handle_errors
+def doctor():
+    """Build gpt2port's CPU kernels (once per machine) and report what generation will run on here."""
+    from gpt2port.fast.doctor import report
+
+    for line in report():
+        click.echo(line)
 
 
 @main.command()

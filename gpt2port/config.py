@@ -6,12 +6,33 @@ import dataclasses
 import math
 import numbers
 import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
-from gpt2port.kernels import ACTIVATIONS  # the model's own table: a name is valid iff the model implements it
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The activations the model implements, by their HF `activation_function` name: a config is valid iff its name is
+# here. GPT-2's own is the tanh approximation ("gelu_new"): exact-erf GELU differs by up to ~1e-3 and breaks logit
+# parity. The others appear in fine-tuned or re-implemented checkpoints.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
 
 
 @dataclass

@@ -28,8 +28,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from gpt2port.decode_step import stepper
 from gpt2port.errors import GPT2PortError
+from gpt2port.fast import Settings
+from gpt2port.fast.kernels import accelerated
+from gpt2port.fast.step import decode_step
 from gpt2port.model import GPT, KVCache
 from gpt2port.tokenizer import ENDOFTEXT_ID
 
@@ -37,11 +39,14 @@ from gpt2port.tokenizer import ENDOFTEXT_ID
 def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int = 100,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None,
-             ) -> list[list[int]]:
-    """New tokens for each prompt (a list of token-id lists, or a (B, T) tensor), without the prompt or stop token."""
+             fast: Settings | None = None, report: list[str] | None = None) -> list[list[int]]:
+    """New tokens for each prompt (a list of token-id lists, or a (B, T) tensor), without the prompt or stop token.
+    fast: the accelerations to use (default Settings.from_env(); gpt2port.fast.OFF: the model's own forward);
+    report, a list: how the decode steps ran is appended to it."""
     out: list[list[int]] = [[] for _ in range(len(prompts))]
     stopped = [False] * len(out)
-    for step in steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+    for step in steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
+                      report):
         for row, token in enumerate(step.tolist()):
             stopped[row] = stopped[row] or token == stop_token
             if not stopped[row]:
@@ -51,9 +56,11 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_ne
 
 def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-           stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None) -> Iterator[int]:
+           stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None, fast: Settings | None = None,
+           report: list[str] | None = None) -> Iterator[int]:
     """Yield the new tokens of one prompt as they are produced (the stop token ends the stream, unyielded)."""
-    for step in steps(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+    for step in steps(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
+                      report):
         token = int(step[0])
         if token == stop_token:
             return
@@ -62,17 +69,29 @@ def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, tempera
 
 def steps(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
           top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
-          keep: int | None = None) -> Iterator[torch.Tensor]:
+          keep: int | None = None, fast: Settings | None = None, report: list[str] | None = None,
+          ) -> Iterator[torch.Tensor]:
     """Yields a (B,) tensor of next tokens per step; rows that have stopped repeat stop_token."""
-    for nxt, _ in decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+    for nxt, _ in decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
+                         report):
         yield nxt
 
 
 @torch.inference_mode()
 def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
-           keep: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+           keep: int | None = None, fast: Settings | None = None, report: list[str] | None = None,
+           ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The decoding loop: yields (next tokens (B,), the (B, vocab) logits they were drawn from) per step."""
+    fast = fast or Settings.from_env()
+    with accelerated(model, fast) as model:
+        yield from _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
+                           report)
+
+
+def _decode(model: GPT, prompts, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+            seed: int | None, stop_token: int | None, keep: int | None, fast: Settings, report: list[str] | None,
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     check_sampling(temperature, top_k, top_p)
     param = model.tok_emb.weight
     n_ctx = model.config.n_positions
@@ -88,7 +107,9 @@ def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, t
     # Room for exactly what this call can use: a short generation never allocates the whole context.
     cache = KVCache(model.config, B, min(n_ctx, tokens.size(1) + max_new_tokens), param.dtype, param.device, pad)
     logits = model(tokens, cache=cache, last_only=True)
-    step_one = stepper(model, cache)  # one new token per row: the blocks without Python's per-operation cost
+    step_one = decode_step(model, cache, fast)  # one new token per row (gpt2port.fast.step)
+    if report is not None:
+        report.append(step_one.description)
     done = torch.zeros(B, dtype=torch.bool, device=param.device)
     for step in range(max_new_tokens):
         nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)

@@ -4,8 +4,8 @@ Token + learned position embeddings, a stack of pre-LayerNorm blocks (fused-qkv 
 4x MLP), a final LayerNorm, and a head that is the token embedding itself (one Parameter, not a copy).
 Parameter names are gpt2port's own and are the canonical names gpt2port/layouts maps every other layout onto.
 
-Its Linear layers and activations come from gpt2port/kernels.py (how the products are computed, not what).
 The optional KVCache lets generation feed one new token per step instead of re-running the whole context.
+Nothing here is tuned for speed: gpt2port.fast swaps faster kernels in from outside (see its docstring).
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt2port.checkpoint import load_state, save
-from gpt2port.config import GPTConfig
-from gpt2port.kernels import ACTIVATIONS, Linear, attends_one
+from gpt2port.config import ACTIVATIONS, GPTConfig
 
 
 class KVCache:
@@ -73,8 +72,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.qkv = Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in that order, as GPT-2's c_attn
-        self.proj = Linear(config.n_embd, config.n_embd)
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in that order, as GPT-2's c_attn
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
         # GPT-2 scales scores by 1/sqrt(head_dim); a config may switch scaling off, which SDPA expresses as 1.0.
         self.scale = None if config.scale_attn_weights else 1.0
         self.dropout = config.dropout
@@ -82,13 +81,8 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
-        qkv = self.qkv(x)
-        if cache is not None and not self.training and attends_one(qkv, cache):
-            # one new token of one sequence: one kernel writes its key and value into the cache and attends
-            y = torch.ops.gpt2port.attend_one(qkv, cache.k[layer], cache.v[layer], cache.length, self.scale)
-            return self.resid_dropout(self.proj(y))  # (1, 1, C)
-        # (B, T, 3C) -> q, k, v, each (B, H, T, D): views, no copies, few ops (a decode step is op-bound too)
-        q, k, v = qkv.view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        # (B, T, 3C) -> q, k, v, each (B, H, T, D): views, no copies
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
         mask, is_causal = None, T > 1
         if cache is not None:
             mask, is_causal = cache.attn_mask(T, x.device)
@@ -104,8 +98,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = Linear(config.n_embd, config.mlp_width)
-        self.proj = Linear(config.mlp_width, config.n_embd)
+        self.fc = nn.Linear(config.n_embd, config.mlp_width)
+        self.proj = nn.Linear(config.mlp_width, config.n_embd)
         self.act = ACTIVATIONS[config.activation]
         self.dropout = nn.Dropout(config.dropout)
 
@@ -131,6 +125,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.checkpoint_dir: Path | None = None  # where from_pretrained loaded it from: save() carries its provenance
+        self.quantized: str | None = None  # "int8" for a model whose matrices were quantized at load (gpt2port.quant)
         # _weight: no reset_parameters() here (_init_weights covers every parameter). On the meta device that init
         # is a normal_() which PyTorch decomposes through torch._dynamo: a 1 s import, and a stray /tmp directory.
         V, P, C = config.vocab_size, config.n_positions, config.n_embd
@@ -139,7 +134,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # tied: one Parameter, stored and counted once
         if self.tok_emb.weight.device.type != "meta":
@@ -198,7 +193,7 @@ class GPT(nn.Module):
                         device: torch.device | str | None = None) -> "GPT":
         """Load a converted checkpoint (a directory, or a NAME under ./checkpoints) without random init or copies:
         the model is built on the meta device and the file's memory-mapped tensors are assigned into it.
-        dtype "int8": the matrices quantized to int8 as they load, for fast CPU inference (see gpt2port.quant)."""
+        dtype "int8": the matrices quantized to int8 as they load, for CPU inference (see gpt2port.quant)."""
         if dtype is torch.int8 or (isinstance(dtype, str) and dtype.lower() == "int8"):
             from gpt2port.quant import quantized_model
 

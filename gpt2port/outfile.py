@@ -31,15 +31,18 @@ WRITERS = 2  # direct writes in flight at once: the device takes one while the o
 # writing 16 MB at a time, 1.9 GB/s with two at a time; a conversion waited on the disk for a quarter of its run)
 CHUNKS = WRITERS + 2  # chunk buffers: those being written, one being filled, one to spare
 WRITE_SLICE = 4 << 20  # bytes per buffered write() call
-DIRECT = True  # try O_DIRECT first; a switch for comparisons and debugging
 _write = os.pwrite  # the one call that writes a direct chunk (a module attribute: the tests inject a full disk here)
 
 
-def open_append(path):
+def open_append(path, direct: bool | None = None):
     """A new file at `path` (which must not exist) to append to: a DirectAppend where O_DIRECT is accepted, else a
-    BufferedAppend. Raises OSError as open() would."""
+    BufferedAppend. direct False writes through the page cache; None: O_DIRECT unless the environment says
+    GPT2PORT_DIRECT_IO=0 (for comparisons and debugging, and for the writers called deep inside a conversion).
+    Raises OSError as open() would."""
     flag = getattr(os, "O_DIRECT", 0)
-    if DIRECT and flag:
+    if direct is None:
+        direct = os.environ.get("GPT2PORT_DIRECT_IO", "1") != "0"
+    if direct and flag:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag | getattr(os, "O_CLOEXEC", 0), 0o666)
         except OSError as e:

@@ -14,8 +14,8 @@ How the products run, by the number of rows (tokens) they multiply:
 - a few rows (a short prompt's prefill), or one row where fbgemm is missing: PyTorch's int8 weight-packed kernel
   (`torch._weight_int8pack_mm`) with bf16 activations, each row in its own precision.
 - more rows (a long prompt, verify's inputs): the weight dequantized to fp32 a block of output rows at a time, each
-  block multiplied while it is in cache, on oneDNN as an fp32 model's products are (gpt2port.kernels; 1.7x faster
-  than F.linear's MKL for an 880-token prefill at 124M, scripts/bench_prefill.py): fp32's numbers at fp32's speed
+  block multiplied while it is in cache (on F.linear; gpt2port.fast.accelerate puts oneDNN there, as for an fp32
+  model's products, scripts/bench_prefill.py): fp32's numbers at fp32's speed
   (a GEMM over many rows is bound by arithmetic, not by reading the weight), without writing out and faulting in a
   whole fp32 copy of each matrix (that took 4.3 s of a 17-token prefill at 1.5B, 1.0 s in blocks).
 
@@ -33,14 +33,16 @@ and s never enlarges a channel's inputs beyond the median channel's factor (a ch
 be quiet later). The int8 weight the other kernels use stays as it is. Elsewhere nothing changes.
 
 Quantization happens at load, from the checkpoint's tensors in whatever dtype they are stored, a block's matrices at a
-time: peak memory is the int8 model plus one block's matrices in fp32, never the fp32 model. The int8
-matrices and fbgemm's packed copies are allocated in 2 MB pages where the system allows (gpt2port.hugepages): a
-decode step reads them all, and with 4 KB pages it also walks page tables for most of them.
+time: peak memory is the int8 model plus one block's matrices in fp32, never the fp32 model. Once loaded, the memory
+that holds the int8 matrices and fbgemm's packed copies is moved into 2 MB pages where Linux allows (huge_pages): a
+decode step reads it all, and with 4 KB pages it also walks page tables for most of it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import sys
 import warnings
 from pathlib import Path
 
@@ -48,9 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2port import kernels
 from gpt2port.errors import GPT2PortError
-from gpt2port.hugepages import huge_pages
 
 INT8 = "int8"
 # The fallback kernel's activations: bf16, the 16-bit type x86 CPUs compute natively (its fp16 path: >10x slower).
@@ -60,9 +60,6 @@ FEW_ROWS = 16
 # Output rows dequantized per block for many-row products: at 1024, a block of the widest GPT-2 matrix (6400 inputs)
 # is 26 MB of fp32; smaller blocks were slower on 1.5B's matrices (64 rows: up to 1.4x, 256: up to 1.2x).
 BLOCK_ROWS = 1024
-# Room beside the int8 matrices and their packed copies for what quantizing them allocates on the way: one block's
-# matrices in fp32 (123 MB at 1.5B) and the fp32 rows of quantize_rows' chunks (2 x 4096 x 6400 x 4 bytes at most).
-SCRATCH_BYTES = 384 << 20
 # Smoothing (see the module's docstring): tokens of the calibration run; the ratio of the largest input channel's
 # maximum to the median channel's from which a product is considered (random 124M and 1.5B weights: 2-9; three
 # LayerNorm gains and four MLP units per block scaled 10x: 20-40, 30x: 30-70); the exponents a tried, each against
@@ -71,7 +68,6 @@ CALIBRATION_TOKENS = 32
 OUTLIER_RATIO = 12.0
 SMOOTHING_ALPHAS = (0.25, 0.5, 0.75)
 SEARCH_ROWS = 256
-SMOOTHING = True  # a switch for comparisons: False quantizes every matrix as it is
 
 
 def quantize_rows(w: torch.Tensor, chunk: int = 4096, columns: torch.Tensor | None = None,
@@ -101,7 +97,7 @@ class Int8Linear(nn.Module):
     rounding into the weight)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 smoothed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                 smoothed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, fbgemm: bool = True):
         super().__init__()
         self.out_features, self.in_features = q.shape
         # Parameters (frozen) rather than buffers: they are the model's weights, counted by num_params() as such.
@@ -110,21 +106,22 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("kernel_scale", scale.to(ACTIVATION_DTYPE))  # int8pack wants it in x's dtype
         self.register_buffer("in_scale", None if smoothed is None else smoothed[2])  # fbgemm's inputs only
-        self._packed = _pack(*(smoothed[:2] if smoothed is not None else (q, scale)), self.bias)
+        # fbgemm False: no packed copy, one row on int8pack (as where fbgemm is missing; for comparisons)
+        self._packed = _pack(*(smoothed[:2] if smoothed is not None else (q, scale)), self.bias) if fbgemm else None
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None,
-                   smooth: torch.Tensor | None = None) -> "Int8Linear":
+                   smooth: torch.Tensor | None = None, fbgemm: bool = True) -> "Int8Linear":
         """The layer for y = x @ weight.T + bias; smooth (in_features,): fbgemm's copy smoothed by it."""
-        if smooth is None or not _fbgemm_works():
-            return cls(*quantize_rows(weight), bias)
+        if smooth is None or not fbgemm or not _fbgemm_works():
+            return cls(*quantize_rows(weight), bias, fbgemm=fbgemm)
         return cls(*quantize_rows(weight), bias, (*quantize_rows(weight, columns=smooth), smooth.reciprocal()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.size(0) == 1 and self._packed is not None:
             rows = rows.float() if self.in_scale is None else rows.float() * self.in_scale
-            y = _fbgemm_linear()(rows, self._packed, _reduce_range())
+            y = fbgemm_linear(rows, self._packed, _reduce_range())
         elif rows.size(0) <= FEW_ROWS:
             y = torch._weight_int8pack_mm(rows.to(ACTIVATION_DTYPE), self.weight, self.kernel_scale).float()
             y = y if self.bias is None else y + self.bias
@@ -137,9 +134,12 @@ class Int8Linear(nn.Module):
         y = torch.empty(rows.size(0), self.out_features, dtype=torch.float32)
         for a in range(0, self.out_features, BLOCK_ROWS):
             w = self.weight[a : a + BLOCK_ROWS].float().mul_(self.scale[a : a + BLOCK_ROWS, None])
-            y[:, a : a + BLOCK_ROWS] = kernels.fp32_product(rows, w, None if self.bias is None else
-                                                            self.bias[a : a + BLOCK_ROWS])
+            y[:, a : a + BLOCK_ROWS] = self.dense(rows, w, None if self.bias is None else self.bias[a : a + BLOCK_ROWS])
         return y
+
+    def dense(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """One dequantized block's fp32 product (gpt2port.fast swaps in a faster kernel)."""
+        return F.linear(rows, weight, bias)
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight this layer stands for (for checks and verify's stage comparisons)."""
@@ -168,30 +168,18 @@ def _fbgemm_works() -> bool:
         g = torch.Generator().manual_seed(0)
         w, x = torch.randn(8, 64, generator=g), torch.randn(1, 64, generator=g)
         q, scale = quantize_rows(w)
-        y = _fbgemm_linear()(x, _prepack(q, scale, None), _reduce_range())
+        y = fbgemm_linear(x, _prepack(q, scale, None), _reduce_range())
         return bool(torch.allclose(y, F.linear(x, q.float() * scale[:, None]), rtol=5e-2, atol=5e-2))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
 
-def _linear_dynamic(x: torch.Tensor, packed: torch.classes.quantized.LinearPackedParamsBase,
-                    reduce_range: bool) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
-
-
-@functools.cache
-def _fbgemm_linear():
-    """fbgemm's dynamic int8 linear, called through a TorchScript function. Called from Python, PyTorch looks up
-    __torch_function__ on each argument, and on the packed weight (a TorchScript object) that lookup fails by way of
-    a C++ exception (13.8 against 5.3 us for a small product; a 124M decode step, 49 products, measured 0.8 ms
-    shorter through the compiled function, which hands the object straight to the kernel). PyTorch marks TorchScript
-    deprecated; where scripting fails or is gone, the plain op call (slower, same result)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.jit.script(_linear_dynamic)
-    except Exception:  # noqa: BLE001 -- any failure to script only costs speed
-        return torch.ops.quantized.linear_dynamic.default
+def fbgemm_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
+    """fbgemm's dynamic int8 linear. Called plainly, PyTorch looks up __torch_function__ on each argument, and on the
+    packed weight (a TorchScript object) that lookup fails by way of a C++ exception, several us a product; with
+    subclasses' __torch_function__ off (none of these arguments is a subclass) the object goes straight through."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.ops.quantized.linear_dynamic.default(x, packed, reduce_range)
 
 
 @functools.cache
@@ -225,8 +213,9 @@ def linear_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantized_model(cls, path, device=None):
-    """A GPT whose matrices are int8 (see the module's docstring), built from the checkpoint at `path`."""
+def quantized_model(cls, path, device=None, smoothing: bool = True, fbgemm: bool = True):
+    """A GPT whose matrices are int8 (see the module's docstring), built from the checkpoint at `path`; smoothing
+    False quantizes every matrix as it is, fbgemm False leaves one row to int8pack (both for comparisons)."""
     from gpt2port.checkpoint import WEIGHTS, check_weights, read_config, resolve
     from gpt2port.formats.safetensors import SafetensorsReader
 
@@ -246,7 +235,6 @@ def quantized_model(cls, path, device=None):
     # memory, so the peak is the int8 model plus one block's matrices, not the checkpoint's size.
     reader = SafetensorsReader(ckpt_dir / WEIGHTS)
     names = linear_names(model)
-    int8_bytes = sum(model.get_submodule(name).weight.numel() for name in names)  # the head is the embedding
     matrices = {f"{n}.weight" for n in names if n != "lm_head"} | {"tok_emb.weight"}
     try:
         # Norms, biases and the position table first, as they are (fp32): the calibration runs the blocks with them.
@@ -256,17 +244,16 @@ def quantized_model(cls, path, device=None):
         if unloaded or unexpected:
             raise GPT2PortError(f"{ckpt_dir}: internal error quantizing: unloaded {unloaded}, unexpected {unexpected}")
         model.eval()
-        # The int8 matrices and fbgemm's packed copies in 2 MB pages where the system allows (gpt2port.hugepages).
-        with huge_pages(2 * int8_bytes + SCRATCH_BYTES):
-            _quantize_matrices(model, reader)
+        _quantize_matrices(model, reader, smoothing and fbgemm, fbgemm)
     finally:
         reader.close()
+    huge_pages([p.data_ptr() for p in model.parameters()])
     model.checkpoint_dir = ckpt_dir
     model.quantized = INT8
     return model.eval()  # the int8 layers too: they were made after the calibration's eval()
 
 
-def _quantize_matrices(model: nn.Module, reader) -> None:
+def _quantize_matrices(model: nn.Module, reader, smoothing: bool, fbgemm: bool) -> None:
     """Every matrix of the model made int8 in place, block by block, the head last (once, shared with the embedding),
     each smoothed where the fp32 model's inputs to it have outlier channels (see the module's docstring)."""
     config = model.config
@@ -287,11 +274,11 @@ def _quantize_matrices(model: nn.Module, reader) -> None:
         h, inputs = _inputs(layers, lambda: block(h))
         for layer in layers:
             owner, attr = _owner(model, name_of[id(layer)])
-            smooth = _smoothing(inputs[layer], layer.weight)
-            setattr(owner, attr, Int8Linear.from_float(layer.weight, layer.bias, smooth))
+            smooth = _smoothing(inputs[layer], layer.weight) if smoothing else None
+            setattr(owner, attr, Int8Linear.from_float(layer.weight, layer.bias, smooth, fbgemm))
     with torch.no_grad():
         head_inputs = model.final_norm(h).flatten(0, 1)
-    head = Int8Linear.from_float(table, None, _smoothing(head_inputs, table))
+    head = Int8Linear.from_float(table, None, _smoothing(head_inputs, table) if smoothing else None, fbgemm)
     model.lm_head, model.tok_emb = head, Int8Embedding(head)
 
 
@@ -314,8 +301,8 @@ def _inputs(layers: list[nn.Module], run) -> tuple[torch.Tensor, dict[nn.Module,
 
 def _smoothing(x: torch.Tensor, weight: torch.Tensor, chunk: int = 4096) -> torch.Tensor | None:
     """s per input channel for fbgemm's copy of `weight`, given x (tokens, in_features), the calibration's inputs to
-    it; None where they have no outlier channels, where no a strays less than not smoothing, or SMOOTHING is off."""
-    if not SMOOTHING or not _fbgemm_works():
+    it; None where they have no outlier channels, or where no a strays less than not smoothing."""
+    if not _fbgemm_works():
         return None
     a = x.abs().amax(dim=0)
     median = a.median()
@@ -343,10 +330,43 @@ def _fbgemm_error(x: torch.Tensor, rows: torch.Tensor, s: torch.Tensor | None, r
     """Squared error of fbgemm's x @ rows.T, one token at a time as decoding runs it, smoothed by s (or not)."""
     packed = _prepack(*quantize_rows(rows, columns=s), None)
     xs = x if s is None else x / s
-    y = torch.cat([_fbgemm_linear()(xs[t : t + 1], packed, _reduce_range()) for t in range(x.size(0))])
+    y = torch.cat([fbgemm_linear(xs[t : t + 1], packed, _reduce_range()) for t in range(x.size(0))])
     return float((y - ref).pow(2).sum())
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent, _, attr = name.rpartition(".")
     return (model.get_submodule(parent) if parent else model), attr
+
+
+_MADV_HUGEPAGE, _MADV_COLLAPSE, _HUGE = 14, 25, 2 << 20
+
+
+def huge_pages(addresses: list[int]) -> int:
+    """Back the process's anonymous mappings that hold any of `addresses` with 2 MB pages, now (Linux >= 6.1:
+    madvise MADV_HUGEPAGE, then MADV_COLLAPSE on their 2 MB-aligned interior); bytes collapsed. fbgemm allocates its
+    packed copies itself, beside the int8 matrices: their mappings are found in /proc/self/maps, an OS interface,
+    not in any allocator's internals. Where anything is missing (another OS, an older kernel, THP off) nothing
+    changes but speed."""
+    if sys.platform != "linux":
+        return 0
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.restype, madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return 0
+    done = 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 6 or (len(fields) == 6 and fields[5] != "[heap]") or not fields[1].startswith("rw"):
+            continue  # a file, the stack, or read-only: only the heap and anonymous mappings
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        start, end = -(-lo // _HUGE) * _HUGE, hi // _HUGE * _HUGE
+        if end - start < _HUGE or not any(lo <= a < hi for a in addresses):
+            continue
+        if madvise(start, end - start, _MADV_HUGEPAGE) == 0 and madvise(start, end - start, _MADV_COLLAPSE) == 0:
+            done += end - start
+    return done

@@ -1,18 +1,17 @@
 """What a decode step spends outside its matrix products, and what gpt2port's own kernels for it save: attention for
-one new token (gpt2port/attention.c) against PyTorch's scaled_dot_product_attention with the cache writes, slices and
-reshapes the step made around it, and the operators' C++ kernels (gpt2port/native_ops.cpp) against a kernel written
+one new token (gpt2port/fast/attention.c) against PyTorch's scaled_dot_product_attention with the cache writes, slices and
+reshapes a step makes around it, and the operators' C++ kernels (gpt2port/fast/native_ops.cpp) against a kernel written
 in Python, as a PyTorch without a C++ compiler gets.
 
   attention  one layer's attention for one token of one sequence, GPT-2's 12 heads of 64, after `length` cached
-             positions: gpt2port::attend_one against SDPA plus its cache writes and reshapes (what the scripted step
-             ran before), in microseconds, warm (the layer's cache just read) and cold (12 layers' caches, a 64 MB
+             positions: gpt2port::attend_one against SDPA plus its cache writes and reshapes, in microseconds, warm (the layer's cache just read) and cold (12 layers' caches, a 64 MB
              buffer written between passes, as in a step, where a layer's keys were last read ~40 MB of weights ago).
-  --against  with another version of gpt2port/attention.c (e.g. `git show REV:gpt2port/attention.c > old.c`): the
+  --against  with another version of attention.c (e.g. `git show REV:gpt2port/fast/attention.c > old.c`): the
              attention rows for it and for this checkout's, both built here with the same compiler and flags and
              called the same way (ctypes), alternately, on the same caches.
-  op call    microseconds a call of gpt2port::matvec costs from TorchScript on a 4 x 768 weight, its C++ kernel
+  op call    microseconds a call of gpt2port::matvec costs from Python on a 4 x 768 weight, its C++ kernel
              against the same library reached through a Python kernel (registered here under another name).
-  step       a whole scripted 124M decode step (random weights, 16-token prompt, 127 steps), with attention on
+  step       a whole 124M decode step (gpt2port.fast.step) (random weights, 16-token prompt, 127 steps), with attention on
              gpt2port's kernel against SDPA, the two run alternately step by step on caches of their own (this
              machine's bandwidth swings from minute to minute; neighbouring steps see the same): the median of the
              paired differences.
@@ -25,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import tempfile
 import time
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gpt2port import GPT, native
-from gpt2port.decode_step import _Step
+from gpt2port import GPT
+from gpt2port.fast import Settings, accelerate, decode_step, native
 from gpt2port.model import KVCache
 from scripts.bench_generate import prepare
 
@@ -43,7 +43,7 @@ H, D, LAYERS = 12, 64, 12
 
 
 def sdpa_attention(qkv: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int) -> torch.Tensor:
-    """What the scripted step did before attend_one, the same operations in the same order."""
+    """What a step does without attend_one: the cache writes, slices and SDPA, in that order."""
     q, k, v = qkv.view(1, 3, H, 1, D).unbind(1)
     keys.narrow(2, length, 1).copy_(k)
     values.narrow(2, length, 1).copy_(v)
@@ -107,52 +107,42 @@ def attention_us(lengths: list[int], repeats: int, against: Path | None = None, 
 
 
 def op_call_us(calls: int = 20000) -> dict[str, float]:
-    """gpt2port::matvec's C++ kernel against the library behind a Python kernel, each called from TorchScript."""
+    """gpt2port::matvec's C++ kernel against the library behind a Python kernel, each called from Python."""
+    built = native.kernels()
     lib = torch.library.Library("gpt2port_bench", "DEF")
     lib.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-    lib.impl("matvec", native._matvec, "CPU")
-
-    @torch.jit.script
-    def calls_of(x: torch.Tensor, w: torch.Tensor, n: int, python: bool) -> torch.Tensor:
-        y = x[0, :4]
-        for _ in range(n):  # the same branch taken each time, in both: the same cost
-            if python:
-                y = torch.ops.gpt2port_bench.matvec(x, w, None) + y
-            else:
-                y = torch.ops.gpt2port.matvec(x, w, None) + y
-        return y
-
+    lib.impl("matvec", functools.partial(native._matvec, built.lib), "CPU")
+    ops = {"C++ kernel": torch.ops.gpt2port.matvec, "Python kernel": torch.ops.gpt2port_bench.matvec}
     x, w, best = torch.randn(1, 768), torch.randn(4, 768), {}
-    with torch.inference_mode(), torch.jit.optimized_execution(False):
+    with torch.inference_mode():
         for _ in range(3):
-            for name, python in (("C++ kernel", False), ("Python kernel", True)):
-                calls_of(x, w, 100, python)
+            for name, op in ops.items():
                 t = time.perf_counter()
-                calls_of(x, w, calls, python)
+                for _ in range(calls):
+                    op(x, w, None)
                 best[name] = min(best.get(name, float("inf")), 1e6 * (time.perf_counter() - t) / calls)
     return best
 
 
 def step_ms(ckpt: Path, rounds: int) -> dict[str, float]:
-    model = GPT.from_pretrained(ckpt)
+    model = accelerate(GPT.from_pretrained(ckpt), Settings())
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
-    steps = {name: torch.jit.script(_Step(model, "native", [], False, attend))
-             for name, attend in (("gpt2port", True), ("SDPA", False))}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    with torch.inference_mode(), torch.jit.optimized_execution(False):
+    settings = {"gpt2port": Settings(), "SDPA": Settings(attend_one=False)}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    with torch.inference_mode():
         for _ in range(rounds):
-            caches = {name: KVCache(model.config, 1, 16 + 127) for name in steps}
-            for cache in caches.values():
+            caches = {name: KVCache(model.config, 1, 16 + 127) for name in settings}
+            steps = {}
+            for name, cache in caches.items():
                 model(prompt, cache=cache, last_only=True)
+                steps[name] = decode_step(model, cache, settings[name])
             token = prompt[:, -1:]
             for _ in range(127):
                 for name, step in steps.items():
-                    cache = caches[name]
                     t = time.perf_counter()
-                    logits = step(token, cache.length, cache.k, cache.v, None, None)
+                    logits = step(token)
                     times[name].append(time.perf_counter() - t)
-                    cache.length += 1
-                token = logits.argmax(-1).view(1, 1)
+                token = logits[:, -1].argmax(-1).view(1, 1)
     difference = [a - b for a, b in zip(times["gpt2port"], times["SDPA"])]
     return {"gpt2port": 1e3 * statistics.median(times["gpt2port"]), "SDPA": 1e3 * statistics.median(times["SDPA"]),
             "paired difference": 1e3 * statistics.median(difference), "steps": len(difference)}
@@ -166,8 +156,8 @@ def main() -> None:
     parser.add_argument("--against", type=Path, default=None, help="another version of gpt2port/attention.c")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not native.attends(torch.zeros(1, H, 8, D)):
-        why = native.why_not() or native.binding_why_not()
+    if not native.kernels().attend_one:
+        why = native.kernels().binding_why_not
         raise SystemExit(f"gpt2port's attention kernel is not in use here: {why}")
     print(f"torch {torch.__version__}, {args.threads} threads")
     root = args.workdir or Path(tempfile.mkdtemp(prefix="gpt2port-bench-"))
@@ -185,7 +175,7 @@ def main() -> None:
         print(f"  after {row['length']:>4} positions: {ow:6.1f} / {oc:6.1f}   {sw:6.1f} / {sc:6.1f}   "
               f"cold {sc / oc:.2f}x")
     calls = op_call_us()
-    print("gpt2port::matvec from TorchScript, 4 x 768, us a call: " +
+    print("gpt2port::matvec from Python, 4 x 768, us a call: " +
           ", ".join(f"{k} {v:.2f}" for k, v in calls.items()))
     _, ckpt = prepare("gpt2", root)
     got = step_ms(ckpt, args.rounds)

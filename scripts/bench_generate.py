@@ -7,22 +7,20 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            where each step also reads the keys and values of every position before it), 128 new tokens (no
            early stop), tokens/s including the prompt's prefill.
            Contenders: gpt2port fp32 (the default: one-row products and one-token attention on gpt2port's own
-           kernels, gpt2port/native.py, other products on oneDNN), gpt2port fp32 with one row on oneDNN too and
-           attention on SDPA (gpt2port.native.ENABLED = False, as before those kernels), gpt2port fp32 with only
-           attention on SDPA (gpt2port.kernels.ATTEND_ONE = False), gpt2port fp32 with neither kernel nor oneDNN
+           kernels, gpt2port/fast/native.py, other products on oneDNN), gpt2port fp32 with one row on oneDNN too
+           and attention on SDPA (Settings(native=False), as before those kernels), gpt2port fp32 with only
+           attention on SDPA (Settings(attend_one=False)), gpt2port fp32 with neither kernel nor oneDNN
            (F.linear, i.e. MKL, as HF uses), HF generate fp32, and
-           gpt2port fp32 with gpt2port.decode_step.SCRIPTED = False (every step through the model's own forward, as
-           before the scripted step); they alternate run by run, so all see the same machine load, and the best run
+           gpt2port fp32 with Settings(step=False) (every step through the model's own forward); they alternate
+           run by run, so all see the same machine load, and the best run
            of each counts. Then gpt2port bf16 (one row on gpt2port's kernel) and the same on F.linear, alternating.
-           Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same with its eager step, the same
-           loaded with its matrices in 4 KB pages (gpt2port.hugepages.ENABLED = False: as before that module),
+           Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same with its eager step,
            and, when llama-cpp-python is installed, llama.cpp on the same weights exported to GGUF q8_0, greedy
            through its own sampler (scripts/llama_contender.py), interleaved likewise; these quantized rounds run
-           in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model (where the int8 weights
-           land, and so whether they get 2 MB pages, depends on what the process allocated before).
+           in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
-           fp32 matrix-vector product (gpt2port.speed: one row against a 256 MB weight; the fastest of F.linear,
+           fp32 matrix-vector product (gpt2port.fast.speed: one row against a 256 MB weight; the fastest of F.linear,
            oneDNN and gpt2port's kernel), probed at the start and again right before every run, its best counting
            as each rate's best does (one probe caught in a burst of load elsewhere once put fp32 at "97% of the
            floor"). int8 and q8_0 stream their own encodings: about a quarter of the fp32 bytes. Also each run
@@ -38,9 +36,10 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            could reach on its kernel, had it nothing else to do.
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
---device cuda runs the same on a GPU (no MKL contender there, the eager step is the one not recorded as a CUDA graph;
-timings synchronize the device). The targets in the README are for the CPU run; scripts/bench_generate_cuda.py sets
-the recorded step against HF's static cache + compile on a GPU.
+--device cuda runs the same on a GPU (no MKL contender there; "gpt2port fp32" is the step recorded as a CUDA graph,
+Settings(cuda_graph=True), the eager step the one not recorded; timings synchronize the device). The targets in the
+README are for the CPU run; scripts/bench_generate_cuda.py sets the recorded step against HF's static cache +
+compile on a GPU.
 
 Usage (from the repository root):
     python -m scripts.bench_generate [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
@@ -63,14 +62,11 @@ from pathlib import Path
 
 import torch
 
-import gpt2port.cuda_graph
-import gpt2port.decode_step
-import gpt2port.hugepages
-import gpt2port.kernels
-import gpt2port.native
 from gpt2port import GPT, convert
+from gpt2port.fast import OFF, Settings
+from gpt2port.fast.kernels import accelerated
+from gpt2port.fast.speed import matvec_bandwidth, timed, weight_bytes_per_token
 from gpt2port.generate import steps
-from gpt2port.speed import matvec_bandwidth, timed, weight_bytes_per_token
 from scripts import hf_fixtures, llama_contender
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
@@ -80,7 +76,10 @@ OURS_INT8, LLAMA_Q8 = "gpt2port int8", "llama.cpp q8_0"
 EAGER, INT8_EAGER = "gpt2port fp32, eager step", "gpt2port int8, eager step"
 ONEDNN_ROW = "gpt2port fp32, one row on oneDNN"
 SDPA_ATTENTION = "gpt2port fp32, attention on SDPA"
-INT8_SMALL_PAGES = "gpt2port int8, 4 KB pages"
+# Each contender's gpt2port.fast settings
+FAST, GRAPHED = Settings(), Settings(cuda_graph=True)
+ONEDNN_ROW_SETTINGS, SDPA_SETTINGS = Settings(native=False), Settings(attend_one=False)
+MKL_SETTINGS, EAGER_SETTINGS = Settings(native=False, onednn=False), Settings(step=False)
 
 
 def _sync() -> None:
@@ -88,11 +87,11 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def ours_decode(model: GPT, prompt: torch.Tensor) -> tuple[float, list[int]]:
+def ours_decode(model: GPT, prompt: torch.Tensor, fast: Settings = FAST) -> tuple[float, list[int]]:
     tokens = []
     _sync()
     t = time.perf_counter()
-    for step in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None):
+    for step in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None, fast=fast):
         tokens.append(int(step[0]))
     return NEW_TOKENS / (time.perf_counter() - t), tokens
 
@@ -108,35 +107,12 @@ def hf_decode(model, prompt: torch.Tensor) -> tuple[float, list[int]]:
     return NEW_TOKENS / seconds, out[0, prompt.size(1):].tolist()
 
 
-def switched(module, name: str, value):
-    """A wrapper running fn with module.name set to value (then restored): a contender on another code path."""
-    def wrap(fn):
-        def run(*args, **kwargs):
-            before = getattr(module, name)
-            setattr(module, name, value)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                setattr(module, name, before)
-        return run
-    return wrap
-
-
-# fn with one-row products on oneDNN and attention on SDPA, as before gpt2port's own kernels (gpt2port/native.py)
-without_native = switched(gpt2port.native, "ENABLED", False)
-# fn with attention for one token on PyTorch's SDPA, as before gpt2port's kernel for it (gpt2port/attention.c)
-sdpa_attention = switched(gpt2port.kernels, "ATTEND_ONE", False)
-
-
-def without_onednn(fn):
-    """fn with gpt2port's Linear layers on F.linear (MKL), as everyone else's: neither oneDNN nor gpt2port's kernel."""
-    return without_native(switched(gpt2port.kernels, "USE_ONEDNN", False)(fn))
-
-
-# fn with every decode step through the model's own forward (the scripted step off)
-eager_step = switched(gpt2port.decode_step, "SCRIPTED", False)
-# the same on a GPU: every step launched kernel by kernel, not replayed as a CUDA graph
-ungraphed = switched(gpt2port.cuda_graph, "ENABLED", False)
+def accelerated_forward(model: GPT, settings: Settings):
+    """The model's forward with gpt2port.fast's layers swapped in per `settings`, as generate's prefill runs it."""
+    def forward(idx: torch.Tensor) -> torch.Tensor:
+        with accelerated(model, settings):
+            return model(idx)
+    return forward
 
 
 def prefill_seconds(forward, idx: torch.Tensor) -> float:
@@ -171,13 +147,15 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 50257, (1, prompt_len), generator=g).to(device)
     long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g).to(device)
-    fp32 = {OURS: (lambda p: ours_decode(ours, p), ours),
-            MKL: (without_onednn(lambda p: ours_decode(ours, p)), without_onednn(ours)),
-            ONEDNN_ROW: (without_native(lambda p: ours_decode(ours, p)), None),  # prefill: many rows, as OURS
-            SDPA_ATTENTION: (sdpa_attention(lambda p: ours_decode(ours, p)), None),  # prefill: SDPA, as OURS
+    default = FAST if device == "cpu" else GRAPHED
+    fp32 = {OURS: (lambda p: ours_decode(ours, p, default), accelerated_forward(ours, FAST)),
+            MKL: (lambda p: ours_decode(ours, p, MKL_SETTINGS), accelerated_forward(ours, MKL_SETTINGS)),
+            # prefill: many rows, as OURS
+            ONEDNN_ROW: (lambda p: ours_decode(ours, p, ONEDNN_ROW_SETTINGS), None),
+            SDPA_ATTENTION: (lambda p: ours_decode(ours, p, SDPA_SETTINGS), None),  # prefill: SDPA, as OURS
             HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits),
-            EAGER: (eager_step(lambda p: ours_decode(ours, p)) if device == "cpu" else
-                    ungraphed(lambda p: ours_decode(ours, p)), None)}  # decode only: its prefill is OURS's
+            EAGER: (lambda p: ours_decode(ours, p, EAGER_SETTINGS if device == "cpu" else FAST),
+                    None)}  # decode only: its prefill is OURS's
     if device != "cpu":  # oneDNN vs MKL vs gpt2port's kernel is a CPU question
         del fp32[MKL], fp32[ONEDNN_ROW], fp32[SDPA_ATTENTION]
 
@@ -210,7 +188,8 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
 
     bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16, device=device)
     ours_decode(bf16, prompt[:, :4])
-    bf16_contenders = {OURS_BF16: ours_decode, BF16_LINEAR: without_native(ours_decode)}
+    bf16_contenders = {OURS_BF16: lambda m, p: ours_decode(m, p, default),
+                       BF16_LINEAR: lambda m, p: ours_decode(m, p, OFF)}
     if device != "cpu":  # gpt2port's kernel is a CPU one: on a GPU the two would be the same
         del bf16_contenders[BF16_LINEAR]
     for name in bf16_contenders:
@@ -261,16 +240,11 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
                      products_probe: dict) -> None:
     """gpt2port int8 and, when llama-cpp-python is installed, llama.cpp on the same weights exported as q8_0 GGUF,
     interleaved round by round like the fp32 contenders."""
-    # The same weights loaded as before gpt2port.hugepages, every matrix in 4 KB pages: loaded first, as the 2 MB
-    # pages' region stays marked once the other load is done, and a later load's memory may come from it.
-    small_pages = switched(gpt2port.hugepages, "ENABLED", False)(GPT.from_pretrained)(ckpt, dtype="int8")
     int8 = GPT.from_pretrained(ckpt, dtype="int8")
     products_ms[OURS_INT8] = products_alone_ms(int8)
     products_probe[OURS_INT8] = matvec_bandwidth("cpu", repeats=5)
-    contenders = {OURS_INT8: lambda p: ours_decode(int8, p), INT8_EAGER: eager_step(lambda p: ours_decode(int8, p)),
-                  INT8_SMALL_PAGES: lambda p: ours_decode(small_pages, p)}
-    bytes_per_token[OURS_INT8] = bytes_per_token[INT8_EAGER] = bytes_per_token[INT8_SMALL_PAGES] = \
-        weight_bytes_per_token(int8)
+    contenders = {OURS_INT8: lambda p: ours_decode(int8, p), INT8_EAGER: lambda p: ours_decode(int8, p, EAGER_SETTINGS)}
+    bytes_per_token[OURS_INT8] = bytes_per_token[INT8_EAGER] = weight_bytes_per_token(int8)
     llama = llama_contender.q8_0_model(ckpt, root / f"{size}-q8_0", prompt.size(1) + NEW_TOKENS + 8)
     if llama is not None:
         llm, bytes_per_token[LLAMA_Q8] = llama
@@ -294,9 +268,9 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
 def quantized_rounds_fresh(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, repeats: int, rates: dict,
                            tokens: dict, bytes_per_token: dict, products_ms: dict, bandwidths: list[float],
                            probes: dict, products_probe: dict) -> None:
-    """quantized_rounds in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model: where glibc puts
-    the int8 weights (and so whether gpt2port.hugepages gets them 2 MB pages) depends on what the heap already holds,
-    and here it would hold the holes the fp32 and bf16 rounds left."""
+    """quantized_rounds in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model: where the int8
+    weights land depends on what the heap already holds, and here it would hold the holes the fp32 and bf16 rounds
+    left."""
     ids = ",".join(str(t) for t in prompt[0].tolist())
     child = subprocess.run([sys.executable, "-m", "scripts.bench_generate", "--threads", str(torch.get_num_threads()),
                             "--quantized-child", size, str(ckpt), str(root), str(repeats), ids],
@@ -328,7 +302,7 @@ def products_alone_ms(model) -> float:
 
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Int8Linear))]
     rows = [torch.randn(1, 1, m.in_features) for m in layers]
-    with torch.inference_mode():
+    with torch.inference_mode(), accelerated(model, FAST):
         for m, x in zip(layers, rows):
             m(x)
         return 1e3 * min(timed(lambda: [m(x) for m, x in zip(layers, rows)]) for _ in range(5))

@@ -1,5 +1,5 @@
-"""Decoding on a CUDA device, side by side in one run: gpt2port's step recorded as a CUDA graph (what `generate` runs
-there) against its eager step, Hugging Face's eager `generate`, and Hugging Face's own fast path, a static cache with
+"""Decoding on a CUDA device, side by side in one run: gpt2port's step recorded as a CUDA graph (Settings(cuda_graph=
+True): opt-in until this script has proved it) against its eager step, Hugging Face's eager `generate`, and Hugging Face's own fast path, a static cache with
 the decoding forward compiled by torch.compile (transformers compiles it itself when a generation uses a static cache
 on a GPU), at fp32 and bf16.
 
@@ -8,7 +8,7 @@ same files; greedy, a 16-token prompt, 128 new tokens, tokens/s including the pr
 synchronized around each run. Every contender runs once first (for HF's compiled path that first run includes the
 compilation: its time is reported apart, as start-up, never inside a rate); then the rounds alternate contender by
 contender and the best run of each counts. The floor: bytes of weights per token / the GPU's one-row product
-bandwidth measured in the same run (gpt2port.speed.matvec_bandwidth: fp32 and bf16 against a 1 GB weight, 10
+bandwidth measured in the same run (gpt2port.fast.speed.matvec_bandwidth: fp32 and bf16 against a 1 GB weight, 10
 products per timing; its best).
 
 Targets: 124M fp32 recorded >= 5x HF eager; 1.5B bf16 recorded >= 60% of the floor.
@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 
 from gpt2port import GPT
-from gpt2port.speed import matvec_bandwidth, weight_bytes_per_token
-from scripts.bench_generate import NEW_TOKENS, _common_prefix, hf_decode, ours_decode, prepare, ungraphed
+from gpt2port.generate import generate
+from gpt2port.fast.speed import matvec_bandwidth, weight_bytes_per_token
+from scripts.bench_generate import FAST, GRAPHED, NEW_TOKENS, _common_prefix, hf_decode, ours_decode, prepare
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GRAPH, EAGER, HF_EAGER, HF_COMPILED = "gpt2port, CUDA graph", "gpt2port, eager step", "HF eager", \
@@ -49,15 +50,21 @@ def hf_model(hf_dir: Path, dtype: torch.dtype, static: bool):
     return model
 
 
-def bench(size: str, dtype_name: str, root: Path, repeats: int, bandwidth: float) -> dict:
+def bench(size: str, dtype_name: str, root: Path, repeats: int, bandwidth: float, compiled: bool = True) -> dict:
     dtype = DTYPES[dtype_name]
     hf_dir, ckpt = prepare(size, root)
     ours = GPT.from_pretrained(ckpt, dtype=dtype, device="cuda")
-    hf, hf_static = hf_model(hf_dir, dtype, False), hf_model(hf_dir, dtype, True)
+    hf, hf_static = hf_model(hf_dir, dtype, False), hf_model(hf_dir, dtype, True) if compiled else None
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 50257, (1, 16), generator=g).to("cuda")
-    contenders = {GRAPH: lambda: ours_decode(ours, prompt), EAGER: ungraphed(lambda: ours_decode(ours, prompt)),
-                  HF_EAGER: lambda: hf_decode(hf, prompt), HF_COMPILED: lambda: hf_decode(hf_static, prompt)}
+    how: list[str] = []
+    generate(ours, prompt.tolist(), 2, temperature=0, stop_token=None, fast=GRAPHED, report=how)
+    if not how[0].startswith("a CUDA graph"):  # a silent fallback would time the eager step twice
+        sys.exit(f"error: the decode step was not recorded as a CUDA graph: it ran on {how[0]}")
+    contenders = {GRAPH: lambda: ours_decode(ours, prompt, GRAPHED), EAGER: lambda: ours_decode(ours, prompt, FAST),
+                  HF_EAGER: lambda: hf_decode(hf, prompt)}
+    if compiled:
+        contenders[HF_COMPILED] = lambda: hf_decode(hf_static, prompt)
     startup = {}
     for name, decode in contenders.items():  # the first run: warm-up, and HF's compilation
         t = time.perf_counter()
@@ -104,6 +111,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--workdir", type=Path, default=None, help="keep the random checkpoints here for reuse")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--no-compile", action="store_true", help="leave out HF's static cache + torch.compile (minutes)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_generate_cuda: no CUDA device here")
@@ -118,7 +126,8 @@ def main() -> None:
         root = args.workdir or Path(tmp)
         for size in args.sizes.split(","):
             for dtype_name in args.dtypes.split(","):
-                results.append(bench(size.strip(), dtype_name.strip(), root, args.repeats, bandwidth))
+                results.append(bench(size.strip(), dtype_name.strip(), root, args.repeats, bandwidth,
+                                     not args.no_compile))
                 print(report(results[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"bandwidth_bytes_per_s": bandwidth, "torch": torch.__version__,

@@ -2,14 +2,14 @@
 
 A decode step multiplies one row of activations by every weight matrix once, so its speed is the bytes of weight
 each kernel streams per second. Here each matrix shape of a GPT-2 size (124M by default; --size gpt2-xl for 1.5B)
-and the large square probe that gpt2port.speed uses for the bandwidth floor is multiplied by one row, with enough
+and the large square probe that gpt2port.fast.speed uses for the bandwidth floor is multiplied by one row, with enough
 distinct copies of the weight (~400 MB of fp32, 200 MB of bf16, 100 MB of int8) that they come from memory rather
 than cache, as in a real step. The last row runs the products of one whole step in order, each weight once (124M:
 494 MB of fp32, 1.5B: 6.2 GB): what a step's products cost back to back, the most a decode step could reach on that
 kernel.
 
 Kernels: fp32 on oneDNN (gpt2port's Linear for several rows), fp32 and bf16 on gpt2port's own one-row kernel
-(gpt2port/native.py: what fp32 and bf16 decoding run where it is built), fp32 on F.linear (MKL, as HF), bf16 on
+(gpt2port/fast/native.py: what fp32 and bf16 decoding run where it is built), fp32 on F.linear (MKL, as HF), bf16 on
 F.linear (what bf16 decoding ran before that kernel), int8 on fbgemm (torch.ops.quantized.linear_dynamic, what
 `--dtype int8` decodes with) and on torch._weight_int8pack_mm with bf16 activations (its fallback).
 
@@ -24,11 +24,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from gpt2port import GPT, native, quant, speed
+from gpt2port import GPT, quant
+from gpt2port.fast import native, speed
 from gpt2port.config import GPTConfig, canonical_name
 
 _SIDE = int((speed.PROBE_BYTES // 4) ** 0.5)
-PROBE = (_SIDE, _SIDE)  # (out, in): gpt2port.speed's fp32 bandwidth probe
+PROBE = (_SIDE, _SIDE)  # (out, in): gpt2port.fast.speed's fp32 bandwidth probe
 FP32_BYTES = 400_000_000  # of distinct copies per shape, so that each product reads memory, not cache
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "int8pack": 1}  # per weight, by a kernel's first word
 
@@ -70,7 +71,7 @@ def kernels(shapes: list[tuple[int, int]]) -> dict[str, float]:
         "int8pack bf16": (int8, lambda qs, x: (lambda xb, s: lambda: torch._weight_int8pack_mm(xb, qs[0], s))(
             x.to(quant.ACTIVATION_DTYPE), qs[1].to(quant.ACTIVATION_DTYPE))),
     }
-    if not native.available():
+    if not native.kernels().matvec:
         del out["fp32 gpt2port"], out["bf16 gpt2port"]
     if quant._fbgemm_works():
         out["int8 fbgemm"] = (int8, lambda qs, x: (lambda p: lambda: torch.ops.quantized.linear_dynamic.default(

@@ -4,7 +4,7 @@ round (this machine's speed swings from minute to minute: neighbours see the sam
 
 Contenders, on the same random weights (scripts.bench_generate.prepare): gpt2port fp32, bf16 and int8 (its many-row
 products on the weight dequantized a block at a time and multiplied on oneDNN, gpt2port/quant.py), int8 with those
-blocks on F.linear (MKL; gpt2port.kernels.USE_ONEDNN = False, as before int8 took oneDNN), HF GPT2LMHeadModel fp32
+blocks on F.linear (MKL; gpt2port.fast.Settings(onednn=False)), HF GPT2LMHeadModel fp32
 (use_cache=True, logits for the last position only, as every contender computes them), and, where llama-cpp-python
 is installed, llama.cpp on the same weights exported as q8_0 GGUF (its context reset first, so that nothing of the
 previous round's prompt is reused).
@@ -23,15 +23,17 @@ from pathlib import Path
 
 import torch
 
-import gpt2port.kernels
 from gpt2port import GPT
+from gpt2port.fast import Settings
+from gpt2port.fast.kernels import accelerated
 from gpt2port.model import KVCache
 from scripts import llama_contender
-from scripts.bench_generate import prepare, switched
+from scripts.bench_generate import prepare
 
 
-def ours(model: GPT, ids: torch.Tensor) -> float:
-    with torch.inference_mode():
+def ours(model: GPT, ids: torch.Tensor, settings: Settings = Settings()) -> float:
+    """One prefill with gpt2port.fast's layers swapped in, as generate runs it."""
+    with torch.inference_mode(), accelerated(model, settings):
         cache = KVCache(model.config, 1, ids.size(1) + 1, model.tok_emb.weight.dtype)  # as generate makes it
         t = time.perf_counter()
         model(ids, cache=cache, last_only=True)
@@ -66,8 +68,7 @@ def main() -> None:
 
     contenders = {"gpt2port fp32": lambda: ours(fp32, ids), "gpt2port bf16": lambda: ours(bf16, ids),
                   "gpt2port int8": lambda: ours(int8, ids),
-                  "gpt2port int8, blocks on F.linear": switched(gpt2port.kernels, "USE_ONEDNN", False)(
-                      lambda: ours(int8, ids)),
+                  "gpt2port int8, blocks on F.linear": lambda: ours(int8, ids, Settings(onednn=False)),
                   "HF fp32": hf_prefill}
     llama = llama_contender.q8_0_model(ckpt, root / f"{args.size}-q8_0", args.tokens + 8)
     if llama is not None:

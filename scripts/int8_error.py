@@ -14,7 +14,7 @@ maximum over the positions, for:
 
 --outliers M gives the random weights what trained models have and random ones lack: in every block --gains (3) gains
 of each LayerNorm and --units (4) MLP units (their fc rows) scaled M times (seeded), and adds the row
-  gpt2port int8, decode, unsmoothed   the decode steps with gpt2port.quant.SMOOTHING off (nothing smoothed at load)
+  gpt2port int8, decode, unsmoothed   the decode steps of quant.quantized_model(..., smoothing=False)
 
 Usage (from the repository root):
     python -m scripts.int8_error [--size gpt2] [--tokens 200] [--threads 2] [--workdir DIR] [--outliers 30 [--gains 3] [--units 4]]
@@ -49,22 +49,14 @@ def stepwise(model: GPT, ids: torch.Tensor) -> torch.Tensor:
 def int8_rows(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor) -> dict[str, list[float]]:
     rows = {}
     model = GPT.from_pretrained(ckpt, dtype="int8")
-    rows["gpt2port int8, decode (fbgemm)" if quant._fbgemm_works() else "gpt2port int8, decode"] = \
+    rows["gpt2port int8, decode (fbgemm)" if model.lm_head._packed is not None else "gpt2port int8, decode"] = \
         per_position(stepwise(model, ids), ref)
     rows["gpt2port int8, prefill (dequantized)"] = per_position(model(ids)[0], ref)
-    quant.SMOOTHING = False
-    try:
-        rows["gpt2port int8, decode, unsmoothed"] = per_position(stepwise(GPT.from_pretrained(ckpt, dtype="int8"), ids),
-                                                               ref)
-    finally:
-        quant.SMOOTHING = True
-    works = quant._fbgemm_works
-    quant._fbgemm_works = lambda: False  # the fallback kernel, for the weights' share of the error
-    try:
-        rows["gpt2port int8, decode (int8pack)"] = per_position(stepwise(GPT.from_pretrained(ckpt, dtype="int8"), ids),
-                                                                ref)
-    finally:
-        quant._fbgemm_works = works
+    rows["gpt2port int8, decode, unsmoothed"] = per_position(
+        stepwise(quant.quantized_model(GPT, ckpt, smoothing=False), ids), ref)
+    # the fallback kernel, for the weights' share of the error
+    rows["gpt2port int8, decode (int8pack)"] = per_position(
+        stepwise(quant.quantized_model(GPT, ckpt, fbgemm=False), ids), ref)
     return rows
 
 

@@ -105,3 +105,15 @@ def dest_for(tmp_path, tiny_ckpt):
         return dest
 
     return make
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """gpt2port's CPU kernels, built on purpose (once per machine: a cache) for the tests that use them; skipped with
+    the reason where they cannot be had."""
+    from gpt2port.fast import native
+
+    built = native.kernels()
+    if not built.matvec:
+        pytest.skip(f"gpt2port's CPU kernels are not available here: {built.why_not}")
+    return built

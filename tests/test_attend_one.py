@@ -1,7 +1,7 @@
 """gpt2port's attention for one new token (gpt2port/attention.c, torch.ops.gpt2port.attend_one): its output against
 PyTorch's scaled_dot_product_attention on every branch of its loops, the cache it writes, where the model and the
-scripted decode step take it (one token of one unpadded sequence in inference), and where they leave attention to
-PyTorch."""
+decode step (gpt2port/fast/step.py) takes it (one token of one unpadded sequence in inference), and where it leaves
+attention to PyTorch (the model's own forward always does)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2port import GPT, GPTConfig, decode_step, kernels, native
-from gpt2port.decode_step import stepper
+from gpt2port import GPT, GPTConfig
+from gpt2port.fast import Settings, accelerate, decode_step
 from gpt2port.model import KVCache
 
-needs_kernel = pytest.mark.skipif(not native.available() or native.binding_why_not() is not None,
-                                  reason=f"no attention kernel here: {native.why_not() or native.binding_why_not()}")
+
+@pytest.fixture
+def attention_kernel(native_kernels):
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here: {native_kernels.binding_why_not}")
+
+
+needs_kernel = pytest.mark.usefixtures("attention_kernel")
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=48, vocab_size=203, n_positions=32)
 
 
@@ -119,46 +125,45 @@ def calls(fn) -> dict[str, int]:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_model_and_the_step_take_it_for_one_token_of_one_sequence(dtype, monkeypatch):
+def test_the_step_takes_it_for_one_token_of_one_sequence(dtype):
     torch.manual_seed(0)
     model = GPT(CONFIG).eval().to(dtype)
     idx = torch.tensor([[5, 17, 101, 3, 9]])
     L, tolerance = CONFIG.n_layer, 1e-5 if dtype == torch.float32 else 3e-2
+    descriptions = []
 
-    def decode(batch=1, pad=None, scripted=False):
+    def decode(batch=1, pad=None, settings=None):
+        """Two decode steps after a 3-token prefill: through the fast step with `settings`, else the model's forward."""
         cache = KVCache(CONFIG, batch, 8, dtype=dtype, pad=pad)
         with torch.inference_mode():
             model(idx[:, :3].expand(batch, 3), cache=cache)
-            step = stepper(model, cache) if scripted else lambda t: model(t, cache=cache, last_only=True)
+            step = decode_step(model, cache, settings) if settings else lambda t: model(t, cache=cache, last_only=True)
+            descriptions.append(getattr(step, "description", None))
             return [step(idx[:, i:i + 1].expand(batch, 1)) for i in (3, 4)]
 
-    assert calls(decode) == {"gpt2port::attend_one": 2 * L, "aten::scaled_dot_product_attention": L}  # prefill: SDPA
-    assert calls(lambda: decode(scripted=True)) == {"gpt2port::attend_one": 2 * L,
-                                                    "aten::scaled_dot_product_attention": L}
-    assert torch.equal(torch.cat(decode()), torch.cat(decode(scripted=True)))  # the same kernel, the same numbers
-    assert decode_step.last_path == "TorchScript (products: gpt2port's one-row kernel; attention: gpt2port's " \
-                                    "one-token kernel)"  # what `generate --verbose` reports
-    decode(batch=2, scripted=True)
-    assert decode_step.last_path.endswith("; attention: SDPA)")
-    for elsewhere in (lambda: decode(batch=2), lambda: decode(batch=2, pad=torch.tensor([0, 1]))):
+    assert calls(decode) == {"gpt2port::attend_one": 0, "aten::scaled_dot_product_attention": 3 * L}  # the model's
+    assert calls(lambda: decode(settings=Settings())) == {"gpt2port::attend_one": 2 * L,
+                                                          "aten::scaled_dot_product_attention": L}  # prefill: SDPA
+    assert descriptions[-1] == "gpt2port.fast's step (attention: gpt2port's one-token kernel)"  # `generate -v` says
+    with_kernel = decode(settings=Settings())
+    torch.testing.assert_close(torch.cat(with_kernel), torch.cat(decode()), rtol=tolerance, atol=tolerance)
+    for elsewhere in (lambda: decode(batch=2, settings=Settings()),
+                      lambda: decode(batch=2, pad=torch.tensor([0, 1]), settings=Settings()),
+                      lambda: decode(settings=Settings(attend_one=False)),  # its own switch
+                      lambda: decode(settings=Settings(native=False))):
         assert calls(elsewhere)["gpt2port::attend_one"] == 0
-    with_kernel = decode()
-    monkeypatch.setattr(kernels, "ATTEND_ONE", False)  # its own switch: the products stay on gpt2port's kernel
-    assert calls(lambda: decode(scripted=True))["gpt2port::attend_one"] == 0
-    assert calls(decode)["gpt2port::attend_one"] == 0
-    torch.testing.assert_close(torch.cat(with_kernel), torch.cat(decode()), rtol=tolerance, atol=tolerance)
-    monkeypatch.setattr(kernels, "ATTEND_ONE", True)
-    monkeypatch.setattr(native, "ENABLED", False)
-    assert calls(decode)["gpt2port::attend_one"] == 0
-    torch.testing.assert_close(torch.cat(with_kernel), torch.cat(decode()), rtol=tolerance, atol=tolerance)
+    assert descriptions[-1].endswith("(attention: SDPA)")
+    torch.testing.assert_close(torch.cat(with_kernel), torch.cat(decode(settings=Settings(attend_one=False))),
+                               rtol=tolerance, atol=tolerance)
 
 
 @needs_kernel
 def test_training_and_autograd_keep_pytorchs_attention():
     torch.manual_seed(0)
-    model = GPT(CONFIG)
+    model = accelerate(GPT(CONFIG), Settings())
     cache = KVCache(CONFIG, 1, 8)
     model(torch.tensor([[1, 2]]), cache=cache)  # in training, with autograd
     assert calls(lambda: model(torch.tensor([[3]]), cache=cache))["gpt2port::attend_one"] == 0
     model.eval()
-    assert calls(lambda: model(torch.tensor([[4]]), cache=cache))["gpt2port::attend_one"] == 0  # autograd on
+    step = decode_step(model, cache, Settings())
+    assert calls(lambda: step(torch.tensor([[4]])))["gpt2port::attend_one"] == 0  # autograd on: the model's forward

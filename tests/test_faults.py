@@ -135,7 +135,7 @@ def full_disk(monkeypatch, writes: str = "direct") -> None:
     for mod in (safetensors_mod, fsio_mod, outfile_mod):
         monkeypatch.setattr(mod, "open", _open_on_full_disk, raising=False)
     monkeypatch.setattr(outfile_mod, "_write", _write_on_full_disk)
-    monkeypatch.setattr(outfile_mod, "DIRECT", writes == "direct")
+    monkeypatch.setenv("GPT2PORT_DIRECT_IO", "1" if writes == "direct" else "0")
 
 
 @pytest.mark.parametrize("writes", ["direct", "buffered"])

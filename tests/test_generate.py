@@ -119,29 +119,35 @@ def test_greedy_equals_hf_generate_124m(gpt2_hf_repo, gpt2_ckpt):
 
 
 def test_onednn_linear_computes_what_f_linear_does(lively, monkeypatch):
-    """Inference on CPU runs the Linear layers on oneDNN; the numbers and tokens are F.linear's, and training
+    """Inference on CPU runs the fast Linear layers on oneDNN; the numbers and tokens are F.linear's, and training
     (autograd on) still goes through F.linear."""
-    from gpt2port import kernels
+    from gpt2port.fast import Settings, accelerate, restore
+    from gpt2port.fast.kernels import onednn_works
 
     hf, model, _ = lively
-    if not kernels.onednn_linear_enabled():
+    if not onednn_works():
         pytest.skip("this PyTorch build has no oneDNN linear kernel")
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
     idx = torch.tensor([TINY_PROMPTS[3], TINY_PROMPTS[3][::-1]])
-    with torch.inference_mode():
-        fast = model(idx)
-        assert len(calls) == 2 * 4 + 1  # every Linear: 2 blocks x (qkv, proj, fc, proj) + the head
-        monkeypatch.setattr(kernels, "USE_ONEDNN", False)
-        torch.testing.assert_close(fast, model(idx), rtol=1e-5, atol=1e-5 * float(fast.abs().max()))
-        monkeypatch.setattr(kernels, "USE_ONEDNN", True)
-    assert generate(model, TINY_PROMPTS, N_NEW, temperature=0, stop_token=None) == hf_greedy(hf, TINY_PROMPTS, N_NEW)
-    calls.clear()
-    _, loss = model(idx[:, :-1], targets=idx[:, 1:])
-    loss.backward()
-    assert not calls and model.tok_emb.weight.grad is not None
-    model.zero_grad(set_to_none=True)
+    accelerate(model, Settings())
+    try:
+        with torch.inference_mode():
+            fast = model(idx)
+            assert len(calls) == 2 * 4 + 1  # every Linear: 2 blocks x (qkv, proj, fc, proj) + the head
+            accelerate(model, Settings(onednn=False))
+            torch.testing.assert_close(fast, model(idx), rtol=1e-5, atol=1e-5 * float(fast.abs().max()))
+            accelerate(model, Settings())
+        assert generate(model, TINY_PROMPTS, N_NEW, temperature=0, stop_token=None) == \
+            hf_greedy(hf, TINY_PROMPTS, N_NEW)
+        calls.clear()
+        _, loss = model(idx[:, :-1], targets=idx[:, 1:])
+        loss.backward()
+        assert not calls and model.tok_emb.weight.grad is not None
+    finally:
+        restore(model)
+        model.zero_grad(set_to_none=True)
 
 
 # --- the KV cache -----------------------------------------------------------------------------------------------------
@@ -346,8 +352,10 @@ def test_cli_verbose_says_how_close_decoding_came_to_the_bandwidth_floor(lively,
                       r"token, ([\d.]+) GB/s measured now\)$", out.err, re.M)
     assert match, out.err
     assert float(match.group(2)) > 0 and float(match.group(4)) > 0
-    assert re.search(r"^decode steps ran on TorchScript \(products: (gpt2port's one-row kernel|oneDNN|F.linear); "
-                     r"attention: (gpt2port's one-token kernel|SDPA)\)$", out.err, re.M), out.err
+    assert re.search(r"^decode steps ran on gpt2port.fast's step \(attention: (gpt2port's one-token kernel|SDPA)\)$",
+                     out.err, re.M), out.err
+    assert re.search(r"^one-row products on (gpt2port's one-row kernel|oneDNN|F.linear), several rows on "
+                     r"(oneDNN|F.linear)$", out.err, re.M), out.err
 
 
 def test_cli_reads_stdin_and_makes_reproducible_samples(lively, capsys, monkeypatch):

@@ -1,5 +1,5 @@
-"""The model's kernels: the oneDNN Linear against F.linear, its switch, the activation table that config validates
-against, and that nothing a user calls moves the global random state."""
+"""The fast layers' oneDNN kernel against F.linear (gpt2port.fast.kernels), its switch, the activation table that config
+validates against, and that nothing a user calls moves the global random state."""
 
 from __future__ import annotations
 
@@ -12,13 +12,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2port import GPT, GPTConfig, kernels, native
+import torch.nn as nn
+
+from gpt2port import GPT, GPTConfig
+from gpt2port.config import ACTIVATIONS
 from gpt2port.errors import GPT2PortError
+from gpt2port.fast import Settings, accelerate
+from gpt2port.fast.kernels import onednn_works
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Each snippet runs in a fresh process between two reads of the global RNG state. Fresh, because the oneDNN probe
-# runs once per process, on the first fp32 CPU forward: in a process where anything ran before, it has already run.
+# runs once per process, when generate first swaps the fast layers in: in a process where anything ran before, it has
+# already run.
 _RNG_CHILD = """
 import sys
 import torch
@@ -52,7 +58,7 @@ def test_global_rng_state_is_untouched(tiny_ckpt, case):
 @pytest.fixture
 def pointwise_calls(monkeypatch):
     """The list that each call of oneDNN's linear kernel appends to (the op itself still runs)."""
-    if not kernels.onednn_linear_enabled():
+    if not onednn_works():
         pytest.skip("this PyTorch build has no oneDNN linear kernel")
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
@@ -63,9 +69,8 @@ def pointwise_calls(monkeypatch):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(1, 48), (5, 48), (2, 7, 48)])
 def test_onednn_linear_agrees_with_f_linear_and_switches_off(pointwise_calls, monkeypatch, bias, shape):
-    monkeypatch.setattr(native, "ENABLED", False)  # one row would go to gpt2port's kernel (tests/test_native.py)
     g = torch.Generator().manual_seed(1)
-    layer = kernels.Linear(48, 80, bias=bias)
+    layer = accelerate(nn.Linear(48, 80, bias=bias), Settings(native=False))  # one row: not gpt2port's kernel
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
@@ -75,14 +80,13 @@ def test_onednn_linear_agrees_with_f_linear_and_switches_off(pointwise_calls, mo
         fast = layer(x)
         assert len(pointwise_calls) == 1 and fast.shape == (*shape[:-1], 80)
         torch.testing.assert_close(fast, expected, rtol=1e-5, atol=1e-5)
-        monkeypatch.setattr(kernels, "USE_ONEDNN", False)
-        assert not kernels.onednn_linear_enabled()
+        accelerate(layer, Settings(native=False, onednn=False))
         torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
     assert len(pointwise_calls) == 1  # switched off: F.linear, not the kernel
 
 
 def test_onednn_linear_is_for_fp32_inference_only(pointwise_calls):
-    layer = kernels.Linear(16, 8)
+    layer = accelerate(nn.Linear(16, 8), Settings())
     x = torch.ones(2, 16)
     layer(x).sum().backward()  # autograd on: F.linear, so gradients flow as nn.Linear's
     assert layer.weight.grad is not None
@@ -91,11 +95,14 @@ def test_onednn_linear_is_for_fp32_inference_only(pointwise_calls):
     assert not pointwise_calls
 
 
+# torch.compile's inductor imports PyTorch's own torch/utils/mkldnn.py, whose classes use torch.jit.script_method
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_torch_compile_for_inference():
-    # Under torch.compile the Linear layers leave the kernel choice to the compiler: oneDNN's op on a plain weight
-    # cannot be traced, and gpt2port's kernel is a Python operator.
+    # Under torch.compile the fast layers leave the kernel choice to the compiler: oneDNN's op on a plain weight
+    # cannot be traced.
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=48, vocab_size=203, n_positions=32)).eval()
+    accelerate(model, Settings(native=False))
     compiled = torch.compile(model)
     with torch.no_grad():
         for idx in (torch.tensor([[7]]), torch.tensor([[3, 1, 4, 1, 5]])):
@@ -103,7 +110,7 @@ def test_torch_compile_for_inference():
 
 
 def test_config_accepts_exactly_the_activations_the_model_implements():
-    for name, fn in kernels.ACTIVATIONS.items():
+    for name, fn in ACTIVATIONS.items():
         assert GPTConfig(activation=name).activation == name and callable(fn)
     with pytest.raises(GPT2PortError, match="not supported"):
         GPTConfig(activation="mish")
@@ -111,4 +118,4 @@ def test_config_accepts_exactly_the_activations_the_model_implements():
         GPTConfig.from_hf_config({"n_layer": 1, "n_head": 1, "n_embd": 4, "vocab_size": 8,
                                   "activation_function": "mish"})
     x = torch.linspace(-3, 3, 13)
-    torch.testing.assert_close(kernels.ACTIVATIONS["gelu_new"](x), F.gelu(x, approximate="tanh"))
+    torch.testing.assert_close(ACTIVATIONS["gelu_new"](x), F.gelu(x, approximate="tanh"))

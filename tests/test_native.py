@@ -1,7 +1,7 @@
-"""gpt2port's one-row kernel, fp32 and bf16 (gpt2port/native.py, matvec.c): its numbers against F.linear on every
+"""gpt2port's one-row kernel, fp32 and bf16 (gpt2port/fast/native.py, matvec.c): its numbers against F.linear on every
 branch of its loops, where the model uses it, and what happens without a compiler, with a broken cache, a failing
 build, a kernel that computes wrong, or the switch off: the products stay on oneDNN (fp32) or F.linear (bf16) and
-nothing else changes."""
+nothing else changes. The kernels are built on purpose (the native_kernels fixture), never by an import."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpt2port import GPT, GPTConfig, native
+from gpt2port import GPT, GPTConfig
+from gpt2port.fast import Settings, accelerate, native
 from gpt2port.model import KVCache
 
-needs_kernel = pytest.mark.skipif(not native.available(), reason=f"no one-row kernel here: {native.why_not()}")
+needs_kernel = pytest.mark.usefixtures("native_kernels")
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=48, vocab_size=203, n_positions=32)
 
 
@@ -79,7 +80,7 @@ def test_refuses_what_it_would_read_wrong():
         torch.ops.gpt2port.matvec(torch.randn(6).bfloat16(), w, None)
     with pytest.raises(ValueError, match="fp32 or bf16"):
         torch.ops.gpt2port.matvec(torch.randn(6).half(), w.half(), None)
-    assert not native.takes(w.bfloat16(), torch.randn(8))  # a bias of another dtype
+    assert not native.fits(w.bfloat16(), torch.randn(8))  # a bias of another dtype
     x = torch.randn(12)[::2]  # a strided row is copied, not misread
     torch.testing.assert_close(torch.ops.gpt2port.matvec(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
@@ -104,13 +105,13 @@ def products(fn) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_model_takes_it_for_one_row_only(monkeypatch, dtype):
     torch.manual_seed(0)
-    model = GPT(CONFIG).eval().to(dtype)
+    model = accelerate(GPT(CONFIG).eval().to(dtype), Settings())
     with_kernel = []
     calls = products(lambda: with_kernel.append(logits_one_token(model)))
     C = CONFIG.n_embd
     per_block = [(3 * C, C), (C, C), (4 * C, C), (C, 4 * C)]
     assert calls == per_block * CONFIG.n_layer + [(CONFIG.vocab_size, C)]  # the prefill: none
-    monkeypatch.setattr(native, "ENABLED", False)
+    accelerate(model, Settings(native=False))
     without = []
     assert products(lambda: without.append(logits_one_token(model))) == []
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -124,7 +125,7 @@ needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C comp
 @pytest.mark.skipif(sys.platform != "linux", reason="elsewhere the compiler may lack OpenMP")
 def test_built_and_in_use_where_a_compiler_is():
     # else every test above would skip, and a kernel the probe refuses would go unnoticed
-    assert native.available(), native.why_not()
+    assert native.kernels().matvec, native.kernels().why_not
 
 
 def builds(monkeypatch) -> list:
@@ -147,7 +148,8 @@ def test_built_once_then_taken_from_the_cache(tmp_path, monkeypatch):
     assert why is None and lib is not None and len(runs) == 1
     lib, why = native.load(tmp_path, native.compiler())
     assert why is None and lib is not None and len(runs) == 1
-    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [native.LIBRARY_NAME]  # no temporary left
+    # no temporary left (the lock file stays: it is how concurrent builds take turns)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [".lock", native.LIBRARY_NAME]
 
 
 @needs_compiler
@@ -185,7 +187,7 @@ def test_a_compiler_that_fails(tmp_path):
     lib, why = native.load(tmp_path / "cache", str(cc))
     assert lib is None
     assert why.startswith(f"building matvec.c, attention.c with {cc} failed: -O3 -march=native -fopenmp: matvec.c:1:")
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-built left
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.name != ".lock"]  # nothing half-built
 
 
 @needs_compiler
@@ -202,16 +204,16 @@ def test_a_kernel_that_computes_wrong_is_refused(tmp_path, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_python_kernel_computes_what_the_cpp_one_does(dtype):
+def test_the_python_kernel_computes_what_the_cpp_one_does(dtype, native_kernels):
     # the operator's two ways into the library: whichever serves it, the same numbers
     g = torch.Generator().manual_seed(5)
     w, x, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((131, 770), (1, 770), (131,)))
     for bias in (b, None):
-        assert torch.equal(native._matvec(x, w, bias), torch.ops.gpt2port.matvec(x, w, bias))
+        assert torch.equal(native._matvec(native_kernels.lib, x, w, bias), torch.ops.gpt2port.matvec(x, w, bias))
     with pytest.raises(ValueError, match="of one dtype"):
-        native._matvec(x.float() if dtype == torch.bfloat16 else x.bfloat16(), w, None)
+        native._matvec(native_kernels.lib, x.float() if dtype == torch.bfloat16 else x.bfloat16(), w, None)
     with pytest.raises(ValueError, match="contiguous"):
-        native._matvec(x, w, b[:-1])  # a bias one short would be read past its end
+        native._matvec(native_kernels.lib, x, w, b[:-1])  # a bias one short would be read past its end
 
 
 needs_cxx = pytest.mark.skipif(native.compiler("CXX") is None or sys.platform != "linux", reason="no C++ compiler here")
@@ -221,7 +223,7 @@ needs_cxx = pytest.mark.skipif(native.compiler("CXX") is None or sys.platform !=
 @needs_cxx
 def test_the_cpp_kernel_serves_the_operator_where_it_builds():
     # else the Python kernel would serve it unnoticed, a few microseconds slower a product
-    assert native.binding_why_not() is None
+    assert native.kernels().binding_why_not is None
     built = list(Path(native.cache_dir()).rglob(native.BINDING_NAME))
     assert built and all(p.stat().st_size > 0 for p in built)
 
@@ -234,52 +236,127 @@ def test_a_cpp_compiler_that_fails(tmp_path):
     why = native.bind(tmp_path / "cache", str(cxx), type("Lib", (), {"_name": "/nowhere/lib.so"})())
     assert why.startswith(f"building native_ops.cpp with {cxx} failed: -O2 -std=c++20")
     assert "; -O2 -std=c++17" in why and why.endswith("native_ops.cpp:1: error: no such header")
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing half-built left
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.name != ".lock"]  # nothing half-built
     assert native.bind(tmp_path, None, None).startswith("no C++ compiler found")
 
 
 FIRST_CALLS = """
-import torch
-from gpt2port import GPT  # the model's modules define the operators
+import sys, torch
+from gpt2port import GPT, GPTConfig
+model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=11, n_positions=8)).eval()
+with torch.inference_mode():
+    model(torch.tensor([[1]]))  # a plain model's first forward, one row: nothing is built or registered
+ops = lambda: sorted(op for op in torch._C._dispatch_get_all_op_names() if op.startswith("gpt2port::"))
+print(ops(), "gpt2port.fast" in sys.modules)
+from gpt2port.fast import native
+built = native.kernels()
 w, x, keys, values = torch.randn(70, 33), torch.randn(33), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
-print(torch.allclose(torch.ops.gpt2port.matvec(x, w, None), w @ x, rtol=1e-5, atol=1e-5))
-try:
-    y = torch.ops.gpt2port.attend_one(torch.arange(48.0), keys, values, 0, None)
-    print(torch.equal(y, torch.arange(32.0, 48.0)))  # one position: its own value
-except RuntimeError as e:
-    print(e)
-from gpt2port import native
-print(native.available(), native.binding_why_not())
+print(ops(), torch.allclose(torch.ops.gpt2port.matvec(x, w, None), w @ x, rtol=1e-5, atol=1e-5))
+print(built.attend_one, built.binding_why_not)
 """
 
 
-def first_calls(env: dict) -> list[str]:
-    """The operators called straight after import, before anything asked whether the kernels are there."""
-    return subprocess.run([sys.executable, "-c", FIRST_CALLS], env={**os.environ, **env}, capture_output=True,
-                          text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout.splitlines()
+def first_calls(env: dict) -> tuple[list[str], str]:
+    """A fresh process: a plain model's forward, then the kernels asked for (stdout lines, stderr)."""
+    proc = subprocess.run([sys.executable, "-c", FIRST_CALLS], env={**os.environ, **env}, capture_output=True,
+                          text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    return proc.stdout.splitlines(), proc.stderr
 
 
 @needs_kernel
 @needs_cxx
-def test_the_operators_work_from_the_first_call():
-    assert first_calls({}) == ["True", "True", "True None"]
+def test_nothing_is_built_or_registered_until_asked_for(tmp_path):
+    out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(native.cache_dir())})
+    assert out == ["[] False", "['gpt2port::attend_one', 'gpt2port::matvec'] True", "True None"]
+    assert err == ""  # from the cache: no build, no message
+    out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(tmp_path)})  # an empty cache: built, and said so once
+    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::matvec'] True", "True None"]
+    assert err == native.BUILD_MESSAGE + "\n"
 
 
 @needs_kernel
 def test_without_a_cpp_compiler_the_python_kernel_serves(tmp_path):
     why = "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)"
-    assert first_calls({"CXX": str(tmp_path / "no-such-compiler")}) == [
-        "True", f"gpt2port::attend_one needs gpt2port's C++ kernels: {why}", f"True {why}"]
+    out, _ = first_calls({"CXX": str(tmp_path / "no-such-compiler")})
+    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::matvec'] True", f"False {why}"]
+
+
+def test_processes_building_at_once_build_once(tmp_path):
+    """N processes (torchrun ranks) starting together on an empty cache: one compiler run per library, the others
+    wait on the lock and load what it built."""
+    code = ("import sys, subprocess\n"
+            "from gpt2port.fast import native\n"
+            "real = subprocess.run\n"
+            "def run(cmd, *a, **k):\n"
+            "    if '-shared' in cmd: print('built', flush=True)\n"
+            "    return real(cmd, *a, **k)\n"
+            "native.subprocess.run = run\n"
+            "print(native.kernels().matvec)\n")
+    env = {**os.environ, "GPT2PORT_NATIVE_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parents[1]) for _ in range(3)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    if native.compiler() is None:
+        pytest.skip("no C compiler here")
+    assert all(o.splitlines()[-1] == "True" for o, _ in outs), outs
+    assert sum(o.count("built") for o, _ in outs) == 2  # the C library and the C++ operators, once each
+    assert sum(e.count(native.BUILD_MESSAGE) for _, e in outs) == 1
 
 
 @needs_kernel
 def test_verbose_says_when_products_go_through_python(monkeypatch):
-    from gpt2port.speed import decode_report
+    from gpt2port.fast.speed import decode_report
 
     model = GPT(CONFIG).eval()
-    monkeypatch.setattr("gpt2port.speed.matvec_bandwidth", lambda device: 1e10)
+    monkeypatch.setattr("gpt2port.fast.speed.matvec_bandwidth", lambda device: 1e10)
     assert not any("through Python" in line for line in decode_report(model, "cpu", 100.0))
-    monkeypatch.setattr(native, "_binding_why_not", "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)")
+    built = native.kernels()
+    monkeypatch.setattr(native, "kernels", lambda: native.Kernels(
+        built.lib, None, "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)"))
     assert decode_report(model, "cpu", 100.0)[-1] == ("gpt2port's one-row kernel is reached through Python, a few us "
                                                       "slower a product: no C++ compiler found (c++, g++ or clang++ "
                                                       "on the PATH, or $CXX)")
+
+
+WITHOUT_KERNELS = """
+import torch
+from gpt2port import GPT, GPTConfig
+from gpt2port.fast import native
+from gpt2port.generate import generate
+torch.manual_seed(0)
+model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=16)).eval()
+report = []
+print(generate(model, [[1, 2, 3]], 6, temperature=0, stop_token=None, report=report) ==
+      generate(model, [[1, 2, 3]], 6, temperature=0, stop_token=None, fast=__import__("gpt2port.fast").fast.OFF))
+print(native.kernels().why_not)
+print(report[0])
+"""
+
+
+def test_without_a_compiler_generation_runs_on_pytorchs_kernels(tmp_path):
+    """The build failing (no compiler here) costs speed only: generate runs, and says what it ran on."""
+    env = {**os.environ, "CC": str(tmp_path / "no-cc"), "CXX": str(tmp_path / "no-cxx"),
+           "GPT2PORT_NATIVE_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_KERNELS], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["True", "no C compiler found (cc, gcc or clang on the PATH, or $CC)",
+                                        "gpt2port.fast's step (attention: SDPA)"]
+
+
+def test_doctor_builds_and_reports(tmp_path, monkeypatch, capsys):
+    from click.testing import CliRunner
+
+    from gpt2port.cli import main
+
+    monkeypatch.setattr("gpt2port.fast.doctor.matvec_bandwidth", lambda device: 12.3e9)  # the probe takes seconds
+    r = CliRunner().invoke(main, ["doctor"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()  # stderr: the build's one line, where it built
+    assert lines[0].startswith(f"torch {torch.__version__}; {torch.get_num_threads()} threads")
+    built = native.kernels()
+    assert lines[1].startswith("gpt2port's CPU kernels: " + ("built" if built.attend_one else
+                                                             "one-row" if built.matvec else "not available"))
+    assert "memory bandwidth (one-row product, 256 MB weight): 12.3 GB/s" in lines
+    assert any(line.startswith("generate on the CPU, float32: decode products on ") for line in lines)
+    assert lines[-1].startswith("CUDA: ")

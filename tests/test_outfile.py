@@ -45,7 +45,7 @@ def test_direct_writes_exactly_the_bytes_given(tmp_path, direct_works, size):
 
 def test_pieces_of_any_size_direct_and_buffered_give_the_same_file(tmp_path, monkeypatch):
     write_pieces(tmp_path / "a")
-    monkeypatch.setattr(outfile, "DIRECT", False)
+    monkeypatch.setenv("GPT2PORT_DIRECT_IO", "0")
     assert isinstance(write_pieces(tmp_path / "b"), outfile.BufferedAppend)
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == b"".join(PIECES)
 
@@ -107,7 +107,7 @@ def test_a_write_error_surfaces_and_the_file_is_closed(tmp_path, direct_works, m
 
 def test_an_existing_file_is_never_overwritten(tmp_path, monkeypatch):
     for direct in (True, False):
-        monkeypatch.setattr(outfile, "DIRECT", direct)
+        monkeypatch.setenv("GPT2PORT_DIRECT_IO", "1" if direct else "0")
         (tmp_path / "out").write_bytes(b"keep")
         with pytest.raises(FileExistsError):
             outfile.open_append(tmp_path / "out")
@@ -125,7 +125,7 @@ def test_tensors_poured_into_lent_chunks_come_out_whole(tmp_path, monkeypatch, d
     from gpt2port.formats.safetensors import stream_safetensors
 
     monkeypatch.setattr(outfile, "CHUNK", 3 * outfile.BLOCK)
-    monkeypatch.setattr(outfile, "DIRECT", direct)
+    monkeypatch.setenv("GPT2PORT_DIRECT_IO", "1" if direct else "0")
     g = torch.Generator().manual_seed(0)
     want = {
         "a.weight": torch.randn(37, 101, generator=g).t(),  # a transposed view, 37-float rows

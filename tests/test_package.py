@@ -152,3 +152,47 @@ def test_no_file_cites_a_document_the_project_does_not_contain():
             if cited.search(line):
                 hits.append(f"{name}:{i}: {line.strip()[:80]}")
     assert not hits, "\n".join(hits)
+
+
+# --- the speed machinery: one optional subpackage, added from outside ----------------------------------------------
+
+def test_the_model_and_its_config_import_nothing_from_the_speed_subpackage():
+    modules = _modules()
+    for name in ("gpt2port.model", "gpt2port.config", "gpt2port.checkpoint", "gpt2port.layouts"):
+        seen, todo = set(), [name]
+        while todo:  # everything they import, directly or through other modules
+            for dep in _imports(todo[-1], modules[todo.pop()], modules) - seen:
+                seen.add(dep)
+                todo.append(dep)
+        assert not {m for m in seen if m.startswith("gpt2port.fast")}, (name, sorted(seen))
+
+
+def test_the_model_is_plain_pytorch():
+    """No custom operators, no kernel predicates: nn.Linear, the activations, scaled_dot_product_attention."""
+    source = (PACKAGE / "model.py").read_text()
+    assert "torch.ops" not in source and "torch.jit" not in source
+    assert "nn.Linear(" in source and "F.scaled_dot_product_attention(" in source
+
+
+def test_importing_the_name_tables_registers_no_operators():
+    in_fresh_python("import sys, torch\n"
+                    "before = set(torch._C._dispatch_get_all_op_names())\n"
+                    "import gpt2port.layouts, gpt2port.model\n"
+                    "new = sorted(op for op in set(torch._C._dispatch_get_all_op_names()) - before\n"
+                    "             if op.startswith('gpt2port'))\n"
+                    "assert not new, new\n"
+                    "fast = sorted(m for m in sys.modules if m.startswith('gpt2port.fast'))\n"
+                    "assert not fast, fast\n")
+
+
+def test_no_torchscript_in_the_package():
+    """TorchScript is deprecated (each scripted module warns); the decode step is plain Python."""
+    users = [name for name, path in _modules().items() if "torch.jit" in path.read_text()]
+    assert not users, users
+
+
+def test_no_module_level_switches_in_the_speed_code():
+    """Settings are passed explicitly (gpt2port.fast.Settings): no ENABLED / SCRIPTED / USE_* globals to flip."""
+    switch = re.compile(r"^(ENABLED|SCRIPTED|USE_ONEDNN|ATTEND_ONE|SMOOTHING|DIRECT|last_path)\b", re.M)
+    hits = [name for name, path in _modules().items() if switch.search(path.read_text())]
+    assert not hits, hits

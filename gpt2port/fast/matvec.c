@@ -9,7 +9,7 @@
  *
  * Each row's sum is formed the same way whatever the thread count (LANES partial sums over the row, added in
  * order, then the tail, in one compiled copy of `finish`), so results do not depend on threads. Built by
- * gpt2port/native.py with the machine's C compiler (-O3 -march=native -fopenmp). The partial sums are vectors of
+ * gpt2port/fast/native.py with the machine's C compiler (-O3 -march=native -fopenmp). The partial sums are vectors of
  * the compiler's vector extension (GCC and Clang), one named variable per stream, so that they stay in registers
  * whatever the target: written as a [STREAMS][LANES] array, GCC 12 with AVX-512 kept them in memory, and every
  * step of the loop waited on a store and a load (~30 GB/s where the registers give ~47 on the same CPU). The

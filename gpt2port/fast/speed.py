@@ -12,6 +12,10 @@ import time
 
 import torch
 
+from gpt2port.fast import native
+from gpt2port.fast.kernels import PLAIN, choose, product
+from gpt2port.fast.settings import Settings
+
 PROBE_BYTES = 256 << 20
 GPU_PROBE_FACTOR, GPU_BATCH = 4, 10
 
@@ -31,7 +35,7 @@ def weight_bytes_per_token(model) -> int:
 
 def matvec_bandwidth(device: str | torch.device = "cpu", repeats: int = 20) -> float:
     """Bytes/s streamed by a one-row product against a PROBE_BYTES weight: the fastest of fp32 F.linear and, on CPU,
-    oneDNN and gpt2port's one-row kernel (gpt2port/native.py), on a GPU bf16 F.linear, so that no kernel the model
+    oneDNN and gpt2port's one-row kernel (gpt2port/fast/native.py) where built, on a GPU bf16 F.linear, so that no kernel the model
     uses beats the floor it defines. On a GPU the weight is up to GPU_PROBE_FACTOR times larger (a quarter of the
     free memory at most) and each timing spans GPU_BATCH products: one product there takes ~0.1 ms, of the order of
     a synchronization."""
@@ -45,43 +49,41 @@ def matvec_bandwidth(device: str | torch.device = "cpu", repeats: int = 20) -> f
 
 def _best_matvec(device: torch.device, dtype: torch.dtype, nbytes: int, repeats: int, batch: int,
                  cpu_kernels: bool = False) -> float:
-    from gpt2port import kernels, native
-
     n = int((nbytes // dtype.itemsize) ** 0.5)
     w = torch.randn(n, n, device=device, dtype=dtype)
     x = torch.randn(1, n, device=device, dtype=dtype)
-    products = [lambda: torch.nn.functional.linear(x, w)]
-    if cpu_kernels and kernels.onednn_linear_enabled():
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
-    if cpu_kernels and native.takes(w, None):
-        products.append(lambda: torch.ops.gpt2port.matvec(x, w, None))
+    kinds = {PLAIN}
+    if cpu_kernels:  # whatever choose() would take for one row, and oneDNN besides
+        kinds |= {choose(w, None, 1, Settings()), choose(w, None, 1, Settings(native=False))}
     best = float("inf")
     with torch.inference_mode():
-        for product in products:
-            product()
+        for kind in sorted(kinds):
+            product(kind, x, w, None)
             for _ in range(repeats):
-                best = min(best, timed(lambda: [product() for _ in range(batch)], device) / batch)
+                best = min(best, timed(lambda: [product(kind, x, w, None) for _ in range(batch)], device) / batch)
     return w.numel() * w.element_size() / best
 
 
-def decode_report(model, device: str | torch.device, rate: float) -> list[str]:
+def decode_report(model, device: str | torch.device, rate: float, how: str | None = None) -> list[str]:
     """What `generate --verbose` says of a decode that ran at `rate` tokens/s: its fraction of the floor measured
-    now, what the steps ran on, and what made them slower than they could be."""
-    from gpt2port import decode_step, native
-
+    now, what the steps ran on (`how`, as generate reported it), and what made them slower than they could be."""
     bandwidth, per_token = matvec_bandwidth(device), weight_bytes_per_token(model)
     floor = bandwidth / per_token
     lines = [f"decode at {rate / floor:.0%} of the memory-bandwidth floor ({floor:.1f} tokens/s: "
-             f"{per_token / 1e6:.0f} MB of weights per token, {bandwidth / 1e9:.1f} GB/s measured now)",
-             f"decode steps ran on {decode_step.last_path}"]
+             f"{per_token / 1e6:.0f} MB of weights per token, {bandwidth / 1e9:.1f} GB/s measured now)"]
+    if how is not None:
+        lines.append(f"decode steps ran on {how}")
     weight = model.lm_head.weight
     if weight.device.type == "cpu" and weight.dtype in native.FUNCTIONS:
-        if native.why_not() is not None:
-            lines.append(f"gpt2port's one-row kernel is not in use: {native.why_not()}")
-        elif native.binding_why_not() is not None:
+        lines.append(f"one-row products on {choose(weight, None, 1, Settings.from_env())}, several rows on "
+                     f"{choose(weight, None, 2, Settings.from_env())}")
+        built = native.kernels() if Settings.from_env().native else None
+        if built is not None and built.why_not is not None:
+            lines.append(f"gpt2port's one-row kernel is not in use: {built.why_not}")
+        elif built is not None and built.binding_why_not is not None:
             lines.append(f"gpt2port's one-row kernel is reached through Python, a few us slower a product: "
-                         f"{native.binding_why_not()}")
-    if getattr(model, "quantized", None):
+                         f"{built.binding_why_not}")
+    if model.quantized:
         from gpt2port.quant import Int8Linear
 
         layers = [m for m in model.modules() if isinstance(m, Int8Linear)]

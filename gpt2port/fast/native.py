@@ -1,30 +1,33 @@
-"""gpt2port's own CPU kernels for a decode step, fp32 and bf16, built on first use with the machine's C compiler and
-offered to PyTorch as operators: torch.ops.gpt2port.matvec, one row times a weight (matvec.c), which the model's
-Linear layers and the scripted decode step call for one row of activations, and torch.ops.gpt2port.attend_one,
-attention for one new token of one sequence (attention.c), which the model's attention and the scripted step call.
+"""gpt2port's own CPU kernels for a decode step, fp32 and bf16, built on purpose with the machine's C compiler and
+offered to PyTorch as operators: torch.ops.gpt2port.matvec, one row times a weight (matvec.c), and
+torch.ops.gpt2port.attend_one, attention for one new token of one sequence (attention.c).
 
-Why: a decode step is ~50 one-row products, and on the CPUs measured the kernels PyTorch ships stream GPT-2's narrow
-weights at ~70% of what the memory gives (matvec.c says why and how its loops differ), bf16 ones at ~60%; this one
-comes within a few percent of it in both. Attention for one token is small work that PyTorch's kernel, built for
-many queries, spends ~5% of a 124M step setting up (attention.c). They are accelerators, never a requirement:
-without a C compiler with OpenMP, with GPT2PORT_NATIVE=0 or `ENABLED = False`, or if the built library disagrees
-with F.linear on a probe, every product stays where it was (fp32 on oneDNN, bf16 on F.linear), attention on
-PyTorch's, and `why_not()` says why.
+Why: a decode step is ~50 one-row products, and the kernels PyTorch ships stream GPT-2's narrow weights well below
+what the memory gives (matvec.c says why and how its loops differ); attention for one token is small work that
+PyTorch's kernel, built for many queries, spends a noticeable share of a step setting up (attention.c). They are
+accelerators, never a requirement: without a C compiler with OpenMP, with Settings(native=False) or
+GPT2PORT_NATIVE=0, or if the built library disagrees with F.linear on a probe, every product stays where it was and
+`Kernels.why_not` says why.
+
+Nothing is built or registered at import. `kernels()` builds (once per machine, with one line on stderr when a build
+starts, under a file lock so that N processes started together build once) or loads the cached build, registers the
+operators, and says what it got. `gpt2port doctor` calls it; so does gpt2port.fast.accelerate, which is where
+`generate` asks for speed. A plain GPT never builds anything.
 
 The operators' kernels are native_ops.cpp, built against the running PyTorch's headers with the machine's C++
-compiler and linked to the library: they check the arguments and call the library directly. Where that cannot be
-built, a kernel in Python serves gpt2port::matvec through ctypes, ~3 us slower a product, and attention stays on
-PyTorch's (`binding_why_not()` says why).
+compiler and linked to the library. Where that cannot be built, a kernel in Python serves gpt2port::matvec through
+ctypes, a few us slower a product, and attention stays on PyTorch's (`Kernels.binding_why_not`).
 
-Both are built once per machine into a cache (GPT2PORT_NATIVE_CACHE, else $XDG_CACHE_HOME/gpt2port/native, else
-~/.cache/gpt2port/native), under names derived from the sources, the compiler, the flags and the CPU (and, for the
-C++ kernels, PyTorch's version): a library built with -march=native for another CPU would crash on this one, so one
-is never loaded on the wrong CPU. Building takes ~1 s and ~5 s; a failed build or a broken cached file costs only
-speed.
+Builds live in a cache (GPT2PORT_NATIVE_CACHE, else $XDG_CACHE_HOME/gpt2port/native, else ~/.cache/gpt2port/native),
+under names derived from the sources, the compiler, the flags and the CPU (and, for the C++ kernels, PyTorch's
+version): a library built with -march=native for another CPU would crash on this one. The build is hand-made rather
+than torch.utils.cpp_extension's: the library is C (OpenMP, -march=native, built with cc, not as C++), and
+cpp_extension needs ninja, which gpt2port does not otherwise depend on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -32,8 +35,10 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,33 +54,83 @@ FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"])
 # PyTorch's headers want C++17 or later; C++20 spares warnings from recent ones.
 BINDING_FLAG_SETS = (["-O2", "-std=c++20"], ["-O2", "-std=c++17"])
 BUILD_TIMEOUT_S = 120
-ENABLED = os.environ.get("GPT2PORT_NATIVE", "1") != "0"
+BUILD_MESSAGE = "gpt2port: building gpt2port's CPU kernels, once, ~10 s"
 # What it multiplies: the dtype of weight, activations, bias and result alike -> the library's function for it
 FUNCTIONS = {torch.float32: "gpt2port_matvec", torch.bfloat16: "gpt2port_matvec_bf16"}
 
-_why_not: str | None = None
-_binding_why_not: str | None = None
 
-# The operators, declared whether or not the library builds: the scripted decode step names them in branches that
-# TorchScript compiles either way. The model calls them once available() (attends()) has said yes; a call before
-# library() has run reaches _first_call's kernel, which registers the CPU ones.
-_OPS = torch.library.Library("gpt2port", "DEF")
-_OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_OPS.define("attend_one(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int length, float? scale) -> Tensor")
+@dataclass(frozen=True)
+class Kernels:
+    """What `kernels()` got: the library (None where it could not be had, `why_not` says why) and whether the C++
+    operators serve it (`binding_why_not` None) or only matvec's Python kernel (attention then stays PyTorch's)."""
+    lib: ctypes.CDLL | None
+    why_not: str | None
+    binding_why_not: str | None
+
+    @property
+    def matvec(self) -> bool:
+        return self.lib is not None
+
+    @property
+    def attend_one(self) -> bool:
+        return self.lib is not None and self.binding_why_not is None
 
 
-def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+@functools.cache
+def kernels() -> Kernels:
+    """Build (or load the cached build of) the library and its operators, once per process, and register
+    torch.ops.gpt2port.matvec / attend_one where they work. Never raises: a failure is reported in the result."""
+    lib, why_not = load(cache_dir(), compiler())
+    if lib is None:
+        return Kernels(None, why_not, why_not)
+    _define_ops()
+    binding_why_not = bind(cache_dir(), compiler("CXX"), lib)
+    if binding_why_not is not None:
+        with warnings.catch_warnings():  # over a C++ kernel that loaded but failed its probe: meant to replace it
+            warnings.simplefilter("ignore")
+            _OPS.impl("matvec", functools.partial(_matvec, lib), "CPU")
+    return Kernels(lib, None, binding_why_not)
+
+
+_OPS: torch.library.Library | None = None
+
+
+def _define_ops() -> None:
+    """Declare the operators (their CPU kernels come from native_ops.cpp or _matvec), with shape-only Meta kernels
+    for whatever traces a model without running it."""
+    global _OPS
+    _OPS = torch.library.Library("gpt2port", "DEF")
+    _OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+    _OPS.define("attend_one(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int length, float? scale) -> Tensor")
+    _OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(*x.shape[:-1], weight.size(0)), "Meta")
+    _OPS.impl("attend_one", lambda qkv, keys, values, length, scale:
+              qkv.new_empty(*qkv.shape[:-1], qkv.size(-1) // 3), "Meta")
+
+
+def _matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The operator's kernel in Python, where the C++ one (native_ops.cpp) cannot be had: x one row (1, ..., k),
-    weight (n, k) and bias (n,) as takes() wants them, all of one dtype -> (1, ..., n)."""
+    weight (n, k) and bias (n,) as fits() wants them, all of one dtype -> (1, ..., n)."""
     if x.dim() < 1 or x.size(-1) != weight.size(-1) or x.numel() != weight.size(-1) or x.dtype != weight.dtype or \
-            x.device.type != "cpu" or not _fits(weight, bias):
+            x.device.type != "cpu" or not fits(weight, bias):
         raise ValueError(f"gpt2port::matvec takes one row of k numbers (1, ..., k) and a contiguous (n, k) weight of "
                          f"one dtype, fp32 or bf16; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}")
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"gpt2port::matvec is not available: {why_not()}")
     return _product(lib, x, weight, bias, torch.get_num_threads())
+
+
+def fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the one-row kernel multiplies by this weight (and bias): fp32 or bf16 on the CPU, contiguous (a
+    transposed view would be read in the wrong order), a bias of its rows' count and dtype."""
+    return weight.dtype in FUNCTIONS and weight.device.type == "cpu" and weight.dim() == 2 and \
+        weight.is_contiguous() and (bias is None or (bias.dtype == weight.dtype and bias.device.type == "cpu" and
+                                                     bias.is_contiguous() and bias.numel() == weight.size(0)))
+
+
+def attends(keys: torch.Tensor) -> bool:
+    """Whether gpt2port::attend_one computes attention over this cache of one sequence's keys (1, H, T, D): fp32 or
+    bf16 on the CPU, contiguous (the operator must also be built: Kernels.attend_one)."""
+    return keys.dtype in FUNCTIONS and keys.device.type == "cpu" and keys.dim() == 4 and keys.size(0) == 1 and \
+        keys.is_contiguous()
 
 
 def _product(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int,
@@ -90,85 +145,6 @@ def _product(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torc
 
 
 # Shapes only, for whatever traces the model without running it (torch.compile, meta-device models)
-_OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(*x.shape[:-1], weight.size(0)), "Meta")
-_OPS.impl("attend_one", lambda qkv, keys, values, length, scale: qkv.new_empty(*qkv.shape[:-1], qkv.size(-1) // 3),
-          "Meta")
-
-
-def _first_call(name: str):
-    """The operator's kernel until library() has registered the CPU ones (a kernel for the CPU key always wins over
-    this catch-all one, so no registration is replaced): build or load them, then call the operator again."""
-    def kernel(*args):
-        if any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args):
-            raise ValueError(f"gpt2port::{name} runs on the CPU; got tensors on "
-                             f"{sorted({str(a.device) for a in args if isinstance(a, torch.Tensor)})}")
-        library()
-        if name == "attend_one" and _binding_why_not is not None:
-            raise RuntimeError(f"gpt2port::attend_one needs gpt2port's C++ kernels: {_binding_why_not}")
-        return getattr(torch.ops.gpt2port, name)(*args)
-    return kernel
-
-
-for _name in ("matvec", "attend_one"):
-    _OPS.impl(_name, _first_call(_name), "CompositeExplicitAutograd")
-
-
-def available() -> bool:
-    """Whether one-row products take gpt2port's kernel now: switched on, built (or cached) and probed right."""
-    return ENABLED and library() is not None
-
-
-def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the product x @ weight.T (+ bias) is one the kernel computes: one row of the weight's dtype, on a
-    weight it takes."""
-    return x.dim() >= 1 and x.size(-1) == x.numel() == weight.size(1) and x.dtype == weight.dtype and \
-        takes(weight, bias)
-
-
-def takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel multiplies by this weight (and bias): fp32 or bf16 on the CPU, contiguous (a transposed
-    view would be read in the wrong order), a bias of its rows' count and dtype, and the kernel available."""
-    return _fits(weight, bias) and available()
-
-
-def _fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return weight.dtype in FUNCTIONS and weight.device.type == "cpu" and weight.dim() == 2 and \
-        weight.is_contiguous() and (bias is None or (bias.dtype == weight.dtype and bias.device.type == "cpu" and
-                                                     bias.is_contiguous() and bias.numel() == weight.size(0)))
-
-
-def attends(keys: torch.Tensor) -> bool:
-    """Whether attention over this cache of one sequence's keys (1, H, T, D) is what gpt2port::attend_one computes
-    here: fp32 or bf16 on the CPU, contiguous, with the C++ kernels built (the operator has no Python kernel)."""
-    return keys.dtype in FUNCTIONS and keys.device.type == "cpu" and keys.dim() == 4 and keys.size(0) == 1 and \
-        keys.is_contiguous() and available() and _binding_why_not is None
-
-
-def why_not() -> str | None:
-    """Why the kernel is not in use (switched off, no compiler, build or probe failed), or None when it is."""
-    if not ENABLED:
-        return "switched off (GPT2PORT_NATIVE=0 or gpt2port.native.ENABLED = False)"
-    return None if library() is not None else _why_not
-
-
-def binding_why_not() -> str | None:
-    """Why the operator reaches the kernel through Python (ctypes) rather than its C++ kernel (native_ops.cpp), which
-    saves each product a few microseconds; None when the C++ one serves it (or the kernel is not in use at all)."""
-    return None if why_not() is not None else _binding_why_not
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The built library, once per process (None where it cannot be had; see why_not), with the operator's kernel
-    registered: the C++ one where it builds and agrees, else the Python one."""
-    global _why_not, _binding_why_not
-    lib, _why_not = load(cache_dir(), compiler())
-    _binding_why_not = _why_not if lib is None else bind(cache_dir(), compiler("CXX"), lib)
-    if _binding_why_not is not None:
-        with warnings.catch_warnings():  # over a C++ kernel that loaded but failed its probe: meant to replace it
-            warnings.simplefilter("ignore")
-            _OPS.impl("matvec", _matvec, "CPU")
-    return lib
 
 
 def compiler(variable: str = "CC") -> str | None:
@@ -280,25 +256,60 @@ def _open(path: Path) -> ctypes.CDLL | None:
 
 
 def _build(command: list[str], path: Path) -> str | None:
-    """Run the compiler `command` with its output in a temporary file beside `path`, then rename it there (two
-    processes building at once each rename a whole library); the error's last line, or None."""
+    """Run the compiler `command` with its output in a temporary file beside `path`, then rename it there, holding
+    the cache's lock: of N processes starting together (torchrun ranks) one builds, the others then find its file.
+    The error's last line, or None."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
-        os.close(fd)
     except OSError as e:
         return f"cannot write the cache {path.parent}: {e.strerror}"
+    with _locked(path.parent.parent / ".lock"):
+        if path.is_file():  # built by another process while this one waited
+            return None
+        _announce()
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
+            os.close(fd)
+        except OSError as e:
+            return f"cannot write the cache {path.parent}: {e.strerror}"
+        try:
+            proc = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                lines = (proc.stderr or proc.stdout).strip().splitlines()
+                return lines[-1] if lines else f"exit status {proc.returncode}"
+            os.replace(tmp, path)
+            return None
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+
+@functools.cache
+def _announce() -> None:
+    """One line on stderr when this process starts building (a user waiting ~10 s is told why, once)."""
+    print(BUILD_MESSAGE, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on `path` for the block (flock; where there is none, no lock: the rename above still keeps
+    a half-written library from ever being loaded)."""
     try:
-        proc = subprocess.run([*command, "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            lines = (proc.stderr or proc.stdout).strip().splitlines()
-            return lines[-1] if lines else f"exit status {proc.returncode}"
-        os.replace(tmp, path)
-        return None
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        os.close(fd)  # closing releases the lock
 
 
 def _run(cmd: list[str]) -> str | None:

@@ -1,0 +1,26 @@
+"""gpt2port.fast: decoding speed, added to the plain model from outside and never required by it.
+
+    from gpt2port import GPT
+    from gpt2port.fast import Settings, accelerate
+    model = accelerate(GPT.from_pretrained("checkpoints/gpt2"))      # swaps kernels in; builds them once per machine
+
+What is here, one module per concern:
+- settings.py  Settings: which accelerations to use, passed explicitly (`generate` takes one).
+- native.py    gpt2port's own C kernels (matvec.c: one row times a weight; attention.c: attention for one new
+               token), built on purpose into a per-machine cache and registered as torch.ops.gpt2port.*.
+- kernels.py   `choose`, the one function that picks each product's kernel, and `accelerate`, which swaps the
+               model's linear layers for ones that use it.
+- step.py      the one decode step (fixed shapes; on a GPU optionally recorded as a CUDA graph) that generation takes
+               instead of the model's forward.
+- speed.py     the memory-bandwidth floor that decode rates are compared with.
+- doctor.py    `gpt2port doctor`: builds the kernels and says what generation will run on.
+
+Without this package (or with every Settings field off, or the C build failed), the model computes the same
+numbers on PyTorch's own kernels, slower.
+"""
+
+from gpt2port.fast.kernels import accelerate, choose, restore
+from gpt2port.fast.settings import OFF, Settings
+from gpt2port.fast.step import decode_step
+
+__all__ = ["OFF", "Settings", "accelerate", "choose", "decode_step", "restore"]

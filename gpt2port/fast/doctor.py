@@ -1,0 +1,47 @@
+"""`gpt2port doctor`: build gpt2port's CPU kernels on purpose, and say what this machine gives generation."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gpt2port.fast import native
+from gpt2port.fast.kernels import choose, onednn_works
+from gpt2port.fast.settings import Settings
+from gpt2port.fast.speed import matvec_bandwidth
+
+
+def report(settings: Settings | None = None) -> list[str]:
+    """Lines for the user: PyTorch and its threads, the kernels (built here if they are not yet), the memory
+    bandwidth a decode step can use, and the kernels `generate` will run on per dtype."""
+    from gpt2port.quant import _fbgemm_works
+
+    settings = settings or Settings.from_env()
+    lines = [f"torch {torch.__version__}; {torch.get_num_threads()} threads (of {os.cpu_count()} CPUs)"]
+    if not settings.native:
+        lines.append("gpt2port's CPU kernels: switched off (GPT2PORT_NATIVE=0)")
+    else:
+        built = native.kernels()
+        where = native.cache_dir()
+        if built.why_not is not None:
+            lines.append(f"gpt2port's CPU kernels: not available ({built.why_not}); PyTorch's are used")
+        elif built.binding_why_not is not None:
+            lines.append(f"gpt2port's CPU kernels: one-row product through Python only ({built.binding_why_not}); "
+                         f"cache {where}")
+        else:
+            lines.append(f"gpt2port's CPU kernels: built (one-row product, one-token attention); cache {where}")
+    lines.append(f"oneDNN linear: {'works' if onednn_works() else 'not available'}; "
+                 f"fbgemm int8: {'works' if _fbgemm_works() else 'not available'}")
+    lines.append(f"memory bandwidth (one-row product, 256 MB weight): {matvec_bandwidth('cpu') / 1e9:.1f} GB/s")
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.empty(8, 8, dtype=dtype)
+        lines.append(f"generate on the CPU, {str(dtype).removeprefix('torch.')}: decode products on "
+                     f"{choose(w, None, 1, settings)}, prefill on {choose(w, None, 2, settings)}")
+    lines.append("generate --dtype int8: decode products on " + ("fbgemm" if _fbgemm_works() else "int8pack"))
+    if torch.cuda.is_available():
+        graph = "recorded as a CUDA graph" if settings.cuda_graph else "not recorded (GPT2PORT_CUDA_GRAPH=1 records it)"
+        lines.append(f"CUDA: {torch.cuda.get_device_name()}; decode step {graph}")
+    else:
+        lines.append("CUDA: not available")
+    return lines

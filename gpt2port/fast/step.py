@@ -1,0 +1,183 @@
+"""The decode step: one new token per row through the model, with fixed shapes and fixed memory, on the CPU as it
+is and on a GPU recorded once as a CUDA graph and replayed per token.
+
+Why a step of its own: generating calls the model once per token, and on a GPU a step is a few hundred small kernels
+each launched from Python, bound by launches rather than by memory; a CUDA graph records them once and replays them
+with one launch. A graph replays fixed kernels on fixed memory, so the step has fixed shapes: the KV cache is
+preallocated (KVCache); the position is a tensor that the step itself advances; each layer's new key and value are
+written at that position by index_copy_; attention spans every slot of the cache with a mask that hides the slots
+past the position and each row's left padding. On the CPU one sequence's attention runs instead on gpt2port's
+one-token kernel where it is built (kernels.choose_attention), which writes the cache itself.
+
+The step calls the model's own modules for the embeddings, norms, products and MLPs (whatever kernels
+gpt2port.fast.accelerate swapped in); only the composition of a block and attention over the cache are written
+here, as Block and CausalSelfAttention compute them, so `applies` asks only that the model is built of those.
+tests/test_step.py holds the step to the model's forward, logits and cache, for every kernel, dtype, batch and
+padding; on a GPU, scripts/gpu_check.sh records it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from gpt2port.fast.kernels import choose_attention
+from gpt2port.fast.settings import Settings
+from gpt2port.model import GPT, MLP, Block, CausalSelfAttention, KVCache
+
+
+def applies(model: GPT, cache: KVCache) -> str | None:
+    """None where the step computes exactly what the model's forward does for this model and cache, else why not: a
+    GPT (not a subclass) of the model's own blocks, in eval mode, with no hooks (a step skips none, but a recorded
+    graph replays kernels, never Python)."""
+    if type(model) is not GPT:
+        return f"a {type(model).__name__}, not a GPT"
+    if any(m.training for m in model.modules()):
+        return "the model is in training mode"
+    if any(type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP
+           for b in model.blocks):
+        return "its blocks are not gpt2port's own"
+    if hooked(model):
+        return "it has forward hooks"
+    return None
+
+
+class Step:
+    """Each call writes position cache.length of the cache for ids (B, 1), advances cache.length, and returns the
+    (B, 1, vocab) logits of the next token, as model(ids, cache=cache, last_only=True) does. The inputs live in
+    tensors of their own (ids, position, padding) that a recorded graph reads; they follow the cache's position and
+    padding whenever a prefill or a slide moved them."""
+
+    def __init__(self, model: GPT, cache: KVCache, settings: Settings):
+        self.model, self.cache = model, cache
+        B, device = cache.k.size(1), cache.k.device
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)  # the slot this step writes; its query's position
+        self.pad = torch.zeros(B, dtype=torch.long, device=device)  # each row's left padding, 0 when there is none
+        self.slots = torch.arange(cache.max_len, device=device)
+        self.kernel_attention = choose_attention(cache.k[0], settings)  # one unpadded sequence only (checked per call)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # a recorded graph's output: rewritten by every replay
+        self._pos_at: int | None = None  # the position self.pos holds, as far as this side knows
+        self._pad_of: object = ()  # the cache.pad that self.pad was copied from (() : none yet)
+
+    @property
+    def description(self) -> str:
+        attention = "gpt2port's one-token kernel" if self.kernel_attention else "SDPA"
+        return f"{'a CUDA graph of ' if self.graph is not None else ''}gpt2port.fast's step (attention: {attention})"
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if torch.is_grad_enabled() or cache.length >= cache.max_len:  # the model's forward says what is wrong
+            return self.model(ids, cache=cache, last_only=True)
+        self.sync()
+        self.ids.copy_(ids.view(-1, 1))
+        if self.graph is not None:
+            self.graph.replay()  # the step and the position's advance, recorded
+            logits = self.logits.clone()  # the next replay overwrites the graph's output; the caller may keep this
+        else:
+            logits = self.forward()
+            self.pos.add_(1)
+        cache.length += 1
+        self._pos_at = cache.length
+        return logits.view(ids.size(0), 1, -1)
+
+    def sync(self) -> None:
+        cache = self.cache
+        if self._pos_at != cache.length:  # a prefill ran (the first, or after the context slid)
+            self.pos.fill_(cache.length)
+            self._pos_at = cache.length
+        if cache.pad is not self._pad_of:
+            if cache.pad is None:
+                self.pad.zero_()
+            else:
+                self.pad.copy_(cache.pad)
+            self._pad_of = cache.pad
+
+    def forward(self) -> torch.Tensor:
+        """The step on self.ids at self.pos: what GPT.forward does for one new token per row, in eval mode."""
+        m, B = self.model, self.ids.size(0)
+        kernel = self.kernel_attention and self.cache.pad is None
+        if kernel:  # one unpadded row on the CPU: the position as a number, no mask
+            length = self.cache.length
+            x = m.drop(m.tok_emb(self.ids) + m.pos_emb.weight[length])
+        else:  # left-padded rows count positions from their first real token, as GPT.embed
+            x = m.drop(m.tok_emb(self.ids) + m.pos_emb((self.pos - self.pad).clamp(min=0)).unsqueeze(1))
+            # (B, 1, 1, slots): the slots a row's query sees, up to its own and not its padding (a query's own
+            # position is never padding: every row has at least one real token)
+            visible = ((self.slots <= self.pos) & (self.slots >= self.pad.view(B, 1))).view(B, 1, 1, -1)
+        for layer, block in enumerate(m.blocks):
+            attn, h = block.attn, block.ln1(x)
+            if kernel:
+                y = torch.ops.gpt2port.attend_one(attn.qkv(h), self.cache.k[layer], self.cache.v[layer], length,
+                                                  attn.scale)
+            else:
+                y = self._attend(attn, h, layer, visible)
+            x = x + attn.resid_dropout(attn.proj(y))
+            x = x + block.mlp(block.ln2(x))
+        return m.lm_head(m.final_norm(x)).view(B, -1)
+
+    def _attend(self, attn: CausalSelfAttention, x: torch.Tensor, layer: int, visible: torch.Tensor) -> torch.Tensor:
+        B, _, C = x.shape
+        q, k, v = attn.qkv(x).view(B, 1, 3, attn.n_head, C // attn.n_head).permute(2, 0, 3, 1, 4).unbind(0)
+        keys, values = self.cache.k[layer], self.cache.v[layer]
+        keys.index_copy_(2, self.pos.view(1), k)
+        values.index_copy_(2, self.pos.view(1), v)
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scale)
+        return y.transpose(1, 2).reshape(B, 1, C)
+
+    def capture(self) -> None:
+        """Record forward() and the position's advance as one CUDA graph; later calls replay it."""
+        device = self.ids.device
+        self.sync()
+        # Warm up on a side stream first: cuBLAS and the attention kernels set up their workspaces on first use,
+        # which must not happen while recording. The warm-up writes slot `pos` of the cache, which the first real
+        # step writes again.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self.forward()
+            self.pos.add_(1)
+        self.graph = graph  # recording ran nothing: self.pos still holds cache.length
+
+
+class ModelStep:
+    """The model's own forward, one token per call: where the step does not apply, or is switched off."""
+
+    def __init__(self, model: GPT, cache: KVCache, why: str):
+        self.model, self.cache, self.description = model, cache, f"the model's forward ({why})"
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, cache=self.cache, last_only=True)
+
+
+def decode_step(model: GPT, cache: KVCache, settings: Settings) -> Step | ModelStep:
+    """The step generation takes for this model and cache: Step where it applies (recorded as a CUDA graph on a CUDA
+    device when settings.cuda_graph), else the model's forward. `.description` says which, for `generate -v`."""
+    why = applies(model, cache) if settings.step else "switched off"
+    if why is not None:
+        return ModelStep(model, cache, why)
+    step = Step(model, cache, settings)
+    if settings.cuda_graph and cache.k.device.type == "cuda":
+        try:
+            step.capture()
+        except Exception as e:  # noqa: BLE001 -- a graph that cannot be recorded only costs speed
+            warnings.warn(f"gpt2port: decoding without a CUDA graph ({type(e).__name__}: {e})", stacklevel=2)
+            step.graph = None
+    return step
+
+
+def hooked(model: torch.nn.Module) -> bool:
+    """Whether any hook would run in the model's own forward."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
