@@ -21,7 +21,7 @@ from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import GPT2PORT, canonical
 from gpt2port.sources import open_source, source_path
-from gpt2port.userclass.activation import ERF, GPT2, measure
+from gpt2port.userclass.activation import ERF, GPT2, TOLERANCE, measure
 from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.observe import probe_ids, trace
 from gpt2port.userclass.roles import context, infer, read_class
@@ -80,8 +80,9 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         config = src.config
         meta = any(p.is_meta for p in model.parameters())
         lay, pk, tr = read_class(model, config, crop_positions, run=not meta)
+        act_notes: list[str] = []
         untied_source = not getattr(config, "tie_word_embeddings", True)
-        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay)
+        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay, act_notes)
         if lay.missing_biases and not drop_biases:
             reasons.append(_bias_reason(lay, src))
         masks = empty_buffers(model)
@@ -117,9 +118,7 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
             return _retarget(cand, untied_source), cpk
 
         lay = settle(model, lay, candidates, build, ref, kept, config, fill)
-    late = _activation(model, lay) if meta else []  # measurable only now that the weights have values
-    if late:
-        raise LoadRefused(lay.model_name, late)
+    lay.notes += [n for n in act_notes if n not in lay.notes]
     notes = list(lay.notes)
     if tie and not lay.tied:
         _tie(model, lay)
@@ -173,21 +172,21 @@ def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
     return lay
 
 
-def _activation(model: nn.Module, lay: UserLayout) -> list[str]:
-    """A refusal for an MLP whose activation is not GELU; a note for the exact GELU in place of GPT-2's tanh one."""
-    found = measure(model, lay, probe_ids(model, lay.config.vocab_size, min(8, context(model, lay))))
-    if found is None:
-        return []
-    errors, tol = found, 2e-2 if next(model.parameters()).dtype in (torch.float16, torch.bfloat16) else 1e-4
+def _activation(model: nn.Module, lay: UserLayout, notes: list[str]) -> list[str]:
+    """A refusal for an MLP whose activation is not GELU; a note for the exact GELU in place of GPT-2's tanh one.
+    Measured on probe weights (activation.py), never on the values the class happens to hold."""
+    errors = measure(model, lay)
+    if errors is None:
+        return []  # the proof at the end of the load judges the class as a whole
     best = min(errors, key=errors.get)
-    if errors[GPT2] <= tol:
+    if errors[GPT2] <= TOLERANCE:
         return []
     where = f"{lay.modules.block(0)}.{lay.modules.mlp}"
-    if best == ERF and errors[best] <= tol:
-        lay.notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
+    if best == ERF and errors[best] <= TOLERANCE:
+        notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
                          f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
         return []
-    said = f"measures as {best} (to {errors[best]:.1g})" if errors[best] <= tol else \
+    said = f"measures as {best} (to {errors[best]:.1g})" if errors[best] <= TOLERANCE else \
         f"matches no known activation (closest: {best}, off by {errors[best]:.2g})"
     return [f"{where}: the activation between the MLP's layers {said}; GPT-2 uses the tanh-approximated GELU"]
 
