@@ -265,11 +265,17 @@ class Float64GPT2:
             logits = ref.forward([ids_a, ids_b], observe=print)   # one (B, T, vocab) float64 tensor per input
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, files=None):
+        """path: an HF directory or weights file, OpenAI's TensorFlow release, or a gpt2port checkpoint directory
+        (its own weights); files: tensors already at hand behind HFFiles' face (reference_canonical.py)."""
         self.path = Path(path)
+        from gpt2port.verification.reference_canonical import checkpoint_files, is_gpt2port_checkpoint
         from gpt2port.verification.reference_tf import TFFiles, is_tf  # OpenAI's original TensorFlow release
 
-        self.files = TFFiles(path) if is_tf(Path(path)) else HFFiles(path)
+        if files is None:
+            files = checkpoint_files(self.path) if is_gpt2port_checkpoint(self.path) else \
+                TFFiles(path) if is_tf(self.path) else HFFiles(path)
+        self.files = files
         self.config = read_config(self.files)
 
     def __enter__(self):
