@@ -85,3 +85,47 @@ def test_the_class_is_untouched_by_measuring_its_activation(narrow):
     with pytest.raises(GPT2PortError):
         load_into(model, ckpt)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+# --- every load ends with proof ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source", ["ckpt", "hf"])
+def test_every_load_reports_its_measured_agreement(narrow, source):
+    hf, ckpt, config = narrow
+    model = seedstyle(config, act="tanh")
+    report = load_into(model, ckpt if source == "ckpt" else hf)
+    p = report.proof
+    assert p["passed"] and p["tokens"] == 16 and p["stages_checked"]
+    assert 0 <= p["rel"] <= 1e-5
+    assert re.search(r"proof: logits equal GPT-2's to \S+ relative on 16 tokens", str(report)), str(report)
+    idx = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel(model(idx), GPT.from_pretrained(ckpt)(idx)) <= 1e-5
+
+
+def test_a_class_that_does_not_compute_gpt2_is_refused_naming_the_stage(narrow):
+    """Unscaled attention scores hold every tensor in its place: only numbers show it, and only after loading."""
+    _, ckpt, config = narrow
+    with pytest.raises(GPT2PortError) as err:
+        load_into(seedstyle(config, act="tanh", scale=False), ckpt)
+    message = str(err.value)
+    assert "does not compute GPT-2" in message
+    assert "block 0: attention output differs" in message, message
+    assert "not divided by sqrt(head_dim)" in message, message
+
+
+def test_erf_gelu_proof_says_what_it_proves_and_what_it_costs(narrow):
+    _, ckpt, config = narrow
+    report = load_into(seedstyle(config), ckpt)
+    assert report.proof["against"] == "GPT-2's with the exact (erf) GELU"
+    assert report.proof["rel"] <= 1e-5
+    assert 1e-5 < report.proof["gpt2_rel"] < 1e-1  # realistic scales: the two GELUs part visibly
+    assert "against GPT-2's own tanh GELU they differ by" in report.proven
+
+
+def test_dropped_biases_proof_is_against_gpt2_without_them(narrow):
+    _, ckpt, config = narrow
+    report = load_into(seedstyle(config, act="tanh", bias=False), ckpt, drop_biases=True)
+    assert report.proof["against"] == "GPT-2's without the dropped biases"
+    assert report.proof["rel"] <= 1e-5
+    assert report.cost["max_rel"] > 1e-3  # what they cost against GPT-2 itself, measured apart

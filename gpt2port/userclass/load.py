@@ -24,6 +24,7 @@ from gpt2port.sources import open_source, source_path
 from gpt2port.userclass.activation import ERF, GPT2, TOLERANCE, measure
 from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.observe import probe_ids, trace
+from gpt2port.userclass.proof import against_gpt2, prove, reference
 from gpt2port.userclass.roles import context, infer, read_class
 from gpt2port.userclass.settle import bias_cost, reference_gpt, settle
 
@@ -37,11 +38,11 @@ def loaded(model: nn.Module) -> "LoadReport | None":
 
 
 class LoadRefused(GPT2PortError):
-    """The class cannot hold GPT-2 as it is; `reasons` has one line each."""
+    """The class cannot hold GPT-2 as it is (or, loaded, does not compute it); `reasons` has one line each."""
 
-    def __init__(self, model_name: str, reasons: list[str]):
+    def __init__(self, model_name: str, reasons: list[str], what: str = "cannot hold these GPT-2 weights"):
         self.reasons = reasons
-        super().__init__(f"{model_name} cannot hold these GPT-2 weights:\n" + "\n".join(f"  {r}" for r in reasons))
+        super().__init__(f"{model_name} {what}:\n" + "\n".join(f"  {r}" for r in reasons))
 
 
 @dataclass
@@ -52,9 +53,24 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
     cost: dict | None = None  # what dropping GPT-2's biases costs, measured (drop_biases=True)
     seconds: float = 0.0
+    # the loaded class against a float64 GPT-2 over the source (proof.py): rel, tokens, tolerance, against, ...
+    proof: dict | None = None
+
+    @property
+    def proven(self) -> str:
+        """What the load proved, in one line."""
+        p = self.proof
+        if not p:
+            return "nothing proven"
+        line = (f"logits equal {p['against']} to {p['rel']:.2g} relative on {p['tokens']} tokens"
+                f"{' (every stage checked)' if p['stages_checked'] else ''}")
+        if p.get("gpt2_rel") is not None:
+            line += f"; against GPT-2's own tanh GELU they differ by {p['gpt2_rel']:.2g}"
+        return line
 
     def __str__(self) -> str:
         lines = [f"loaded {self.source} into {self.layout.model_name} in {self.seconds:.2f} s", str(self.layout)]
+        lines.append(f"proof: {self.proven}")
         lines += [f"note: {n}" for n in self.notes if n not in self.layout.notes]
         if self.cost:
             c = self.cost
@@ -129,9 +145,33 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     if drop_biases and lay.missing_biases:
         notes.append("GPT-2's biases dropped on request (drop_biases=True): " + ", ".join(lay.missing_biases))
     cost = bias_cost(model, ref, config, lay) if drop_biases and lay.missing_biases else None
-    report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0)
+    erf = any(ERF in n for n in act_notes)
+    zeroed = {t.format(i) for t in lay.missing_bias_targets for i in range(config.n_layer)} if drop_biases else set()
+    proof = _prove(model, lay, path, config, zeroed, erf)
+    report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0, proof)
     _LOADED[model] = report
     return report
+
+
+def _prove(model: nn.Module, lay: UserLayout, path, config: GPTConfig, zeroed: set[str], erf: bool) -> dict:
+    """The loaded class against a float64 GPT-2 over the source (with the biases it dropped at zero, and the exact
+    GELU where it has one), stage by stage; a refusal names the first stage that differs."""
+    def load_all():
+        with open_source(path) as s:
+            return {k: produce() for k, _, _, produce in canonical_items(s, dtype=None)}
+
+    with reference(path, config, load_all, zeroed, erf) as ref:
+        proof = prove(model, lay, ref)
+    if not proof["passed"]:
+        raise LoadRefused(lay.model_name, [f"{proof['first_divergence']} on a {proof['tokens']}-token input; its "
+                                           f"parameters now hold GPT-2's weights"],
+                          "holds GPT-2's weights but does not compute GPT-2")
+    proof["against"] = "GPT-2's" + (" with the exact (erf) GELU" if erf else "") + \
+        (" without the dropped biases" if zeroed else "")
+    if erf:
+        with reference(path, config, load_all, zeroed) as ref:
+            proof["gpt2_rel"] = against_gpt2(model, lay, ref)
+    return proof
 
 
 MASK = "causal-mask buffers built on the meta device"

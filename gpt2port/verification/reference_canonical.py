@@ -38,7 +38,7 @@ def _canonical(key: str) -> tuple[str, bool] | None:
     return None
 
 
-def _hf_key(name: str) -> str | None:
+def hf_key(name: str) -> str | None:
     for key, (canon, _) in _TOP.items():
         if canon == name:
             return key
@@ -58,7 +58,7 @@ class CanonicalFiles:
         self.tensors, self.hf_config, self.label = tensors, dict(config), str(label)
         self.root = Path(root) if root is not None else Path(self.label)
         self.files = [Path(self.label)]
-        self._keys = {k: n for n in tensors if (k := _hf_key(n)) is not None}
+        self._keys = {k: n for n in tensors if (k := hf_key(n)) is not None}
 
     def config_dict(self) -> dict:
         return dict(self.hf_config)
