@@ -62,8 +62,7 @@ class LoadReport:
         p = self.proof
         if not p:
             return "nothing proven"
-        line = (f"logits equal {p['against']} to {p['rel']:.2g} relative on {p['tokens']} tokens"
-                f"{' (every stage checked)' if p['stages_checked'] else ''}")
+        line = f"logits equal {p['against']} to {p['rel']:.2g} relative on {p['tokens']} tokens"
         if p.get("gpt2_rel") is not None:
             line += f"; against GPT-2's own tanh GELU they differ by {p['gpt2_rel']:.2g}"
         return line
@@ -75,8 +74,9 @@ class LoadReport:
         if self.cost:
             c = self.cost
             lines.append(f"cost of the dropped biases vs GPT-2: max rel logit error {c['max_rel']:.3g}, "
-                         f"KL {c['kl_mean']:.3g}, top-1 agreement {c['top1']:.1%}, greedy agreement "
-                         f"{c['greedy_agreement']:.1%} over {c['greedy_tokens']} tokens")
+                         f"KL {c['kl_mean']:.3g}, top-1 agreement {c['top1']:.1%}; its greedy continuation is GPT-2's for "
+                         f"the first {round(c['greedy_agreement'] * c['greedy_tokens'])} of {c['greedy_tokens']} "
+                         f"tokens")
         return "\n".join(lines)
 
 
