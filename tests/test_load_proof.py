@@ -129,3 +129,73 @@ def test_dropped_biases_proof_is_against_gpt2_without_them(narrow):
     assert report.proof["against"] == "GPT-2's without the dropped biases"
     assert report.proof["rel"] <= 1e-5
     assert report.cost["max_rel"] > 1e-3  # what they cost against GPT-2 itself, measured apart
+
+
+# --- verify knows the history ----------------------------------------------------------------------------------
+
+def verify_quick(model, reference):
+    from gpt2port import verify_model
+
+    return verify_model(model, reference, tokens=16, hf=False)
+
+
+def test_verify_says_dropped_biases_are_their_cost_not_a_bug(narrow):
+    hf, ckpt, config = narrow
+    model = seedstyle(config, act="tanh", bias=False)
+    load_into(model, ckpt, drop_biases=True)
+    report = verify_quick(model, hf)
+    first = report.localization["first_divergence"]
+    assert not report.passed
+    assert "the biases were dropped at load (drop_biases=True): this difference is their measured cost, not a bug" \
+        in first, first
+    assert "no known mistake" not in first
+    assert report.localization["diagnosis"]["history"] and report.localization["diagnosis"]["rel_with"] <= 1e-5
+
+
+def test_verify_runs_a_class_with_cropped_positions_within_its_context(narrow):
+    hf, ckpt, config = narrow
+    model = seedstyle_class.build(config.vocab_size, 32, config.n_layer, config.n_head, config.n_embd, act="tanh")
+    load_into(model, ckpt, crop_positions=True)
+    report = verify_quick(model, hf)
+    assert report.passed, report.to_text()
+    assert any("cropped at load to its first 32 of 64 rows" in n for n in report.notes), report.notes
+
+
+def test_verify_names_the_erf_gelu_noted_at_load(narrow):
+    hf, ckpt, config = narrow
+    model = seedstyle(config)
+    load_into(model, ckpt)
+    report = verify_quick(model, hf)
+    d = report.localization["diagnosis"]
+    assert not report.passed and d["history"], report.localization
+    assert "exact (erf) GELU, noted at load" in report.localization["first_divergence"]
+
+
+def test_a_gpt2port_checkpoint_is_a_reference(narrow):
+    hf, ckpt, config = narrow
+    model = seedstyle(config, act="tanh")
+    load_into(model, ckpt)
+    report = verify_quick(model, ckpt)
+    assert report.passed, report.to_text()
+    assert report.reference["path"] == str(ckpt)
+
+
+def test_a_finetuned_checkpoint_failing_against_its_source_says_it_was_finetuned(narrow, tmp_path):
+    from gpt2port.verification import run_verify
+    from gpt2port.checkpoint import save_state
+
+    hf, ckpt, config = narrow
+    _, _, tensors = load_state(ckpt)
+    state = {k: v.clone() for k, v in tensors.items()}
+    state["blocks.0.mlp.fc.weight"] += 0.01 * torch.randn(state["blocks.0.mlp.fc.weight"].shape,
+                                                          generator=torch.Generator().manual_seed(0))
+    tuned = save_state(state, config, tmp_path / "tuned", origin=ckpt, kind="fine-tuned GPT",
+                       record={"finetune": {"settings": {"steps": 20}}})
+    report = run_verify(tuned, reference=hf, tokens=16, hf=False)
+    first = report.localization["first_divergence"]
+    assert not report.passed
+    assert f"fine-tuned (20 steps) from {ckpt.resolve()}" in first, first
+    assert "no known mistake" not in first
+    # verify_model on the model loaded from it knows the same
+    again = verify_quick(GPT.from_pretrained(tuned), hf)
+    assert "fine-tuned" in again.localization["first_divergence"]

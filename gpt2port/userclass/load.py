@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import time
 import weakref
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from gpt2port.checkpoint import is_checkpoint, load_state
+from gpt2port.checkpoint import is_checkpoint, load_state, read_manifest
 from gpt2port.config import GPTConfig
 from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
@@ -27,6 +28,7 @@ from gpt2port.userclass.observe import probe_ids, trace
 from gpt2port.userclass.proof import against_gpt2, prove, reference
 from gpt2port.userclass.roles import context, infer, read_class
 from gpt2port.userclass.settle import bias_cost, reference_gpt, settle
+from gpt2port.verification import history
 
 
 # model -> the report of the load that filled it: its settled layout serves verify_model and save_from later
@@ -55,6 +57,9 @@ class LoadReport:
     seconds: float = 0.0
     # the loaded class against a float64 GPT-2 over the source (proof.py): rel, tokens, tolerance, against, ...
     proof: dict | None = None
+    # what verify should know (verification/history.py): biases dropped, positions cropped, the exact GELU, and
+    # the source checkpoint's own record (fine-tuned from a parent)
+    history: list[dict] = field(default_factory=list)
 
     @property
     def proven(self) -> str:
@@ -148,7 +153,8 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     erf = any(ERF in n for n in act_notes)
     zeroed = {t.format(i) for t in lay.missing_bias_targets for i in range(config.n_layer)} if drop_biases else set()
     proof = _prove(model, lay, path, config, zeroed, erf)
-    report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0, proof)
+    report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0, proof,
+                        _history(model, lay, path, config, zeroed, erf))
     _LOADED[model] = report
     return report
 
@@ -172,6 +178,19 @@ def _prove(model: nn.Module, lay: UserLayout, path, config: GPTConfig, zeroed: s
         with reference(path, config, load_all, zeroed) as ref:
             proof["gpt2_rel"] = against_gpt2(model, lay, ref)
     return proof
+
+
+def _history(model: nn.Module, lay: UserLayout, path, config: GPTConfig, zeroed: set[str], erf: bool) -> list[dict]:
+    events = [history.dropped_biases(sorted(zeroed))] if zeroed else []
+    pos = [a for a in lay.assignments if a.target == canonical.POSITIONS]
+    rows = model.get_parameter(pos[0].param).shape[-2] if pos else config.n_positions
+    if rows < config.n_positions:
+        events.append(history.cropped_positions(rows, config.n_positions))
+    if erf:
+        events.append(history.erf_gelu(f"{lay.modules.block(0)}.{lay.modules.mlp}"))
+    if is_checkpoint(Path(path)):
+        events += history.from_manifest(read_manifest(Path(path)))
+    return events
 
 
 MASK = "causal-mask buffers built on the meta device"

@@ -133,4 +133,6 @@ def stages_for(model: nn.Module, reference=None) -> ModelStages:
     lay = report.layout if report is not None else layout_of(model, None if hasattr(reference, "forward") else reference)
     if lay.reasons:
         raise GPT2PortError(f"{lay.model_name}: cannot be verified as GPT-2: {lay.reasons[0]}")
-    return ModelStages(model, lay)
+    stages = ModelStages(model, lay)
+    stages.history = tuple(report.history) if report is not None else ()
+    return stages
