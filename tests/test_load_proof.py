@@ -199,3 +199,39 @@ def test_a_finetuned_checkpoint_failing_against_its_source_says_it_was_finetuned
     # verify_model on the model loaded from it knows the same
     again = verify_quick(GPT.from_pretrained(tuned), hf)
     assert "fine-tuned" in again.localization["first_divergence"]
+
+
+# --- smaller findings -------------------------------------------------------------------------------------------
+
+def test_a_position_table_too_short_is_named_as_the_position_table(narrow):
+    """A character-level class has more positions than tokens: its position table is not its token embedding."""
+    _, ckpt, config = narrow
+    model = seedstyle_class.build(16, 32, config.n_layer, config.n_head, config.n_embd, act="tanh")
+    with pytest.raises(GPT2PortError) as err:
+        load_into(model, ckpt)
+    message = str(err.value)
+    assert "tok_emb.weight: token embedding is (16, 64)" in message, message
+    assert "pos_emb.weight: position table is (32, 64), GPT-2 needs (64, 64)" in message, message
+    assert "pos_emb.weight: token embedding" not in message
+
+
+class _PositionIds(seedstyle_class.GPT):
+    """Registers its position ids on its parameters' device, as some tutorials do."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("pos_ids", torch.arange(self.pos_emb.weight.shape[0], device=self.pos_emb.weight.device))
+
+
+def test_a_class_built_under_init_empty_is_not_told_to_build_under_init_empty(narrow):
+    import gpt2port
+
+    _, ckpt, config = narrow
+    with gpt2port.init_empty():
+        model = _PositionIds(config.vocab_size, config.n_positions, config.n_layer, config.n_head, config.n_embd,
+                             act="tanh")
+    with pytest.raises(GPT2PortError) as err:
+        load_into(model, ckpt)
+    message = str(err.value)
+    assert "pos_ids" in message and "was built under gpt2port.init_empty()" in message, message
+    assert "build the class under gpt2port.init_empty()" not in message

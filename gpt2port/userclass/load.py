@@ -24,7 +24,7 @@ from gpt2port.layouts import GPT2PORT, canonical
 from gpt2port.sources import open_source, source_path
 from gpt2port.userclass.activation import ERF, GPT2, TOLERANCE, measure
 from gpt2port.userclass.layout import Assignment, UserLayout
-from gpt2port.userclass.observe import probe_ids, trace
+from gpt2port.userclass.observe import BUILT_EMPTY, probe_ids, trace
 from gpt2port.userclass.proof import against_gpt2, prove, reference
 from gpt2port.userclass.roles import context, infer, read_class
 from gpt2port.userclass.settle import bias_cost, reference_gpt, settle
@@ -110,8 +110,12 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         odd = [name for name, (m, k, b) in masks.items() if b.dim() < 2 or b.shape[-1] != b.shape[-2]]
         if odd:
             more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+            fix = ("the class was built under gpt2port.init_empty(), so a buffer made on its parameters' device is "
+                   "on meta too: create it on the CPU (device='cpu'), or compute it in forward"
+                   if any(m in BUILT_EMPTY for m in model.modules()) else
+                   "build the class under gpt2port.init_empty() (parameters on meta, buffers real)")
             reasons.append(f"{odd[0]}{more}: a buffer on the meta device has no values, and is no causal mask to "
-                           f"rebuild; build the class under gpt2port.init_empty() (parameters on meta, buffers real)")
+                           f"rebuild; {fix}")
         if reasons:
             raise LoadRefused(lay.model_name, reasons)
         lay = _retarget(lay, untied_source)
