@@ -15,7 +15,7 @@ from gpt2port import GPT, GPT2PortError, load_into
 from gpt2port.checkpoint import load_state
 from scripts.hf_fixtures import TINY
 from tests.realistic import realistic_checkpoint
-from tests.userclasses import Case, module
+from tests.userclasses import BIASLESS, FAITHFUL, Case, module
 from tests.userclasses import seedstyle as seedstyle_class
 
 NARROW = dict(TINY, n_embd=64)
@@ -235,3 +235,20 @@ def test_a_class_built_under_init_empty_is_not_told_to_build_under_init_empty(na
     message = str(err.value)
     assert "pos_ids" in message and "was built under gpt2port.init_empty()" in message, message
     assert "build the class under gpt2port.init_empty()" not in message
+
+
+# --- every tutorial-style class, at realistic scales ----------------------------------------------------------------
+
+@pytest.mark.parametrize("case", FAITHFUL + BIASLESS, ids=lambda c: c.id)
+def test_each_class_loads_with_proof_at_realistic_scales(case, narrow):
+    """At weights that tell activations, norms and attention apart, each class's load proves it computes GPT-2
+    (GPT-2 without the biases it lacks, for the biasless ones), and its logits equal the hand-written loader's."""
+    _, ckpt, config = narrow
+    model = case.build(config)
+    report = load_into(model, ckpt, drop_biases=bool(case.lacks))
+    assert report.proof["passed"] and report.proof["rel"] <= 1e-5, report.proven
+    twin = case.build(config)
+    case.hand_load(twin, load_state(ckpt)[2])
+    idx = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel(case.logits(model.eval(), idx), case.logits(twin.eval(), idx)) <= 1e-6
