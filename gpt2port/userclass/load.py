@@ -9,7 +9,6 @@ valid), or into fresh tensors assigned to a model built on the meta device (peak
 from __future__ import annotations
 
 import time
-import weakref
 from pathlib import Path
 from dataclasses import dataclass, field
 
@@ -26,17 +25,12 @@ from gpt2port.userclass.activation import ERF, GPT2, TOLERANCE, measure
 from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.observe import BUILT_EMPTY, probe_ids, trace
 from gpt2port.userclass.proof import against_gpt2, prove, reference
+from gpt2port.userclass.registry import loaded, record  # noqa: F401 - loaded: save.py reads it from here
 from gpt2port.userclass.roles import context, infer, read_class
 from gpt2port.userclass.settle import bias_cost, reference_gpt, settle
 from gpt2port.verification import history
 
 
-# model -> the report of the load that filled it: its settled layout serves verify_model and save_from later
-_LOADED: "weakref.WeakKeyDictionary[nn.Module, LoadReport]" = weakref.WeakKeyDictionary()
-
-
-def loaded(model: nn.Module) -> "LoadReport | None":
-    return _LOADED.get(model)
 
 
 class LoadRefused(GPT2PortError):
@@ -159,7 +153,7 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     proof = _prove(model, lay, path, config, zeroed, erf)
     report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0, proof,
                         _history(model, lay, path, config, zeroed, erf))
-    _LOADED[model] = report
+    record(model, report)  # its settled layout and history serve verify_model and save_from later
     return report
 
 

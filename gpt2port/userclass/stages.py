@@ -126,7 +126,7 @@ class ModelStages(Stages):
 
 def stages_for(model: nn.Module, reference=None) -> ModelStages:
     """A user's class as Stages: read the way load_into filled it, or else as the GPT-2 at `reference` is shaped."""
-    from gpt2port.userclass.load import loaded
+    from gpt2port.userclass.registry import loaded
     from gpt2port.userclass.roles import layout_of
 
     report = loaded(model)
