@@ -172,7 +172,7 @@ def test_verify_names_the_erf_gelu_noted_at_load(narrow):
 
 
 def test_a_gpt2port_checkpoint_is_a_reference(narrow):
-    hf, ckpt, config = narrow
+    _, ckpt, config = narrow
     model = seedstyle(config, act="tanh")
     load_into(model, ckpt)
     report = verify_quick(model, ckpt)

@@ -24,7 +24,12 @@ from gpt2port.userclass.stages import ModelStages
 from gpt2port.verification.localize import Localizer
 from gpt2port.verification.metrics import max_errors
 from gpt2port.verification.reference import Float64GPT2
-from gpt2port.verification.reference_canonical import CanonicalFiles, checkpoint_files, hf_key, is_gpt2port_checkpoint
+from gpt2port.verification.reference_canonical import (
+    CanonicalFiles,
+    checkpoint_files,
+    hf_key,
+    is_gpt2port_checkpoint,
+)
 from gpt2port.verification.tolerances import TOLERANCES
 
 TOKENS = 16
