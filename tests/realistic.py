@@ -113,3 +113,16 @@ def activation_stats(model: torch.nn.Module, idx: torch.Tensor) -> dict[str, flo
         for h in hooks:
             h.remove()
     return {k: torch.cat(v).std().item() for k, v in seen.items() if v}
+
+
+def realistic_checkpoint(out, size: str | dict, seed: int = 0, **overrides):
+    """An HF repo (hub layout, out/hf) and its gpt2port conversion (out/ckpt) of realistic-scale weights."""
+    from pathlib import Path
+
+    from gpt2port import convert
+    from scripts import hf_fixtures
+
+    out = Path(out)
+    hf_fixtures.write_repo(realistic_hf_model(size, seed, **overrides), out / "hf", "hub", "fp32")
+    convert(out / "hf", out / "ckpt")
+    return out / "hf", out / "ckpt"

@@ -2,9 +2,9 @@
 by verify_model with the stage it shows in, and confirmed by numbers (the error drops to the stage tolerance once
 the reference makes the same mistake); an unknown fault is said to be unexplained; a correct model gets none.
 
-The fixture model has GPT-2-like magnitudes (MLP pre-activations of order 1, a residual stream of order 1): with
-random weights of std 0.02 an exact GELU and a LayerNorm eps are invisible at fp32 precision, as they are not in
-GPT-2 itself."""
+The fixture model has a trained GPT-2's activation scales (tests/realistic.py): with random weights of std 0.02 an
+exact GELU sits at the fp32 tolerance and attention is nearly uniform, as it is not in GPT-2 itself
+(scripts/verify_sensitivity.py prints what verify sees at each scale)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,13 @@ import gpt2port
 from gpt2port import GPT
 from scripts import hf_fixtures
 from tests.conftest import TINY
+from tests.realistic import realistic_hf_model
 
 
 @pytest.fixture(scope="module")
 def repo_and_ckpt(tmp_path_factory):
-    model = hf_fixtures.make_hf_model(hf_fixtures.hf_config(TINY), seed=21)
-    with torch.no_grad():
-        model.transformer.wte.weight.mul_(25)  # a residual stream of order 1, as in GPT-2
-        model.transformer.wpe.weight.mul_(25)
-        for block in model.transformer.h:
-            block.mlp.c_fc.weight.mul_(20)  # pre-activations of order 1
-            block.attn.c_attn.weight.mul_(10)  # scores that the scale and the mask matter to
     root = tmp_path_factory.mktemp("diag")
-    hf_fixtures.write_repo(model, root / "hf", "hub", "fp32", False)
+    hf_fixtures.write_repo(realistic_hf_model(TINY, seed=21), root / "hf", "hub", "fp32", False)
     gpt2port.convert(root / "hf", root / "ckpt")
     return root / "hf", root / "ckpt"
 

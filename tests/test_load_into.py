@@ -74,6 +74,8 @@ def test_faithful_class_loads_and_computes_gpt2(case, tiny_ckpt, reference, conf
     assert str(report.layout).strip()
     assert isinstance(report.notes, list) and all(isinstance(n, str) for n in report.notes)
     assert report.cost is None
+    assert report.proof["passed"] and report.proof["rel"] <= 1e-5  # every load carries its measured agreement
+    assert "proof: logits equal GPT-2's to" in str(report)
 
 
 def test_head_bias_is_zeroed_and_said(tiny_ckpt, config):

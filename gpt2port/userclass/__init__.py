@@ -3,7 +3,9 @@ class itself (layout_of), its stages for verify (ModelStages), and its weights b
 (save_from).
 
 Modules: names (the words for GPT-2's parts), observe (the module tree, tied parameters, a traced forward), layout
-(the table), block and roles (reading a class as GPT-2), settle (ambiguity decided by numbers), load, stages, save.
+(the table), block and roles (reading a class as GPT-2), activation (the MLP's, measured on probe weights), settle
+(ambiguity decided by numbers), stages, proof (every load's closing check against verify's float64 GPT-2), registry
+(what each load recorded), load, save.
 """
 
 from gpt2port.userclass.load import LoadRefused, LoadReport, load_into

@@ -1,15 +1,20 @@
-"""The MLP's activation, measured: the MLP module's input and output on one short forward pass, its output
-recomputed from its own weights with each known activation. GPT-2 uses the tanh approximation of GELU; a class with
-ReLU, ReLU² or SiLU is a different architecture, and one with the exact (erf) GELU computes GPT-2 only
-approximately."""
+"""The MLP's activation, measured on weights chosen for the purpose: block 0's MLP module is run once with its own
+code and probe weights put in place of its parameters (torch.func.functional_call; the class's Parameters are not
+touched), so that its hidden units receive pre-activations spread over [-4, 4] and each output channel reads one
+hidden unit back. Its output is then the activation itself at known points, whatever values the class was built
+with: a class whose MLP output projection starts at zero, or whose small init keeps every pre-activation near
+zero, is measured as surely as a trained one. GPT-2 uses the tanh approximation of GELU; a class with ReLU, ReLU²
+or SiLU is a different architecture, and one with the exact (erf) GELU computes GPT-2 only approximately (the two
+GELUs part by up to 4.7e-4 on this grid, fp32 computes them to ~1e-6)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from gpt2port.userclass.layout import UserLayout
-from gpt2port.userclass.observe import call_logits, evaluating, first_tensor
+from gpt2port.userclass.observe import evaluating, first_tensor
 from gpt2port.verification.reference import ACTIVATIONS as FORMULAS  # the float64 reference's own, by HF name
 
 GPT2 = "tanh-approximated GELU"
@@ -22,58 +27,84 @@ ACTIVATIONS = {
     "SiLU": FORMULAS["silu"],
     "no activation": lambda x: x,
 }
+SPAN = 4.0  # the probe's pre-activations lie in [-SPAN, SPAN]
+TOLERANCE = 2e-5  # absolute, on values of at most SPAN (SPAN² for ReLU²): far below the GELUs' 4.7e-4 gap
 
 
 @torch.no_grad()
-def measure(model: nn.Module, lay: UserLayout, ids: torch.Tensor) -> dict[str, float] | None:
-    """How far each known activation is from explaining block 0's MLP (relative error), or None where it cannot
-    be measured
-    (the MLP is not a module of its own, or the weights have no values on the meta device).
-
-    The MLP module's input and output are captured on one forward pass; its output is then recomputed from its
-    own weights (as the layout reads them) with each candidate activation."""
+def measure(model: nn.Module, lay: UserLayout) -> dict[str, float] | None:
+    """The largest absolute error of each known activation in explaining block 0's MLP on the probe, or None where
+    it cannot be measured (the MLP is not a module of its own, holds more than its two layers, or cannot run)."""
     mods = lay.modules
-    if not mods.mlp or any(p.is_meta for p in model.parameters()):
+    if not mods.mlp:
         return None
-    weights = _mlp_weights(model, lay)
-    if weights is None:
+    prefix = f"{mods.block(0)}.{mods.mlp}"
+    module = model.get_submodule(prefix)
+    probe = _probe_weights(module, prefix, lay)
+    if probe is None:
         return None
-    module = model.get_submodule(f"{mods.block(0)}.{mods.mlp}")
-    got: dict[str, torch.Tensor] = {}
-    def keep(m, args, out):  # returns None: a forward hook that returns a value replaces the output
-        got.setdefault("io", (first_tensor(args), first_tensor(out)))
-
-    hook = module.register_forward_hook(keep)
+    values, points, width = probe
+    x = torch.zeros(1, 1, width)
+    x[..., 0] = 1.0  # the probe's fc reads channel 0 only: its hidden units see exactly `points`
     try:
-        with torch.random.fork_rng(devices=[]), evaluating(model):
-            call_logits(model, ids)
-    except Exception:  # noqa: BLE001 - a class that cannot run here is judged on its shapes alone
+        with torch.random.fork_rng(devices=[]), evaluating(module):
+            y = first_tensor(functional_call(module, values, (x,), strict=False))
+    except Exception:  # noqa: BLE001 - a module that cannot run alone is judged by the load's proof instead
         return None
-    finally:
-        hook.remove()
-    if "io" not in got or got["io"][0] is None or got["io"][1] is None:
+    if y is None or y.shape[-1] != width:
         return None
-    x, y = (t.double() for t in got["io"])
-    if not bool(torch.isfinite(x).all() and torch.isfinite(y).all()):
-        return None  # nothing to measure on (a class not yet fully set up)
-    w1, b1, w2, b2 = weights
-    scale = float(y.abs().max()) or 1.0
-    return {name: float(((f(x @ w1.t() + b1) @ w2.t() + b2) - y).abs().max()) / scale
-            for name, f in ACTIVATIONS.items()}
+    y = y.reshape(-1, y.shape[-1])[0, : points.numel()].double()
+    if not bool(torch.isfinite(y).all()):
+        return None
+    return {name: float((f(points) - y).abs().max()) for name, f in ACTIVATIONS.items()}
 
 
-def _mlp_weights(model: nn.Module, lay: UserLayout):
-    """Block 0's MLP weights (out, in) and biases (zeros where the class has none), in float64."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+def _probe_weights(module: nn.Module, prefix: str, lay: UserLayout):
+    """{local name: probe tensor} for the MLP module's fc and proj (weights and biases, in the class's layout),
+    the pre-activation points output channel c reads back, and the model width; None where the module holds
+    anything else or a weight's layout cannot be matched."""
     found = {a.target: a for a in lay.assignments if a.target and a.target.startswith("blocks.0.mlp.")}
-    out = []
-    for layer in ("fc", "proj"):
-        w = found.get(f"blocks.0.mlp.{layer}.weight")
-        if w is None:
+    fc, proj = found.get("blocks.0.mlp.fc.weight"), found.get("blocks.0.mlp.proj.weight")
+    own = dict(module.named_parameters(remove_duplicate=False))
+    if fc is None or proj is None:
+        return None
+    local = {a.param: a.param[len(prefix) + 1:] for a in found.values()}
+    if any(not a.param.startswith(prefix + ".") for a in found.values()) or set(own) - set(local.values()):
+        return None  # the MLP module holds its LayerNorm or other parameters: its output is not fc-act-proj alone
+    hidden, width = _canonical_shape(own[local[fc.param]], fc)
+    if hidden < 2 or width < 2:
+        return None
+    n = min(width, hidden)
+    hit = torch.linspace(0, hidden - 1, n).round().long()  # the hidden units read back, one per output channel
+    points = torch.zeros(hidden, dtype=torch.float64)
+    points[hit] = torch.linspace(-SPAN, SPAN, n, dtype=torch.float64)
+    w1 = torch.zeros(hidden, width)
+    w1[:, 0] = points.float()
+    w2 = torch.zeros(width, hidden)
+    w2[torch.arange(n), hit] = 1.0
+    values = {}
+    for a, w in ((fc, w1), (proj, w2)):
+        t = _in_layout(own[local[a.param]], a, w)
+        if t is None:
             return None
-        weight = params[w.param].detach().double()
-        weight = weight.t() if w.transform.name == "transpose" else weight
-        b = found.get(f"blocks.0.mlp.{layer}.bias")
-        bias = params[b.param].detach().double() if b else weight.new_zeros(weight.shape[0])
-        out += [weight, bias]
-    return out
+        values[local[a.param]] = t
+    for a in found.values():  # biases (and anything else GPT-2 puts in the MLP) at zero
+        if local[a.param] not in values:
+            values[local[a.param]] = torch.zeros(own[local[a.param]].shape)
+    return values, points[hit], width
+
+
+def _canonical_shape(p: torch.Tensor, a) -> tuple[int, int]:
+    shape = tuple(a.transform.canonical_shape(tuple(p.shape)))
+    return (shape[0], shape[1]) if len(shape) == 2 else (0, 0)
+
+
+def _in_layout(p: torch.Tensor, a, canonical: torch.Tensor) -> torch.Tensor | None:
+    """`canonical` as the class stores this parameter (its transform, else its transpose where only that fits)."""
+    try:
+        t = a.transform.to_layout(canonical)
+    except Exception:  # noqa: BLE001 - a transform that does not apply to this shape
+        t = None
+    if t is None or tuple(t.shape) != tuple(p.shape):
+        t = canonical.t() if tuple(canonical.t().shape) == tuple(p.shape) else None
+    return None if t is None else t.contiguous()

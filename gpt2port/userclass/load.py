@@ -9,39 +9,36 @@ valid), or into fresh tensors assigned to a model built on the meta device (peak
 from __future__ import annotations
 
 import time
-import weakref
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from gpt2port.checkpoint import is_checkpoint, load_state
+from gpt2port.checkpoint import is_checkpoint, load_state, read_manifest
 from gpt2port.config import GPTConfig
 from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import GPT2PORT, canonical
 from gpt2port.sources import open_source, source_path
-from gpt2port.userclass.activation import ERF, GPT2, measure
+from gpt2port.userclass.activation import ERF, GPT2, TOLERANCE, measure
 from gpt2port.userclass.layout import Assignment, UserLayout
-from gpt2port.userclass.observe import probe_ids, trace
+from gpt2port.userclass.observe import BUILT_EMPTY, probe_ids, trace
+from gpt2port.userclass.proof import against_gpt2, prove, reference
+from gpt2port.userclass.registry import loaded, record  # noqa: F401 - loaded: save.py reads it from here
 from gpt2port.userclass.roles import context, infer, read_class
 from gpt2port.userclass.settle import bias_cost, reference_gpt, settle
+from gpt2port.verification import history
 
 
-# model -> the report of the load that filled it: its settled layout serves verify_model and save_from later
-_LOADED: "weakref.WeakKeyDictionary[nn.Module, LoadReport]" = weakref.WeakKeyDictionary()
-
-
-def loaded(model: nn.Module) -> "LoadReport | None":
-    return _LOADED.get(model)
 
 
 class LoadRefused(GPT2PortError):
-    """The class cannot hold GPT-2 as it is; `reasons` has one line each."""
+    """The class cannot hold GPT-2 as it is (or, loaded, does not compute it); `reasons` has one line each."""
 
-    def __init__(self, model_name: str, reasons: list[str]):
+    def __init__(self, model_name: str, reasons: list[str], what: str = "cannot hold these GPT-2 weights"):
         self.reasons = reasons
-        super().__init__(f"{model_name} cannot hold these GPT-2 weights:\n" + "\n".join(f"  {r}" for r in reasons))
+        super().__init__(f"{model_name} {what}:\n" + "\n".join(f"  {r}" for r in reasons))
 
 
 @dataclass
@@ -52,15 +49,33 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
     cost: dict | None = None  # what dropping GPT-2's biases costs, measured (drop_biases=True)
     seconds: float = 0.0
+    # the loaded class against a float64 GPT-2 over the source (proof.py): rel, tokens, tolerance, against, ...
+    proof: dict | None = None
+    # what verify should know (verification/history.py): biases dropped, positions cropped, the exact GELU, and
+    # the source checkpoint's own record (fine-tuned from a parent)
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def proven(self) -> str:
+        """What the load proved, in one line."""
+        p = self.proof
+        if not p:
+            return "nothing proven"
+        line = f"logits equal {p['against']} to {p['rel']:.2g} relative on {p['tokens']} tokens"
+        if p.get("gpt2_rel") is not None:
+            line += f"; against GPT-2's own tanh GELU they differ by {p['gpt2_rel']:.2g}"
+        return line
 
     def __str__(self) -> str:
         lines = [f"loaded {self.source} into {self.layout.model_name} in {self.seconds:.2f} s", str(self.layout)]
+        lines.append(f"proof: {self.proven}")
         lines += [f"note: {n}" for n in self.notes if n not in self.layout.notes]
         if self.cost:
             c = self.cost
             lines.append(f"cost of the dropped biases vs GPT-2: max rel logit error {c['max_rel']:.3g}, "
-                         f"KL {c['kl_mean']:.3g}, top-1 agreement {c['top1']:.1%}, greedy agreement "
-                         f"{c['greedy_agreement']:.1%} over {c['greedy_tokens']} tokens")
+                         f"KL {c['kl_mean']:.3g}, top-1 agreement {c['top1']:.1%}; its greedy continuation is GPT-2's for "
+                         f"the first {round(c['greedy_agreement'] * c['greedy_tokens'])} of {c['greedy_tokens']} "
+                         f"tokens")
         return "\n".join(lines)
 
 
@@ -80,16 +95,21 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
         config = src.config
         meta = any(p.is_meta for p in model.parameters())
         lay, pk, tr = read_class(model, config, crop_positions, run=not meta)
+        act_notes: list[str] = []
         untied_source = not getattr(config, "tie_word_embeddings", True)
-        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay)
+        reasons = list(lay.reasons) + _head_reasons(lay, untied_source, tie) + _activation(model, lay, act_notes)
         if lay.missing_biases and not drop_biases:
             reasons.append(_bias_reason(lay, src))
         masks = empty_buffers(model)
         odd = [name for name, (m, k, b) in masks.items() if b.dim() < 2 or b.shape[-1] != b.shape[-2]]
         if odd:
             more = f" (and {len(odd) - 1} more)" if len(odd) > 1 else ""
+            fix = ("the class was built under gpt2port.init_empty(), so a buffer made on its parameters' device is "
+                   "on meta too: create it on the CPU (device='cpu'), or compute it in forward"
+                   if any(m in BUILT_EMPTY for m in model.modules()) else
+                   "build the class under gpt2port.init_empty() (parameters on meta, buffers real)")
             reasons.append(f"{odd[0]}{more}: a buffer on the meta device has no values, and is no causal mask to "
-                           f"rebuild; build the class under gpt2port.init_empty() (parameters on meta, buffers real)")
+                           f"rebuild; {fix}")
         if reasons:
             raise LoadRefused(lay.model_name, reasons)
         lay = _retarget(lay, untied_source)
@@ -117,9 +137,7 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
             return _retarget(cand, untied_source), cpk
 
         lay = settle(model, lay, candidates, build, ref, kept, config, fill)
-    late = _activation(model, lay) if meta else []  # measurable only now that the weights have values
-    if late:
-        raise LoadRefused(lay.model_name, late)
+    lay.notes += [n for n in act_notes if n not in lay.notes]
     notes = list(lay.notes)
     if tie and not lay.tied:
         _tie(model, lay)
@@ -130,9 +148,47 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     if drop_biases and lay.missing_biases:
         notes.append("GPT-2's biases dropped on request (drop_biases=True): " + ", ".join(lay.missing_biases))
     cost = bias_cost(model, ref, config, lay) if drop_biases and lay.missing_biases else None
-    report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0)
-    _LOADED[model] = report
+    erf = any(ERF in n for n in act_notes)
+    zeroed = {t.format(i) for t in lay.missing_bias_targets for i in range(config.n_layer)} if drop_biases else set()
+    proof = _prove(model, lay, path, config, zeroed, erf)
+    report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0, proof,
+                        _history(model, lay, path, config, zeroed, erf))
+    record(model, report)  # its settled layout and history serve verify_model and save_from later
     return report
+
+
+def _prove(model: nn.Module, lay: UserLayout, path, config: GPTConfig, zeroed: set[str], erf: bool) -> dict:
+    """The loaded class against a float64 GPT-2 over the source (with the biases it dropped at zero, and the exact
+    GELU where it has one), stage by stage; a refusal names the first stage that differs."""
+    def load_all():
+        with open_source(path) as s:
+            return {k: produce() for k, _, _, produce in canonical_items(s, dtype=None)}
+
+    with reference(path, config, load_all, zeroed, erf) as ref:
+        proof = prove(model, lay, ref)
+    if not proof["passed"]:
+        raise LoadRefused(lay.model_name, [f"{proof['first_divergence']} on a {proof['tokens']}-token input; its "
+                                           f"parameters now hold GPT-2's weights"],
+                          "holds GPT-2's weights but does not compute GPT-2")
+    proof["against"] = "GPT-2's" + (" with the exact (erf) GELU" if erf else "") + \
+        (" without the dropped biases" if zeroed else "")
+    if erf:
+        with reference(path, config, load_all, zeroed) as ref:
+            proof["gpt2_rel"] = against_gpt2(model, lay, ref)
+    return proof
+
+
+def _history(model: nn.Module, lay: UserLayout, path, config: GPTConfig, zeroed: set[str], erf: bool) -> list[dict]:
+    events = [history.dropped_biases(sorted(zeroed))] if zeroed else []
+    pos = [a for a in lay.assignments if a.target == canonical.POSITIONS]
+    rows = model.get_parameter(pos[0].param).shape[-2] if pos else config.n_positions
+    if rows < config.n_positions:
+        events.append(history.cropped_positions(rows, config.n_positions))
+    if erf:
+        events.append(history.erf_gelu(f"{lay.modules.block(0)}.{lay.modules.mlp}"))
+    if is_checkpoint(Path(path)):
+        events += history.from_manifest(read_manifest(Path(path)))
+    return events
 
 
 MASK = "causal-mask buffers built on the meta device"
@@ -173,21 +229,21 @@ def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
     return lay
 
 
-def _activation(model: nn.Module, lay: UserLayout) -> list[str]:
-    """A refusal for an MLP whose activation is not GELU; a note for the exact GELU in place of GPT-2's tanh one."""
-    found = measure(model, lay, probe_ids(model, lay.config.vocab_size, min(8, context(model, lay))))
-    if found is None:
-        return []
-    errors, tol = found, 2e-2 if next(model.parameters()).dtype in (torch.float16, torch.bfloat16) else 1e-4
+def _activation(model: nn.Module, lay: UserLayout, notes: list[str]) -> list[str]:
+    """A refusal for an MLP whose activation is not GELU; a note for the exact GELU in place of GPT-2's tanh one.
+    Measured on probe weights (activation.py), never on the values the class happens to hold."""
+    errors = measure(model, lay)
+    if errors is None:
+        return []  # the proof at the end of the load judges the class as a whole
     best = min(errors, key=errors.get)
-    if errors[GPT2] <= tol:
+    if errors[GPT2] <= TOLERANCE:
         return []
     where = f"{lay.modules.block(0)}.{lay.modules.mlp}"
-    if best == ERF and errors[best] <= tol:
-        lay.notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
+    if best == ERF and errors[best] <= TOLERANCE:
+        notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
                          f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
         return []
-    said = f"measures as {best} (to {errors[best]:.1g})" if errors[best] <= tol else \
+    said = f"measures as {best} (to {errors[best]:.1g})" if errors[best] <= TOLERANCE else \
         f"matches no known activation (closest: {best}, off by {errors[best]:.2g})"
     return [f"{where}: the activation between the MLP's layers {said}; GPT-2 uses the tanh-approximated GELU"]
 

@@ -18,6 +18,8 @@ NORM_WEIGHT = frozenset({"weight", "scale", "gamma", "g", "w", "alpha", "gain"})
 NORM_BIAS = frozenset({"bias", "shift", "beta", "b", "offset"})
 # tokens that name a tensor's kind, not its role: "W_query" and "b_query" are the query's weight and bias
 _KIND = frozenset({"w", "weight", "weights", "b", "bias", "biases"})
+# name tokens that say a table holds positions, not tokens (a class for characters has more positions than tokens)
+POSITION_WORDS = frozenset({"pos", "position", "positions", "positional", "wpe", "posemb"})
 # attributes where attention modules keep their head count
 HEAD_COUNT_ATTRS = ("n_head", "num_heads", "n_heads", "nh", "num_attention_heads", "head_count")
 
@@ -57,3 +59,8 @@ def norm_role(local: str) -> str | None:
     if toks[-1] in NORM_BIAS:
         return "bias"
     return None
+
+
+def says_position(name: str) -> bool:
+    toks = tokens(name)
+    return any(t in POSITION_WORDS for t in toks) or "".join(toks) in POSITION_WORDS

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -152,6 +153,11 @@ def all_meta(model: nn.Module):
             m._buffers[k] = b
 
 
+# modules whose parameters init_empty() put on the meta device: a buffer such a class made on its parameters' device
+# is on meta too, and telling its user to build under init_empty() would send them round in a circle
+BUILT_EMPTY: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
 @contextlib.contextmanager
 def init_empty():
     """Build a model with its parameters on the meta device and its buffers (causal masks) real:
@@ -170,6 +176,7 @@ def init_empty():
                                                "ones_", "constant_", "orthogonal_")}
 
     def to_meta(self, name, param):
+        BUILT_EMPTY.add(self)
         register(self, name, param)
         if param is not None and param.device.type != "meta":
             self._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)

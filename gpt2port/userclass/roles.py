@@ -22,6 +22,7 @@ from gpt2port.userclass.block import (Picker, block_template, for_block, norm_as
                                       scale_only_reason)
 from gpt2port.userclass.layout import Assignment, CropRows, Modules, Note, UserLayout
 from gpt2port.userclass.facts import ACTIVATIONS, divisors_first, eps_hints, head_hints, measure
+from gpt2port.userclass.names import says_position
 from gpt2port.userclass.observe import Trace, Unit, aliases, probe_ids, trace, units
 
 
@@ -51,6 +52,9 @@ def infer(model: nn.Module, config: GPTConfig | None, tr: Trace, options: dict[s
     if tuple(tok[2].shape) != (V, C) or C != cfg.n_embd:
         lay.reasons.append(f"{tok[0].full(tok[1])}: token embedding is {tuple(tok[2].shape)}, GPT-2 needs ({V}, "
                            f"{cfg.n_embd}); build the class with {_config_words(cfg)}")
+        if pos is not None and pos[2].shape[-2] != P:
+            lay.reasons.append(f"{pos[0].full(pos[1])}: position table is {tuple(pos[2].shape)}, GPT-2 needs ({P}, "
+                               f"{cfg.n_embd}) (or crop_positions=True for a shorter context)")
         # and whatever else keeps it from being a GPT-2 of any size, read at its own size
         own, _ = infer(model, _own_config(model, tok, pos, kids, inner, C)[0], tr, options, crop)
         lay.reasons += own.reasons
@@ -128,7 +132,9 @@ def _top(outside: list[Unit], same: dict, rank):
             seen.add(id(p))
             params.append((u, k, p))
     mats = [x for x in params if x[2].dim() == 2]
-    embeds = sorted((x for x in mats if isinstance(x[0].module, nn.Embedding)), key=lambda x: -x[2].shape[0])
+    # the token table: the one a head is tied to, else not named for positions, else the one with most rows
+    embeds = sorted((x for x in mats if isinstance(x[0].module, nn.Embedding)),
+                    key=lambda x: (len(same[id(x[2])]) < 2, says_position(x[0].full(x[1])), -x[2].shape[0]))
     tok = embeds[0] if embeds else max(mats, key=lambda x: (x[2].shape[0], -rank(x[0].name)[0]), default=None)
     if tok is None:
         return None, None, None, None, None, params

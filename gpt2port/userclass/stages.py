@@ -126,11 +126,13 @@ class ModelStages(Stages):
 
 def stages_for(model: nn.Module, reference=None) -> ModelStages:
     """A user's class as Stages: read the way load_into filled it, or else as the GPT-2 at `reference` is shaped."""
-    from gpt2port.userclass.load import loaded
+    from gpt2port.userclass.registry import loaded
     from gpt2port.userclass.roles import layout_of
 
     report = loaded(model)
     lay = report.layout if report is not None else layout_of(model, None if hasattr(reference, "forward") else reference)
     if lay.reasons:
         raise GPT2PortError(f"{lay.model_name}: cannot be verified as GPT-2: {lay.reasons[0]}")
-    return ModelStages(model, lay)
+    stages = ModelStages(model, lay)
+    stages.history = tuple(report.history) if report is not None else ()
+    return stages

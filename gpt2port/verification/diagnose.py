@@ -16,8 +16,10 @@ from typing import Callable
 
 import torch
 
+from gpt2port.verification import history
 from gpt2port.verification.metrics import max_errors
 from gpt2port.verification.reference import Float64GPT2, Stage, layer_norm
+from gpt2port.verification.reference_canonical import hf_key
 
 LN_EPS = (1e-6, 1e-12, 1e-8, 1e-3, 0.0)  # eps values seen in the wild (and none at all)
 
@@ -102,16 +104,44 @@ def _error(pairs) -> float:
     return float("inf") if math.isnan(rel) else rel
 
 
+def _from_history(h: dict, part: str, layer) -> Callable | None:
+    """The stage re-run as the model's recorded history says it computes (history.py), or None where that event
+    does not touch this stage."""
+    if h["event"] == history.ERF_GELU and part == "mlp":
+        return _mlp(activation="gelu")
+    if h["event"] == history.DROPPED_BIASES and part in ("attention", "mlp") and layer is not None:
+        prefix = f"h.{layer}."
+        sub = "attn." if part == "attention" else "mlp."
+        keys = [k[len(prefix):] for k in map(hf_key, h["canonical"]) if k and k.startswith(prefix + sub)]
+        if not keys:
+            return None
+        run = _attention() if part == "attention" else _mlp()
+        return lambda ref, w, x, layer, ids: run(ref, {**w, **{k: torch.zeros_like(w[k]) for k in keys}}, x, layer,
+                                                 ids)
+    return None
+
+
 @torch.no_grad()
 def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: float, ids: list,
-             rerun_in_eval: Callable[[], list] | None = None) -> dict:
+             rerun_in_eval: Callable[[], list] | None = None, events=()) -> dict:
     """The known mistake that explains the first differing stage, measured.
 
     xs: the reference's input of that stage per input (ids for the embeddings); ours: the model's output on them;
-    rerun_in_eval: the model's outputs again with the model in eval mode, when it was training."""
+    rerun_in_eval: the model's outputs again with the model in eval mode, when it was training; events: the model's
+    recorded history (history.py), consulted first: what it says the model computes is re-run and measured."""
     refs = st.values["out"] if part == "embeddings" else st.values.get({"attention": "attn", "mlp": "mlp",
                                                                          "final_norm": "out"}[part])
     before = _error(list(zip(ours, refs)))
+    for h in events:
+        run = _from_history(h, part, st.layer)
+        if run is None:
+            continue
+        rel = _error(list(zip(ours, [run(ref, st.weights, x, st.layer, i) for x, i in zip(xs, ids)])))
+        if rel <= tol:
+            return {"stage": part, "rel_before": before, "tolerance": tol, "explained_by": h["line"], "advice": None,
+                    "rel_with": rel, "closest": h["line"], "history": True,
+                    "measured_against": "against the reference computing what the history says",
+                    "tried": [{"mistake": h["line"], "rel": rel, "on": "every input"}]}
     tried = []
     if rerun_in_eval is not None:
         tried.append(("dropout active: the model was left in training mode", "call model.eval() before checking or "
@@ -133,15 +163,24 @@ def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: 
     tried.sort(key=lambda t: t[2])
     best = min((t for t in tried if t[4]), key=lambda t: t[2], default=None)
     explained = best is not None and best[2] <= tol
+    tuned = next((h for h in events if h["event"] == history.FINETUNED), None)
+    if not explained and tuned is not None:  # nothing measured explains it; what the weights went through does
+        return {"stage": part, "rel_before": before, "tolerance": tol, "explained_by": tuned["line"],
+                "advice": None, "rel_with": None, "closest": None, "measured_against": None, "history": True,
+                "tried": [{"mistake": name, "rel": rel, "on": "every input" if full else "the smallest input"}
+                          for name, _, rel, _, full in tried]}
     return {"stage": part, "rel_before": before, "tolerance": tol,
             "explained_by": best[0] if explained else None, "advice": best[1] if explained else None,
             "rel_with": best[2] if best else None, "closest": best[0] if best else None,
-            "measured_against": best[3] if best else None,
+            "measured_against": best[3] if best else None, "history": False,
             "tried": [{"mistake": name, "rel": rel, "on": "every input" if full else "the smallest input"}
                       for name, _, rel, _, full in tried]}
 
 
 def describe(d: dict) -> str:
+    if d.get("history"):
+        measured = f" (rel {d['rel_with']:.2e} {d['measured_against']})" if d["rel_with"] is not None else ""
+        return f"{d['explained_by']}{measured}"
     if d["explained_by"]:
         return (f"explained by: {d['explained_by']} (rel {d['rel_before']:.2e} against GPT-2; {d['rel_with']:.2e} "
                 f"{d['measured_against']}); fix: {d['advice']}")

@@ -25,6 +25,12 @@ def _load_hf(ref_path: Path, dt: torch.dtype, report: VerifyReport):
     except ImportError:
         report.reference["hf_note"] = "transformers is not installed (pip install 'gpt2port[reference]')"
         return None
+    from gpt2port.verification.reference_canonical import is_gpt2port_checkpoint
+
+    if is_gpt2port_checkpoint(ref_path):
+        report.reference["hf_note"] = (f"{ref_path} is a gpt2port checkpoint, which transformers does not read "
+                                       f"(the float64 reference reads its weights)")
+        return None
     if ref_path.is_file() and ref_path.name not in HF_WEIGHT_NAMES:
         report.reference["hf_note"] = f"{ref_path.name} is not a file name transformers loads"
         return None

@@ -262,11 +262,17 @@ class Float64GPT2:
             logits = ref.forward([ids_a, ids_b], observe=print)   # one (B, T, vocab) float64 tensor per input
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, files=None):
+        """path: an HF directory or weights file, OpenAI's TensorFlow release, or a gpt2port checkpoint directory
+        (its own weights); files: tensors already at hand behind HFFiles' face (reference_canonical.py)."""
         self.path = Path(path)
+        from gpt2port.verification.reference_canonical import checkpoint_files, is_gpt2port_checkpoint
         from gpt2port.verification.reference_tf import TFFiles, is_tf  # OpenAI's original TensorFlow release
 
-        self.files = TFFiles(path) if is_tf(Path(path)) else HFFiles(path)
+        if files is None:
+            files = checkpoint_files(self.path) if is_gpt2port_checkpoint(self.path) else \
+                TFFiles(path) if is_tf(self.path) else HFFiles(path)
+        self.files = files
         self.config = read_config(self.files)
 
     def __enter__(self):
@@ -357,6 +363,12 @@ class Float64GPT2:
         finals = [layer_norm(h, ln_w, ln_b, cfg.eps) for h in hs]
         observe(Stage("final", None, {"in": hs, "out": finals}, {"ln_f.weight": ln_w, "ln_f.bias": ln_b}))
         del hs
-        head = (wte if cfg.tied else self.files.get("lm_head.weight")).to(torch.float64)
+        head = wte if cfg.tied else self.files.get("lm_head.weight")
         del wte
-        return [f @ head.T for f in finals]
+        return [_logits64(f, head) for f in finals]
+
+
+def _logits64(x: torch.Tensor, head: torch.Tensor, rows: int = 8192) -> torch.Tensor:
+    """x @ head.T in float64, the head converted a slice of rows at a time: a float64 copy of the whole vocabulary
+    (0.6 GB at gpt2-xl) never exists beside the model under test."""
+    return torch.cat([x @ head[s:s + rows].to(torch.float64).T for s in range(0, head.shape[0], rows)], dim=-1)

@@ -29,6 +29,7 @@ from gpt2port.dtypes import DTYPE_LABELS
 from gpt2port.config import canonical_name, is_known_name
 from gpt2port.errors import GPT2PortError
 from gpt2port.progress import StatusLine
+from gpt2port.verification import history
 from gpt2port.verification.hf import hf_phase
 from gpt2port.verification.inputs import KNOWN_ANSWER, make_inputs
 from gpt2port.verification.localize import Localizer
@@ -70,12 +71,14 @@ def run_verify(ckpt, reference=None, dtype=None, tokens: int | None = None, prog
              and str(source.get("endpoint", OFFICIAL_HUB)).rstrip("/") == OFFICIAL_HUB)
     stored = read_header(ckpt_dir / WEIGHTS).entries
     weights_dtype = stored["tok_emb.weight"].dtype if "tok_emb.weight" in stored else None
+    events = history.from_manifest(manifest)
     report = _verify(lambda: GPT.from_pretrained(ckpt_dir, dtype=dtype), str(ckpt_dir), ref,
                      tokenizer_dirs=[ckpt_dir], tokens=tokens, progress=progress, known_answer=known,
                      use_hf=hf, weights_dtype=weights_dtype,
-                     load_for_grads=(lambda: GPT.from_pretrained(ckpt_dir, dtype="fp32")) if grads else None)
+                     load_for_grads=(lambda: GPT.from_pretrained(ckpt_dir, dtype="fp32")) if grads else None,
+                     events=events)
     saves = manifest.get("saves", [])
-    if reference is None and saves and not report.passed:
+    if reference is None and saves and not report.passed and not events:
         # The manifest's source is where the weights were converted from; a model saved since (fine-tuned, edited)
         # is not that model, and its "mistakes" are its changes.
         report.notes.append(f"these weights were saved from a model in memory {len(saves)} time(s) since they were "
@@ -97,13 +100,17 @@ def verify_model(model, reference, tokens: int | None = None, progress: bool = F
         raise GPT2PortError(f"{type(model).__name__}: gradient parity is checked for gpt2port's GPT (save_from a "
                             f"class of your own, then verify its checkpoint with grads)")
     load_for_grads = (lambda: copy.deepcopy(model)) if grads else None  # the caller's model is left as it was
-    if isinstance(model, torch.nn.Module) and not isinstance(model, GPT):  # a user's own class
+    events = []
+    if isinstance(model, GPT) and getattr(model, "checkpoint_dir", None) is not None:
+        events = history.from_manifest(read_manifest(Path(model.checkpoint_dir)))
+    elif isinstance(model, torch.nn.Module) and not isinstance(model, GPT):  # a user's own class
         from gpt2port.userclass.stages import stages_for
 
-        model = stages_for(model, reference)
+        model = stages_for(model, reference)  # carries what load_into recorded as its history
     dirs = [Path(tokenizer_dir)] if tokenizer_dir else []
     return _verify(lambda: model, "<in-memory model>", reference, tokenizer_dirs=dirs, tokens=tokens,
-                   progress=progress, known_answer=known_answer, use_hf=hf, load_for_grads=load_for_grads)
+                   progress=progress, known_answer=known_answer, use_hf=hf, load_for_grads=load_for_grads,
+                   events=events)
 
 
 def _manifest_reference(ckpt_dir: Path, manifest: dict) -> Path:
@@ -122,10 +129,11 @@ def _manifest_reference(ckpt_dir: Path, manifest: dict) -> Path:
 
 def _verify(load_ours: Callable, label: str, reference, tokenizer_dirs: list[Path], tokens: int | None,
             progress: bool, known_answer: bool, use_hf: bool = True, weights_dtype=None,
-            load_for_grads: Callable | None = None) -> VerifyReport:
+            load_for_grads: Callable | None = None, events=()) -> VerifyReport:
     say = StatusLine("verify", quiet=not progress, lines=True, tick=1.0)  # a terminal: a line; a log: step lines
     try:
-        report = _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype, say)
+        report = _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype, say,
+                      events)
         if load_for_grads is not None:
             _grads(report, load_for_grads, say)
         return report
@@ -151,13 +159,15 @@ def _grads(report: VerifyReport, load_ours: Callable, say) -> None:
 
 
 def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype,
-         say) -> VerifyReport:
+         say, events=()) -> VerifyReport:
     t_start = time.perf_counter()
     say("loading the checkpoint and the reference")
     owned = not hasattr(reference, "forward")  # a path: opened here, closed here
     ref = Float64GPT2(reference) if owned else reference
     ref_path = ref.path
     ours = as_stages(load_ours())
+    if events:
+        ours.history = (*ours.history, *events)
     if ours.device.type != "cpu":
         raise GPT2PortError(f"{label}: verify runs on the CPU (the float64 reference does); move the model there first")
     dt = ours.dtype  # an int8 model computes around its products in fp32: HF runs in fp32 beside it
@@ -180,6 +190,7 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
     if dlabel in ("fp16", "bf16"):
         report.notes.append(f"{dlabel} matrix products are slow on CPUs without native {dlabel} support; "
                             f"--dtype fp32 checks the same {wlabel} weights, judged at {wlabel} tolerances, much faster")
+    report.notes += [f"history: {line}" for line in history.lines(ours.history)]
     shape_problem = _shape_mismatch(ours, ref.config)
     if shape_problem:
         report.metrics = {"overall": {"ours_vs_f64": None, "hf_vs_f64": None, "ours_vs_hf": None}, "per_input": {}}
@@ -242,6 +253,9 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
 
 def _shape_mismatch(ours: Stages, rc) -> str | None:
     names = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
+    cropped = any(h["event"] == history.CROPPED_POSITIONS and h["rows"] == ours.n_positions and h["of"] == rc.n_positions
+                  for h in ours.history)
+    names = names if not cropped else tuple(n for n in names if n != "n_positions")  # said in the notes
     pairs = [(n, getattr(ours, n), getattr(rc, n)) for n in names]
     diff = [f"{n} {mine} vs reference {theirs}" for n, mine, theirs in pairs if mine != theirs]
     return "; ".join(diff) or None

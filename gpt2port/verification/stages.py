@@ -39,6 +39,9 @@ class Stages:
     # The nn.Module behind the stages, where there is one: a diagnosis re-runs a stage in eval mode with it when the
     # model was left in training mode.
     module = None
+    # What was done to the model before verify sees it (verification/history.py: biases dropped at load, fine-tuned
+    # from a parent, ...): a diagnosis consults it first.
+    history: tuple = ()
 
     def logits(self, ids: torch.Tensor, keep: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """The model's forward as users call it. keep(x), when given, receives the residual stream after the
