@@ -42,7 +42,7 @@ _EXPORTS = {
     "load_tokenizer": ("gpt2port.checkpoint", "load_tokenizer"),
     "save": ("gpt2port.checkpoint", "save"),
     "verify": ("gpt2port.verification", "run_verify"),
-    "verify_model": ("gpt2port.verification", "verify_model"),
+    "verify_model": ("gpt2port.userclass", "verify_model"),
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -196,3 +196,41 @@ def test_no_module_level_switches_in_the_speed_code():
     switch = re.compile(r"^(ENABLED|SCRIPTED|USE_ONEDNN|ATTEND_ONE|SMOOTHING|DIRECT|last_path)\b", re.M)
     hits = [name for name, path in _modules().items() if switch.search(path.read_text())]
     assert not hits, hits
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Edges between the package's parts: each subpackage (gpt2port.formats, ...) is one node, each top-level module
+    another."""
+    modules = _modules()
+
+    def part(name: str) -> str:
+        parts = name.split(".")
+        sub = ".".join(parts[:2])
+        return sub if len(parts) > 2 or (PACKAGE / parts[1]).is_dir() else name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        if name == "gpt2port":
+            continue
+        deps = {part(m) for m in _imports(name, path, modules) if m != "gpt2port"}
+        graph.setdefault(part(name), set()).update(deps - {part(name)})
+    return graph
+
+
+def test_no_cycles_between_subpackages():
+    """Layers, not a web: no subpackage or top-level module reaches back into one that reaches it (userclass uses
+    verification, never the reverse; formats know no model)."""
+    graph = _package_graph()
+    cycles = []
+    for a, deps in graph.items():
+        for b in deps:
+            seen, todo = set(), [b]
+            while todo:
+                n = todo.pop()
+                if n == a:
+                    cycles.append(f"{a} -> {b} -> ... -> {a}")
+                    break
+                if n not in seen:
+                    seen.add(n)
+                    todo.extend(graph.get(n, ()))
+    assert not cycles, sorted(cycles)

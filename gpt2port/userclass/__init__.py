@@ -5,12 +5,13 @@ class itself (layout_of), its stages for verify (ModelStages), and its weights b
 Modules: names (the words for GPT-2's parts), observe (the module tree, tied parameters, a traced forward), layout
 (the table), block and roles (reading a class as GPT-2), activation (the MLP's, measured on probe weights), settle
 (ambiguity decided by numbers), stages, proof (every load's closing check against verify's float64 GPT-2), registry
-(what each load recorded), load, save.
+(what each load recorded), load, save, verify (verify_model for any class).
 """
 
 from gpt2port.userclass.load import LoadRefused, LoadReport, load_into
 from gpt2port.userclass.observe import init_empty
 from gpt2port.userclass.roles import layout_of
 from gpt2port.userclass.save import save_from
+from gpt2port.userclass.verify import verify_model
 
-__all__ = ["LoadRefused", "LoadReport", "init_empty", "layout_of", "load_into", "save_from"]
+__all__ = ["LoadRefused", "LoadReport", "init_empty", "layout_of", "load_into", "save_from", "verify_model"]

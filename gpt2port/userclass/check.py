@@ -247,7 +247,7 @@ def _run(spec, ckpt, reference, tokens, hf, say, drop_biases, crop_positions, ti
     from gpt2port.sources import open_source, source_path
     from gpt2port.userclass.load import LoadRefused, load_into
     from gpt2port.userclass.roles import layout_of
-    from gpt2port.verification.run import verify_model
+    from gpt2port.userclass.verify import verify_model
 
     path = source_path(ckpt)
     with open_source(path) as src:

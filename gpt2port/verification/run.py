@@ -91,8 +91,8 @@ def verify_model(model, reference, tokens: int | None = None, progress: bool = F
                  tokenizer_dir=None, hf: bool = True, grads: bool = False) -> VerifyReport:
     """Verify an in-memory model (computing in whatever dtype it has) against an HF checkpoint.
 
-    model: gpt2port's GPT, a user's own GPT class (read as load_into filled it, see gpt2port.userclass), or any
-    model behind a Stages adapter (verification/stages.py). reference: as for run_verify.
+    model: gpt2port's GPT, or any model behind a Stages adapter (verification/stages.py; a user's own class comes
+    through gpt2port.userclass.verify_model, which wraps it). reference: as for run_verify.
     """
     from gpt2port.model import GPT
 
@@ -103,10 +103,9 @@ def verify_model(model, reference, tokens: int | None = None, progress: bool = F
     events = []
     if isinstance(model, GPT) and getattr(model, "checkpoint_dir", None) is not None:
         events = history.from_manifest(read_manifest(Path(model.checkpoint_dir)))
-    elif isinstance(model, torch.nn.Module) and not isinstance(model, GPT):  # a user's own class
-        from gpt2port.userclass.stages import stages_for
-
-        model = stages_for(model, reference)  # carries what load_into recorded as its history
+    elif isinstance(model, torch.nn.Module) and not isinstance(model, GPT):  # read through gpt2port.userclass
+        raise GPT2PortError(f"{type(model).__name__}: not gpt2port's GPT; verify your own class with "
+                            f"gpt2port.verify_model, which reads it as load_into filled it")
     dirs = [Path(tokenizer_dir)] if tokenizer_dir else []
     return _verify(lambda: model, "<in-memory model>", reference, tokenizer_dirs=dirs, tokens=tokens,
                    progress=progress, known_answer=known_answer, use_hf=hf, load_for_grads=load_for_grads,

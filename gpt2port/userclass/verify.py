@@ -1,0 +1,26 @@
+"""verify_model for any class: a user's own class is read as load_into filled it (ModelStages, with the history the
+load recorded), then verified by gpt2port.verification like gpt2port's GPT. userclass depends on verification, never
+the other way round."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from gpt2port.verification.run import verify_model as _verify_model
+from gpt2port.verification.stages import Stages
+
+
+def verify_model(model, reference, **options):
+    """gpt2port.verify_model: does `model` (gpt2port's GPT, your own class, or a Stages adapter) compute GPT-2?
+    Options as gpt2port.verification.verify_model (tokens, progress, known_answer, tokenizer_dir, hf, grads)."""
+    from gpt2port.model import GPT
+
+    if isinstance(model, nn.Module) and not isinstance(model, (GPT, Stages)):
+        from gpt2port.errors import GPT2PortError
+        from gpt2port.userclass.stages import stages_for
+
+        if options.get("grads"):
+            raise GPT2PortError(f"{type(model).__name__}: gradient parity is checked for gpt2port's GPT (save_from a "
+                                f"class of your own, then verify its checkpoint with grads)")
+        model = stages_for(model, reference)  # carries what load_into recorded as its history
+    return _verify_model(model, reference, **options)
