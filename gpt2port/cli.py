@@ -280,7 +280,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
 
     from gpt2port.model import GPT
     from gpt2port.checkpoint import load_tokenizer
-    from gpt2port.generate import stream
+    from gpt2port.generate import NonFiniteLogits, stream
     from gpt2port.tokenizer import StreamDecoder
 
     if prompt == "-":
@@ -305,13 +305,19 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
         text = StreamDecoder(tokenizer)
         start = time.perf_counter()
         first = None
-        for token in stream(model, ids, max_new_tokens, temperature, top_k, top_p,
-                            None if seed is None else seed + i):
-            if first is None:
-                first = time.perf_counter()
-            else:
-                decoded += 1
-            click.echo(text.push([token]), nl=False)
+        try:
+            for token in stream(model, ids, max_new_tokens, temperature, top_k, top_p,
+                                None if seed is None else seed + i):
+                if first is None:
+                    first = time.perf_counter()
+                else:
+                    decoded += 1
+                click.echo(text.push([token]), nl=False)
+        except BaseException as e:
+            click.echo(text.flush())  # an error (or Ctrl-C) goes on a line of its own, after the text so far
+            if isinstance(e, NonFiniteLogits):
+                raise GPT2PortError(f"{ckpt}: {e}{_non_finite_weights(model)}") from None
+            raise
         end = time.perf_counter()
         click.echo(text.flush())
         prefill_s += (first or end) - start
@@ -327,6 +333,18 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
 
         for line in decode_report(model, device, rate):
             click.echo(line, err=True)
+
+
+def _non_finite_weights(model) -> str:
+    import torch
+
+    from gpt2port.verification.diagnose import describe_non_finite, non_finite_parameters
+
+    bad = non_finite_parameters(model)
+    if bad:
+        return f"; {describe_non_finite(bad, 'its')}"
+    half = model.tok_emb.weight.dtype in (torch.float16, torch.bfloat16)
+    return " (its weights are finite: an overflow in half precision? try --dtype fp32)" if half else ""
 
 
 @main.command()

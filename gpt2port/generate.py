@@ -34,6 +34,10 @@ from gpt2port.model import GPT, KVCache
 from gpt2port.tokenizer import ENDOFTEXT_ID
 
 
+class NonFiniteLogits(GPT2PortError):
+    """The logits to choose a token from hold NaN or Inf (NaN/Inf weights, or an overflow in fp16)."""
+
+
 def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int = 100,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None,
@@ -113,8 +117,19 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
     if not temperature:
         # On the CPU PyTorch's argmax over bf16/fp16 takes several times as long as widening to fp32 and taking it
         # there (~2% of a bf16 124M step saved); widening is exact, so the index is the same.
-        return (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
-    logits = logits.float() / temperature  # fp16/bf16 logits: softmax and cumsum want fp32
+        chosen = (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
+        # argmax takes NaN (and +Inf) as the largest, and a row of -Inf yields its first: the chosen logit alone
+        # tells whether the row was finite, at no cost.
+        if not bool(torch.isfinite(logits.gather(-1, chosen[:, None])).all()):
+            raise NonFiniteLogits("the model's logits are NaN or Inf: no token can be chosen from them")
+        return chosen
+    logits = logits.float()  # fp16/bf16 logits: softmax and cumsum want fp32
+    # A finite sum (the common case, one cheap pass) clears the row; otherwise the exact check decides. -Inf rules a
+    # token out (a caller's mask); NaN, +Inf or a row with every token ruled out leave nothing to sample from.
+    if not bool(torch.isfinite(logits.sum())) and bool(
+            (logits.isnan() | (logits == float("inf"))).any() or (logits == float("-inf")).all(dim=-1).any()):
+        raise NonFiniteLogits("the model's logits are NaN or Inf: no token can be sampled from them")
+    logits = logits / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -29,6 +29,7 @@ from gpt2port.dtypes import DTYPE_LABELS
 from gpt2port.config import canonical_name, is_known_name
 from gpt2port.errors import GPT2PortError
 from gpt2port.progress import StatusLine
+from gpt2port.verification.diagnose import describe_non_finite, non_finite_parameters
 from gpt2port.verification.hf import hf_phase
 from gpt2port.verification.inputs import KNOWN_ANSWER, make_inputs
 from gpt2port.verification.localize import Localizer
@@ -180,9 +181,12 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
         report.notes.append(f"{dlabel} matrix products are slow on CPUs without native {dlabel} support; "
                             f"--dtype fp32 checks the same {wlabel} weights, judged at {wlabel} tolerances, much faster")
     shape_problem = _shape_mismatch(ours, ref.config)
-    if shape_problem:
+    # NaN or Inf weights make every comparison meaningless: they are named, and nothing is compared.
+    non_finite = non_finite_parameters(ours.module) if ours.module is not None and not shape_problem else []
+    if shape_problem or non_finite:
         report.metrics = {"overall": {"ours_vs_f64": None, "hf_vs_f64": None, "ours_vs_hf": None}, "per_input": {}}
-        report.checks.append(Check("config matches the reference", False, detail=shape_problem))
+        report.checks.append(Check("config matches the reference", False, detail=shape_problem) if shape_problem else
+                             Check("weights are finite", False, detail=describe_non_finite(non_finite, "the model's")))
         report.timings["total"] = time.perf_counter() - t_start
         return report
 
