@@ -24,6 +24,7 @@ Choices, each a question a user would ask:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -41,11 +42,11 @@ class NonFiniteLogits(GPT2PortError):
 def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int = 100,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None,
-             ) -> list[list[int]]:
+             threads: int | None = None) -> list[list[int]]:
     """New tokens for each prompt (a list of token-id lists, or a (B, T) tensor), without the prompt or stop token."""
     out: list[list[int]] = [[] for _ in range(len(prompts))]
     stopped = [False] * len(out)
-    for step in steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+    for step in steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, threads):
         for row, token in enumerate(step.tolist()):
             stopped[row] = stopped[row] or token == stop_token
             if not stopped[row]:
@@ -55,9 +56,9 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_ne
 
 def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-           stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None) -> Iterator[int]:
+           stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None, threads: int | None = None) -> Iterator[int]:
     """Yield the new tokens of one prompt as they are produced (the stop token ends the stream, unyielded)."""
-    for step in steps(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+    for step in steps(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, threads):
         token = int(step[0])
         if token == stop_token:
             return
@@ -66,17 +67,45 @@ def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, tempera
 
 def steps(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
           top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
-          keep: int | None = None) -> Iterator[torch.Tensor]:
+          keep: int | None = None, threads: int | None = None) -> Iterator[torch.Tensor]:
     """Yields a (B,) tensor of next tokens per step; rows that have stopped repeat stop_token."""
-    for nxt, _ in decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep):
+    for nxt, _ in decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, threads):
         yield nxt
 
 
 @torch.inference_mode()
 def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
-           keep: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The decoding loop: yields (next tokens (B,), the (B, vocab) logits they were drawn from) per step."""
+           keep: int | None = None, threads: int | None = None, check_finite: bool = True,
+           ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The decoding loop: yields (next tokens (B,), the (B, vocab) logits they were drawn from) per step.
+    threads: CPU threads for the products while it runs (default: torch's setting, as it stands). check_finite=False
+    lets greedy decoding go on over NaN/Inf logits, as argmax takes them (verify judges such a model, not refuses)."""
+    with cpu_threads(threads):
+        yield from _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep,
+                           check_finite)
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """torch's intra-op threads set to n for the duration (None: unchanged). On a machine busy with other work, a
+    team of threads waits at every operation for its slowest member: fewer threads can decode several times faster."""
+    if n is None:
+        yield
+        return
+    if n < 1:
+        raise GPT2PortError(f"threads={n} must be at least 1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _decode(model: GPT, prompts, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+            seed: int | None, stop_token: int | None, keep: int | None,
+            check_finite: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     check_sampling(temperature, top_k, top_p)
     param = model.tok_emb.weight
     n_ctx = model.config.n_positions
@@ -95,7 +124,7 @@ def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, t
     step_one = stepper(model, cache)  # one new token per row: the blocks without Python's per-operation cost
     done = torch.zeros(B, dtype=torch.bool, device=param.device)
     for step in range(max_new_tokens):
-        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)
+        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator, check_finite)
         if stop_token is not None:
             nxt = nxt.masked_fill(done, stop_token)
             done |= nxt == stop_token
@@ -112,7 +141,7 @@ def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, t
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, check_finite: bool = True) -> torch.Tensor:
     """(B, V) logits -> (B,) next tokens. temperature 0 (or None) is greedy; top_k 0/None and top_p None/1 are off."""
     if not temperature:
         # On the CPU PyTorch's argmax over bf16/fp16 takes several times as long as widening to fp32 and taking it
@@ -120,7 +149,7 @@ def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = N
         chosen = (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
         # argmax takes NaN (and +Inf) as the largest, and a row of -Inf yields its first: the chosen logit alone
         # tells whether the row was finite, at no cost.
-        if not bool(torch.isfinite(logits.gather(-1, chosen[:, None])).all()):
+        if check_finite and not bool(torch.isfinite(logits.gather(-1, chosen[:, None])).all()):
             raise NonFiniteLogits("the model's logits are NaN or Inf: no token can be chosen from them")
         return chosen
     logits = logits.float()  # fp16/bf16 logits: softmax and cumsum want fp32

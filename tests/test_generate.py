@@ -338,7 +338,7 @@ def test_cli_streams_greedy_text_and_reports_prefill_and_decode_apart(lively, ca
     # The first token comes from the prompt's forward pass (and one-time warm-up): timed as prefill, not decode.
     n_prompt = len(tok.encode(prompt))
     match = re.search(rf"^prefill {n_prompt} tokens in ([\d.]+) s; then {len(expected) - 1} tokens in ([\d.]+) s: "
-                      rf"([\d.]+) tokens/s \(fp32, cpu\)$", out.err, re.M)
+                      rf"([\d.]+) tokens/s \(fp32, cpu, \d+ threads?\)$", out.err, re.M)
     assert match, out.err
     assert float(match.group(3)) > 0
     assert "bandwidth floor" not in out.err  # that needs --verbose
