@@ -75,9 +75,9 @@ def run_generate(ckpt, prompt: str, max_new_tokens: int, temperature: float, top
     click.echo(f"prefill {len(ids) or 1} tokens{times} in {prefill_s:.2f} s; then {decoded} tokens in {decode_s:.2f} "
                f"s: {rate:.1f} tokens/s ({dtype or label(model.tok_emb.weight.dtype)}, {device}{team})", err=True)
     if device == "cpu" and decoded >= BUSY_STEPS and rate * fastest * BUSY_FACTOR < 1:
+        advice = "; try --threads 1 (or fewer threads than idle cores)" if n_threads > 1 else ""
         click.echo(f"note: decoding averaged {rate:.1f} tokens/s, but its fastest step ran at {1 / fastest:.1f}: other "
-                   f"work on this machine is slowing it down; try --threads 1 (or fewer threads than idle cores)",
-                   err=True)
+                   f"work on this machine is slowing it down{advice}", err=True)
     if verbose and decoded:
         from gpt2port.speed import decode_report
 
