@@ -9,6 +9,8 @@
 Choices, each a question a user would ask:
 - temperature 0 is greedy decoding (argmax), never a division by zero. top_k is clamped to the vocabulary;
   top_p keeps the smallest set of most likely tokens whose probability reaches p (always at least one token).
+- Logits holding NaN or +Inf (NaN weights, an fp16 overflow) are refused (NonFiniteLogits), never sampled from;
+  -Inf alone rules a token out.
 - A seed makes sampling reproducible on a given device: it seeds a private torch.Generator, so it neither reads
   nor disturbs torch's global random state.
 - Generation stops at <|endoftext|> (not returned) or after max_new_tokens; a batch runs until every row stopped.
