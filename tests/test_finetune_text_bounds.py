@@ -96,6 +96,20 @@ def test_runs_are_cut_at_run_length_and_nothing_else_changes(tiny_ckpt, tmp_path
             assert enc.decode(got) == whole
 
 
+def test_minified_json_is_cut_between_pre_tokens(tiny_ckpt, tmp_path, monkeypatch):
+    """A long line with no space at all, but made of short pre-tokens: cut where letters, digits and punctuation
+    meet, token for token (never after an apostrophe, which joins 's and 'll to what follows)."""
+    import json
+
+    enc = from_directory(tiny_ckpt)
+    monkeypatch.setattr(text, "RUN", 50)
+    doc = json.dumps([{"id": k, "name": f"it's item{k}", "tags": ["a", "b2", "c-3"], "v": k * 1.5} for k in range(200)],
+                     separators=(",", ":")).replace(" ", "")
+    parts = [p for _, p in text.pieces([_write(tmp_path / "min.json.txt", doc)])]
+    assert len(parts) > 100 and max(map(len, parts)) <= 50 and "".join(parts) == doc
+    assert sum((enc.encode_ordinary(p) for p in parts), []) == enc.encode_ordinary(doc)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_tokenizing_stops_it_at_once_and_leaves_nothing(tiny_ckpt, long_line, tmp_path, sig):
     before = snapshot(tmp_path)

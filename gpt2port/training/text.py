@@ -5,9 +5,9 @@ A piece ends where GPT-2's pre-tokenizer joins nothing across the cut: right aft
 non-space characters, or right before a space, tab or line break that follows a non-space character. Encoding the
 pieces one by one then gives exactly the tokens of the whole text, without holding a multi-gigabyte file as one
 string. Text with no such point for PIECE characters (a line of 50 million 'a') is cut at PIECE anyway, and a run
-of RUN characters without one is cut every RUN characters: the tokenizer's cost of one pre-token grows with its
-length (about 55 bytes of memory per character), and no natural text has a "word" that long. Only there can the
-tokens at the cut differ from those of the whole run.
+of RUN characters without one is cut where ASCII letters, digits and punctuation meet (minified JSON), else every RUN
+characters: the tokenizer's cost of one pre-token grows with its length (about 55 bytes of memory per character),
+and no natural text has a "word" that long. Only there can the tokens at the cut differ from those of the whole run.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from gpt2port.errors import GPT2PortError
 PIECE = 1 << 20  # characters per piece, at most: enough to keep tokenizer threads busy, small enough to stream
 RUN = 1 << 15  # the longest run without a cut point that is tokenized whole (see the module docstring)
 _BREAK = re.compile(r"[ \t\r\n]\S")  # searched in reversed text: the last break after a non-space character
+_PUNCT = r"!-&(-/:-@\[-`{-~"  # ASCII punctuation but the apostrophe
+_SWITCH = re.compile(rf"[{_PUNCT}][A-Za-z0-9]|[A-Za-z0-9][{_PUNCT}]|[A-Za-z][0-9]|[0-9][A-Za-z]")  # reversed, too
 PEEK = 1 << 16  # bytes of each file checked before anything is written (all of it is checked while reading)
 
 
@@ -152,16 +154,22 @@ def _last_break(text: str) -> int:
 
 
 def _runs(first: bool, piece: str) -> Iterator[tuple[bool, str]]:
-    """The piece, with every run of RUN characters holding no cut point cut off after those RUN characters."""
-    if len(piece) < RUN:
-        yield first, piece
-        return
+    """The piece, with every run of RUN characters holding no break cut apart: at its last switch between ASCII
+    letters, digits and punctuation (a pre-token boundary too: minified JSON keeps its tokens), else after RUN."""
     start = 0
-    for m in _long_run().finditer(piece):
-        yield first, piece[start : m.end()]
-        start, first = m.end(), False
+    while len(piece) - start >= RUN and (m := _long_run().search(piece, start)):
+        end = m.start() + (_last_switch(m.group()) or RUN)
+        yield first, piece[start:end]
+        start, first = end, False
     if start < len(piece) or start == 0:
         yield first, piece[start:]
+
+
+def _last_switch(text: str) -> int:
+    """The last point between an ASCII letter or digit and ASCII punctuation, or between a letter and a digit (0:
+    none). The apostrophe is left out: it begins the contractions ('s, 'll, ...) that join it to letters."""
+    m = _SWITCH.search(text[::-1])
+    return len(text) - 1 - m.start() if m else 0
 
 
 def _long_run() -> re.Pattern:
