@@ -82,8 +82,8 @@ def test_generate_says_when_other_work_slows_decoding(tiny_ckpt, monkeypatch, bu
             time.sleep(0.1 if busy and k % 4 else 0.02)
             yield 11
     monkeypatch.setattr(decoding, "stream", steps)
-    result = run_cli("generate", tiny_ckpt, "Hi", "-n", "16", "--threads", "1", "--device", "cpu")
+    result = run_cli("generate", tiny_ckpt, "Hi", "-n", "16", "--threads", "2", "--device", "cpu")
     assert result.exit_code == 0, result.output
-    assert seen["threads"] == 1 and "(fp32, cpu, 1 thread)" in result.stderr
+    assert seen["threads"] == 2 and "(fp32, cpu, 2 threads)" in result.stderr
     hint = "other work on this machine is slowing it down; try --threads 1"
     assert (hint in result.stderr) == busy, result.stderr
