@@ -103,7 +103,8 @@ def is_checkpoint(path: Path) -> bool:
 def read_config(ckpt_dir: Path) -> GPTConfig:
     data = read_json(ckpt_dir / CONFIG)
     if data.get("format") != CONFIG_FORMAT:
-        raise GPT2PortError(f"{ckpt_dir / CONFIG}: not a gpt2port config (no \"format\": \"{CONFIG_FORMAT}\")")
+        raise GPT2PortError(f"{ckpt_dir / CONFIG}: not a gpt2port config (no \"format\": \"{CONFIG_FORMAT}\"); for a "
+                            f"Hugging Face directory run `gpt2port convert {ckpt_dir} --out DIR` first")
     if not isinstance(data.get("model"), dict):
         raise GPT2PortError(f"{ckpt_dir / CONFIG}: has no valid \"model\" section")
     try:

@@ -194,9 +194,9 @@ def _dtype_label(dtype) -> str:
 def download(name, revision, out, dtype, run_verify, force, quiet):
     """Download NAME from the Hugging Face Hub, check every file's hash, and convert it.
 
-    NAME: gpt2, gpt2-medium, gpt2-large, gpt2-xl, an alias (124M, 355M, 774M, 1.5B, ...), or any Hub repo id of a
-    GPT-2 model (e.g. distilbert/distilgpt2). Files go through the Hugging Face cache (HF_HOME, HF_HUB_CACHE),
-    so a second download transfers nothing; HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE=1 work as usual.
+    NAME: gpt2, gpt2-medium, gpt2-large, gpt2-xl, an alias (124M, 355M, 774M, 1.5B, small, medium, large, xl, ...), or
+    any Hub repo id of a GPT-2 model (e.g. distilbert/distilgpt2). Files go through the Hugging Face cache (HF_HOME,
+    HF_HUB_CACHE), so a second download transfers nothing; HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE=1 work as usual.
     """
     from gpt2port.hub import download as run_download
     from gpt2port.hub.download import summary
@@ -291,75 +291,24 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
 @click.option("--dtype", type=COMPUTE_CHOICE, default=None,
               help="Compute dtype (default: the checkpoint's); int8: matrices quantized at load, fast on CPU.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads for decoding (default: torch's, one per core); on a machine busy with other work, "
+                   "fewer (even 1) can be several times faster.")
 @click.option("--verbose", "-v", is_flag=True, help="Also measure the memory bandwidth and say how close decoding "
                                                     "came to the rate it allows.")
 @_handle_errors
-def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device, verbose):
+def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device, threads,
+             verbose):
     """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin.
 
     The prompt is echoed, then each sample's continuation; the prefill and decode rates go to stderr. The model sees
-    at most its context (1024 tokens): a longer prompt keeps its end, and a longer generation slides its window.
+    at most its context (1024 tokens): a longer prompt keeps its end (only that is echoed), and a longer generation
+    slides its window.
     """
-    import math
-    import time
+    from gpt2port.generate_command import run_generate
 
-    import torch
-
-    from gpt2port.model import GPT
-    from gpt2port.checkpoint import load_tokenizer
-    from gpt2port.devices import check_device
-    from gpt2port.generate import stream
-    from gpt2port.tokenizer import StreamDecoder
-
-    for name, value in (("--temperature", temperature), ("--top-p", top_p)):  # click's ranges let NaN through
-        if value is not None and not math.isfinite(value):
-            raise GPT2PortError(f"{name} {value}: must be a finite number")
-    if prompt == "-":
-        prompt = sys.stdin.read()
-    device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
-    check_device(device)
-    tokenizer = load_tokenizer(ckpt)
-    model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
-    ids = tokenizer.encode(prompt, allowed_special="all")  # a typed <|endoftext|> is the document separator
-    if len(ids) > model.config.n_positions:
-        click.echo(f"note: the prompt has {len(ids)} tokens; the model sees the last {model.config.n_positions}",
-                   err=True)
-    # The first token of a sample comes from the prompt's forward pass (and, the first time, one-time warm-up);
-    # each later one from one decode step. Their rates differ by orders of magnitude, so they are timed apart.
-    prefill_s = decode_s = 0.0
-    decoded = 0
-    how: list[str] = []  # how the decode steps ran, as generate reports it
-    for i in range(num_samples):
-        if i:
-            click.echo("-" * 40)
-        click.echo(prompt, nl=False)
-        text = StreamDecoder(tokenizer)
-        start = time.perf_counter()
-        first = None
-        for token in stream(model, ids, max_new_tokens, temperature, top_k, top_p,
-                            None if seed is None else seed + i, report=how):
-            if first is None:
-                first = time.perf_counter()
-            else:
-                decoded += 1
-            click.echo(text.push([token]), nl=False)
-        end = time.perf_counter()
-        click.echo(text.flush())
-        prefill_s += (first or end) - start
-        decode_s += end - (first or end)
-    label = dtype or _dtype_label(model.tok_emb.weight.dtype)
-    n_prompt = min(len(ids), model.config.n_positions) or 1
-    rate = decoded / decode_s if decode_s > 0 else 0.0
-    times = f" x {num_samples} samples" if num_samples > 1 else ""  # each sample prefills the prompt again
-    click.echo(f"prefill {n_prompt} tokens{times} in {prefill_s:.2f} s; then {decoded} tokens in {decode_s:.2f} s: "
-               f"{rate:.1f} tokens/s ({label}, {device})", err=True)
-    if verbose and decoded:
-        from gpt2port.fast.speed import decode_report
-
-        for line in decode_report(model, device, rate, how[-1] if how else None):
-            click.echo(line, err=True)
+    run_generate(ckpt, sys.stdin.read() if prompt == "-" else prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                 num_samples, dtype, device, threads, verbose)
 
 
 @main.command()

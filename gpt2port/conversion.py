@@ -37,7 +37,7 @@ class ConvertResult:
     out: Path
     layout: str
     n_params: int
-    dtype: torch.dtype
+    dtype: torch.dtype | str  # a str for an encoding of the layout's own (ENCODINGS: "q8_0")
     bytes_written: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
@@ -92,8 +92,12 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     if to not in WRITERS:
         raise GPT2PortError(f"unknown output layout {to!r} (known: {', '.join(WRITERS)})")
     target = get_layout(to)
-    if isinstance(dtype, str) and dtype.lower() in ENCODINGS.get(to, ()):  # produced in fp32; the writer encodes
-        options, dtype = {**(options or {}), "encoding": dtype.lower()}, torch.float32
+    encoding = dtype.lower() if isinstance(dtype, str) and dtype.lower() in ENCODINGS.get(to, ()) else None
+    if encoding:  # produced in fp32; the writer encodes
+        options, dtype = {**(options or {}), "encoding": encoding}, torch.float32
+    elif isinstance(dtype, str) and any(dtype.lower() in e for e in ENCODINGS.values()):
+        owners = " or ".join(f"--to {t}" for t, e in ENCODINGS.items() if dtype.lower() in e)
+        raise GPT2PortError(f"dtype {dtype!r} is for {owners} only; the {to} layout takes fp32, fp16 or bf16")
     with open_source(src) as source:
         refuse_overlap(out, source.root)
         refuse_hf_cache(out)
@@ -112,7 +116,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
         job = Job(source, out, items, out_dtype, force, progress, warnings, facts, known_sha256 or {}, options or {})
         size = WRITERS[target.name](job)
     n_params = sum(math.prod(s) for s in canonical.shapes(source.config).values())
-    return ConvertResult(out, target.name, n_params, out_dtype, size, time.perf_counter() - t0, warnings)
+    return ConvertResult(out, target.name, n_params, encoding or out_dtype, size, time.perf_counter() - t0, warnings)
 
 
 def export(ckpt, out: str | Path, to: str = "gpt2port", dtype=None, force: bool = False,

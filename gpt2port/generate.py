@@ -9,6 +9,8 @@
 Choices, each a question a user would ask:
 - temperature 0 is greedy decoding (argmax), never a division by zero. top_k is clamped to the vocabulary;
   top_p keeps the smallest set of most likely tokens whose probability reaches p (always at least one token).
+- Logits holding NaN or +Inf (NaN weights, an fp16 overflow) are refused (NonFiniteLogits), never sampled from;
+  -Inf alone rules a token out.
 - A seed makes sampling reproducible on a given device: it seeds a private torch.Generator, so it neither reads
   nor disturbs torch's global random state.
 - Generation stops at <|endoftext|> (not returned) or after max_new_tokens; a batch runs until every row stopped.
@@ -24,6 +26,7 @@ Choices, each a question a user would ask:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -36,17 +39,22 @@ from gpt2port.model import GPT, KVCache
 from gpt2port.tokenizer import ENDOFTEXT_ID
 
 
+class NonFiniteLogits(GPT2PortError):
+    """The logits to choose a token from hold NaN or Inf (NaN/Inf weights, or an overflow in fp16)."""
+
+
 def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int = 100,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None,
-             fast: Settings | None = None, report: list[str] | None = None) -> list[list[int]]:
+             fast: Settings | None = None, report: list[str] | None = None,
+             threads: int | None = None) -> list[list[int]]:
     """New tokens for each prompt (a list of token-id lists, or a (B, T) tensor), without the prompt or stop token.
     fast: the accelerations to use (default Settings.from_env(); gpt2port.fast.OFF: the model's own forward);
-    report, a list: how the decode steps ran is appended to it."""
+    report, a list: how the decode steps ran is appended to it; threads: CPU threads while it runs."""
     out: list[list[int]] = [[] for _ in range(len(prompts))]
     stopped = [False] * len(out)
     for step in steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
-                      report):
+                      report, threads):
         for row, token in enumerate(step.tolist()):
             stopped[row] = stopped[row] or token == stop_token
             if not stopped[row]:
@@ -57,10 +65,10 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_ne
 def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
            stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None, fast: Settings | None = None,
-           report: list[str] | None = None) -> Iterator[int]:
+           report: list[str] | None = None, threads: int | None = None) -> Iterator[int]:
     """Yield the new tokens of one prompt as they are produced (the stop token ends the stream, unyielded)."""
     for step in steps(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
-                      report):
+                      report, threads):
         token = int(step[0])
         if token == stop_token:
             return
@@ -70,10 +78,10 @@ def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, tempera
 def steps(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
           top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
           keep: int | None = None, fast: Settings | None = None, report: list[str] | None = None,
-          ) -> Iterator[torch.Tensor]:
+          threads: int | None = None) -> Iterator[torch.Tensor]:
     """Yields a (B,) tensor of next tokens per step; rows that have stopped repeat stop_token."""
     for nxt, _ in decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
-                         report):
+                         report, threads):
         yield nxt
 
 
@@ -81,17 +89,38 @@ def steps(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, to
 def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
            top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
            keep: int | None = None, fast: Settings | None = None, report: list[str] | None = None,
+           threads: int | None = None, check_finite: bool = True,
            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The decoding loop: yields (next tokens (B,), the (B, vocab) logits they were drawn from) per step."""
+    """The decoding loop: yields (next tokens (B,), the (B, vocab) logits they were drawn from) per step.
+    fast, report: as for generate. threads: CPU threads for the products while it runs (default: torch's setting,
+    as it stands). check_finite=False lets greedy decoding go on over NaN/Inf logits, as argmax takes them (verify
+    judges such a model, not refuses)."""
     fast = fast or Settings.from_env()
-    with accelerated(model, fast) as model:
+    with cpu_threads(threads), accelerated(model, fast) as model:
         yield from _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
-                           report)
+                           report, check_finite)
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int | None):
+    """torch's intra-op threads set to n for the duration (None: unchanged). On a machine busy with other work, a
+    team of threads waits at every operation for its slowest member: fewer threads can decode several times faster."""
+    if n is None:
+        yield
+        return
+    if n < 1:
+        raise GPT2PortError(f"threads={n} must be at least 1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _decode(model: GPT, prompts, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
             seed: int | None, stop_token: int | None, keep: int | None, fast: Settings, report: list[str] | None,
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            check_finite: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     check_sampling(temperature, top_k, top_p)
     param = model.tok_emb.weight
     n_ctx = model.config.n_positions
@@ -112,7 +141,7 @@ def _decode(model: GPT, prompts, max_new_tokens: int, temperature: float, top_k:
         report.append(step_one.description)
     done = torch.zeros(B, dtype=torch.bool, device=param.device)
     for step in range(max_new_tokens):
-        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator)
+        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator, check_finite)
         if stop_token is not None:
             nxt = nxt.masked_fill(done, stop_token)
             done |= nxt == stop_token
@@ -129,13 +158,24 @@ def _decode(model: GPT, prompts, max_new_tokens: int, temperature: float, top_k:
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | None = None, check_finite: bool = True) -> torch.Tensor:
     """(B, V) logits -> (B,) next tokens. temperature 0 (or None) is greedy; top_k 0/None and top_p None/1 are off."""
     if not temperature:
         # On the CPU PyTorch's argmax over bf16/fp16 takes several times as long as widening to fp32 and taking it
         # there (~2% of a bf16 124M step saved); widening is exact, so the index is the same.
-        return (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
-    logits = logits.float() / temperature  # fp16/bf16 logits: softmax and cumsum want fp32
+        chosen = (logits.float() if logits.device.type == "cpu" else logits).argmax(dim=-1)
+        # argmax takes NaN (and +Inf) as the largest, and a row of -Inf yields its first: the chosen logit alone
+        # tells whether the row was finite, at no cost.
+        if check_finite and not bool(torch.isfinite(logits.gather(-1, chosen[:, None])).all()):
+            raise NonFiniteLogits("the model's logits are NaN or Inf: no token can be chosen from them")
+        return chosen
+    logits = logits.float()  # fp16/bf16 logits: softmax and cumsum want fp32
+    # A finite sum (the common case, one cheap pass) clears the row; otherwise the exact check decides. -Inf rules a
+    # token out (a caller's mask); NaN, +Inf or a row with every token ruled out leave nothing to sample from.
+    if not bool(torch.isfinite(logits.sum())) and bool(
+            (logits.isnan() | (logits == float("inf"))).any() or (logits == float("-inf")).all(dim=-1).any()):
+        raise NonFiniteLogits("the model's logits are NaN or Inf: no token can be sampled from them")
+    logits = logits / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

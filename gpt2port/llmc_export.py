@@ -13,6 +13,7 @@ import itertools
 
 import torch
 
+from gpt2port.dtypes import label
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.llmc import (MODEL_VERSIONS, TOKENIZER_FILE, LlmcReader, model_file_name, model_header,
                                    state_file_name, state_header, tokenizer_bytes, write_raw)
@@ -46,7 +47,8 @@ def write_llmc(job) -> int:
     if unknown:
         raise GPT2PortError(f"llm.c export: unknown option(s) {', '.join(unknown)} (known: {', '.join(OPTIONS)})")
     if job.dtype not in MODEL_VERSIONS.values():
-        raise GPT2PortError(f"{where}: llm.c model files hold fp32 or bf16, not {job.dtype}; pass --dtype fp32 or bf16")
+        raise GPT2PortError(f"{where}: llm.c model files hold fp32 or bf16, not {label(job.dtype)}; pass --dtype fp32 "
+                            f"or bf16")
     if job.options.get("debug_state") and not job.source.tokenizer_names():
         raise GPT2PortError(f"{where}: the debug state needs the checkpoint's tokenizer, and there is none")
     with job.staged() as stage:

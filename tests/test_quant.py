@@ -214,7 +214,7 @@ def test_an_untied_checkpoint_is_refused_in_one_line(tiny_ckpt, tmp_path):
 def test_generate_and_verify_take_int8(tiny_ckpt):
     r = CliRunner().invoke(main, ["generate", str(tiny_ckpt), "The dog", "-n", "5", "--dtype", "int8"])
     assert r.exit_code == 0, r.output
-    assert "(int8, cpu)" in r.stderr and r.stdout.startswith("The dog")
+    assert "(int8, cpu, " in r.stderr and r.stdout.startswith("The dog")
     r = CliRunner().invoke(main, ["verify", str(tiny_ckpt), "--dtype", "int8", "--tokens", "64", "--json"])
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)

@@ -8,11 +8,14 @@ held-out split is the end of the token stream. Text that happens to contain "<|e
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import shutil
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,13 +24,13 @@ import torch
 
 from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import missing_parents, remove_if_empty, write_json
+from gpt2port.fsio import missing_parents, remove_if_empty, sweep_leftovers, write_json
 from gpt2port.progress import StatusLine
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
 from gpt2port.training.text import documents, pieces
 
 FORMAT = "gpt2port-tokens/1"
-BATCH = 16  # pieces handed to the tokenizer's threads at once
+BATCH = 16  # pieces handed to the tokenizer's threads at once: at most ~16 MB of text, a second or two of work
 
 __all__ = ["documents", "prepare", "TokenCache", "sample_offsets", "eval_offsets", "windows"]
 
@@ -78,19 +81,22 @@ def _build(files: list[Path], tokenizer_dir: Path, cache_dir: Path, recipe: dict
     status = StatusLine("tokenizing", quiet)
     t0 = time.perf_counter()
     created = missing_parents(cache_dir.parent)  # removed again if this fails: a refusal leaves no trace
+    # Ctrl-C is seen between batches (a pending piece is never started); SIGTERM ends the work as Ctrl-C does.
+    pool = ThreadPoolExecutor(os.cpu_count() or 1)
     try:
+        sweep_leftovers(cache_dir)  # a stage left by a run that was killed (its process is gone)
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
         n, docs = 0, 0
-        with open(stage / "train.bin", "wb") as out:
+        with _terminate_as_interrupt(), open(stage / "train.bin", "wb") as out:
             batch: list[tuple[bool, str]] = []
             for piece in pieces(files):
                 batch.append(piece)
                 if len(batch) == BATCH:
-                    n, docs = _flush(enc, batch, out, dtype, n, docs)
+                    n, docs = _flush(enc, pool, batch, out, dtype, n, docs)
                     batch = []
                     status(f"{n:,} tokens")
-            n, docs = _flush(enc, batch, out, dtype, n, docs)
+            n, docs = _flush(enc, pool, batch, out, dtype, n, docs)
         status(None)
         n_val = max(math.ceil(recipe["val_fraction"] * n), recipe["block_size"] + 1)
         if n - n_val < recipe["block_size"] + 1:
@@ -109,15 +115,38 @@ def _build(files: list[Path], tokenizer_dir: Path, cache_dir: Path, recipe: dict
         return meta
     except BaseException:
         status(None)
+        pool.shutdown(wait=True, cancel_futures=True)  # the pieces being encoded finish; the rest never start
         shutil.rmtree(stage, ignore_errors=True)
         remove_if_empty(created)
         raise
+    finally:
+        pool.shutdown(wait=False)
 
 
-def _flush(enc, batch, out, dtype, n: int, docs: int) -> tuple[int, int]:
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt for the duration (where it would kill the process), so the stage is removed
+    as on Ctrl-C; outside the main thread, or where SIGTERM is ignored or handled already, nothing changes."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    if previous is not signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, previous)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _flush(enc, pool, batch, out, dtype, n: int, docs: int) -> tuple[int, int]:
     if not batch:
         return n, docs
-    encoded = enc.encode_ordinary_batch([text for _, text in batch], num_threads=os.cpu_count() or 1)
+    encoded = [f.result() for f in [pool.submit(enc.encode_ordinary, text) for _, text in batch]]
     for (starts, _), ids in zip(batch, encoded):
         if starts:
             ids = [enc.eot_token, *ids]

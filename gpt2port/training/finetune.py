@@ -17,7 +17,7 @@ import torch
 
 from gpt2port.checkpoint import WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads
+from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads, sweep_leftovers
 from gpt2port.training import data as tokens
 from gpt2port.training import dist, state
 from gpt2port.training.loop import Log, Plan, Stopped, Trainer
@@ -185,6 +185,7 @@ def _autocast(dtype: str, device: torch.device):
 
 def _check_out(out: Path, resume: bool, force: bool) -> dict | None:
     """The saved state to resume from (None: a fresh run); refuses what would lose a user's work."""
+    sweep_leftovers(out / TOKENS)  # a run killed while tokenizing left its stage: it blocks nothing
     found = state.where(out) if out.is_dir() else None
     if resume:
         if found is None:

@@ -1,21 +1,30 @@
 """Fine-tuning text: which files a data path means, checked for what would make training on it meaningless
 (empty, binary, not UTF-8, JSON lines without text), and read back as documents in pieces of bounded size.
 
-A piece ends right after a lone newline between two non-space characters: GPT-2's pre-tokenizer makes that
-newline a token of its own, and joins nothing across it, so encoding the pieces one by one gives exactly the
-tokens of the whole text, without holding a multi-gigabyte file as one string.
+A piece ends where GPT-2's pre-tokenizer joins nothing across the cut: right after a lone newline between two
+non-space characters, or right before a space, tab or line break that follows a non-space character. Encoding the
+pieces one by one then gives exactly the tokens of the whole text, without holding a multi-gigabyte file as one
+string. Text with no such point for PIECE characters (a line of 50 million 'a') is cut at PIECE anyway, and a run
+of RUN characters without one is cut where ASCII letters, digits and punctuation meet (minified JSON), else every RUN
+characters: the tokenizer's cost of one pre-token grows with its length (about 55 bytes of memory per character),
+and no natural text has a "word" that long. Only there can the tokens at the cut differ from those of the whole run.
 """
 
 from __future__ import annotations
 
 import codecs
+import re
 from pathlib import Path
 from typing import Iterator
 
 from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 
-PIECE = 1 << 20  # characters per piece, about: enough to keep tokenizer threads busy, small enough to stream
+PIECE = 1 << 20  # characters per piece, at most: enough to keep tokenizer threads busy, small enough to stream
+RUN = 1 << 15  # the longest run without a cut point that is tokenized whole (see the module docstring)
+_BREAK = re.compile(r"[ \t\r\n]\S")  # searched in reversed text: the last break after a non-space character
+_PUNCT = r"!-&(-/:-@\[-`{-~"  # ASCII punctuation but the apostrophe
+_SWITCH = re.compile(rf"[{_PUNCT}][A-Za-z0-9]|[A-Za-z0-9][{_PUNCT}]|[A-Za-z][0-9]|[0-9][A-Za-z]")  # reversed, too
 PEEK = 1 << 16  # bytes of each file checked before anything is written (all of it is checked while reading)
 
 
@@ -98,13 +107,13 @@ def _file_pieces(path: Path) -> Iterator[tuple[bool, str]]:
             _check_bytes(chunk, path, offset)
             carry += _decode(chunk, path, offset, decoder, final=False)
             offset += len(chunk)
-            cut = _last_cut(carry)
-            if cut:
-                yield first, carry[:cut]
+            while len(carry) > PIECE:  # the text known so far holds at most two pieces
+                cut = _cut(carry[:PIECE])
+                yield from _runs(first, carry[:cut])
                 carry, first = carry[cut:], False
         carry += _decode(b"", path, offset, decoder, final=True)
     if carry or first:
-        yield first, carry
+        yield from _runs(first, carry)
 
 
 def _jsonl_pieces(path: Path) -> Iterator[tuple[bool, str]]:
@@ -119,14 +128,49 @@ def _jsonl_pieces(path: Path) -> Iterator[tuple[bool, str]]:
             texts += 1
             start = 0
             while len(text) - start > PIECE:  # a long document: split where tokenization allows
-                cut = _last_cut(text[start : start + PIECE])
-                if not cut:
-                    break
-                yield start == 0, text[start : start + cut]
+                cut = _cut(text[start : start + PIECE])
+                yield from _runs(start == 0, text[start : start + cut])
                 start += cut
-            yield start == 0, text[start:]
+            yield from _runs(start == 0, text[start:])
     if not texts:
         raise GPT2PortError(f"{path}: no line has a non-empty \"text\"")
+
+
+def _cut(window: str) -> int:
+    """Where a piece of at most len(window) characters ends: the last point that keeps the tokens, else the end."""
+    return max(_last_cut(window), _last_break(window)) or len(window)
+
+
+def _last_break(text: str) -> int:
+    """The last point right before a space, tab or line break that follows a non-space character (0: none). The
+    pre-token ending at that character ends there (no pattern but a whitespace run spans a space, and none starts
+    with a non-space character), and the next one starts there whatever came before."""
+    m = _BREAK.search(text[::-1])
+    return len(text) - 1 - m.start() if m else 0
+
+
+def _runs(first: bool, piece: str) -> Iterator[tuple[bool, str]]:
+    """The piece, with every run of RUN characters holding no break cut apart: at its last switch between ASCII
+    letters, digits and punctuation (a pre-token boundary too: minified JSON keeps its tokens), else after RUN."""
+    start = 0
+    while len(piece) - start >= RUN and (m := _long_run().search(piece, start)):
+        end = m.start() + (_last_switch(m.group()) or RUN)
+        yield first, piece[start:end]
+        start, first = end, False
+    if start < len(piece) or start == 0:
+        yield first, piece[start:]
+
+
+def _last_switch(text: str) -> int:
+    """The last point between an ASCII letter or digit and ASCII punctuation, or between a letter and a digit (0:
+    none). The apostrophe is left out: it begins the contractions ('s, 'll, ...) that join it to letters."""
+    m = _SWITCH.search(text[::-1])
+    return len(text) - 1 - m.start() if m else 0
+
+
+def _long_run() -> re.Pattern:
+    # Built on use: RUN is read at call time (tests lower it); re caches the compiled pattern.
+    return re.compile(rf"[^ \t\r\n]{{{RUN}}}|[ \t\r\n]{{{RUN}}}")
 
 
 def _last_cut(text: str) -> int:

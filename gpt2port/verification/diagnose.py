@@ -121,6 +121,25 @@ def _from_history(h: dict, part: str, layer) -> Callable | None:
     return None
 
 
+def non_finite(named) -> list[str]:
+    """The names of the (name, tensor) pairs holding NaN or Inf. Nothing computed from such a weight can match GPT-2,
+    so this is checked before any mistake is sought."""
+    from gpt2port.conversion import all_finite
+
+    return [name for name, t in named if t.is_floating_point() and not all_finite(t.detach())]
+
+
+def non_finite_parameters(module) -> list[str]:
+    """A model's parameters holding NaN or Inf, and its float buffers holding NaN (a mask buffer may hold -inf)."""
+    bad = non_finite(module.named_parameters())
+    return bad + [name for name, b in module.named_buffers() if b.is_floating_point() and bool(b.isnan().any())]
+
+
+def describe_non_finite(names: list[str], whose: str) -> str:
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"NaN or Inf in {whose} weights: {shown}; nothing computed from them can match GPT-2"
+
+
 @torch.no_grad()
 def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: float, ids: list,
              rerun_in_eval: Callable[[], list] | None = None, events=()) -> dict:
@@ -132,6 +151,11 @@ def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: 
     refs = st.values["out"] if part == "embeddings" else st.values.get({"attention": "attn", "mlp": "mlp",
                                                                          "final_norm": "out"}[part])
     before = _error(list(zip(ours, refs)))
+    prefix = "" if st.layer is None else f"h.{st.layer}."
+    bad = non_finite((prefix + k if "." in k else f"{k}.weight", w) for k, w in st.weights.items())
+    if bad:  # the reference's own weights: no mistake of ours can explain what they compute
+        return {"stage": part, "rel_before": before, "tolerance": tol, "explained_by": None, "advice": None,
+                "rel_with": None, "closest": None, "measured_against": None, "tried": [], "non_finite": bad}
     for h in events:
         run = _from_history(h, part, st.layer)
         if run is None:
@@ -178,6 +202,8 @@ def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: 
 
 
 def describe(d: dict) -> str:
+    if d.get("non_finite"):
+        return describe_non_finite(d["non_finite"], "the reference's")
     if d.get("history"):
         measured = f" (rel {d['rel_with']:.2e} {d['measured_against']})" if d["rel_with"] is not None else ""
         return f"{d['explained_by']}{measured}"

@@ -27,6 +27,8 @@ def absmax(t: torch.Tensor) -> float:
 
 
 def ratio(d: float, scale: float) -> float:
+    if math.isinf(d):  # a NaN or Inf on either side (inf / inf would be a NaN, which max() skips)
+        return math.inf
     return d / scale if scale > 0 else (0.0 if d == 0 else float("inf"))
 
 

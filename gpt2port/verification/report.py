@@ -19,8 +19,9 @@ JSON schema "gpt2port.verify/1" (keys are only ever added, never renamed or remo
                   "tolerance", "passed"}], "stream": [{"block", "max_abs", "rel"}], "diagnosis": null|{"stage",
                   "rel_before", "tolerance", "explained_by": str|null, "advice", "rel_with", "closest",
                   "measured_against", "history": bool (explained by what was done to the model before, e.g. biases
-                  dropped at load or fine-tuning: verification/history.py), "tried": [{"mistake", "rel", "on"}]}
-                  (diagnose.py)}
+                  dropped at load or fine-tuning: verification/history.py), "tried": [{"mistake", "rel", "on"}],
+                  "non_finite": [str] (only where the reference's weights of that stage hold NaN or Inf: their
+                  names)} (diagnose.py)}
     checks        [{"name", "passed", "value", "tolerance", "detail"}]
     notes         [str]; timings {"ours", "reference", "hf", "total"} in seconds (null: phase not run)
 

@@ -30,6 +30,7 @@ from gpt2port.config import canonical_name, is_known_name
 from gpt2port.errors import GPT2PortError
 from gpt2port.progress import StatusLine
 from gpt2port.verification import history
+from gpt2port.verification.diagnose import describe_non_finite, non_finite_parameters
 from gpt2port.verification.hf import hf_phase
 from gpt2port.verification.inputs import KNOWN_ANSWER, make_inputs
 from gpt2port.verification.localize import Localizer
@@ -191,23 +192,26 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
                             f"--dtype fp32 checks the same {wlabel} weights, judged at {wlabel} tolerances, much faster")
     report.notes += [f"history: {line}" for line in history.lines(ours.history)]
     shape_problem = _shape_mismatch(ours, ref.config)
-    if shape_problem:
+    # NaN or Inf weights make every comparison meaningless: they are named, and nothing is compared.
+    non_finite = non_finite_parameters(ours.module) if ours.module is not None and not shape_problem else []
+    if shape_problem or non_finite:
         report.metrics = {"overall": {"ours_vs_f64": None, "hf_vs_f64": None, "ours_vs_hf": None}, "per_input": {}}
-        report.checks.append(Check("config matches the reference", False, detail=shape_problem))
+        report.checks.append(Check("config matches the reference", False, detail=shape_problem) if shape_problem else
+                             Check("weights are finite", False, detail=describe_non_finite(non_finite, "the model's")))
         report.timings["total"] = time.perf_counter() - t_start
         return report
 
     # 1. ours
     t0 = time.perf_counter()
     inputs = make_inputs(ours, tokenizer_dirs + [ref_path], tokens, known_answer, report.notes, say)
-    ours_logits, streams = [], []
+    ours_logits, streams, n_layer = [], [], ours.n_layer
     for k, inp in enumerate(inputs):
         stream: list[torch.Tensor] = []
 
         def keep(x, k=k, stream=stream):
             stream.append(x)
             if len(stream) > 1:
-                say(f"ours: forward {k + 1}/{len(inputs)}, block {len(stream) - 1}/{ours.n_layer}")
+                say(f"ours: forward {k + 1}/{len(inputs)}, block {len(stream) - 1}/{n_layer}")
 
         with torch.no_grad():
             ours_logits.append(ours.logits(inp.ids, keep))

@@ -125,10 +125,10 @@ class GPTStages(Stages):
 
         # No stop token: verify continues every row for all n steps, whatever it emits.
         if not getattr(self.model, "quantized", None) or prompt.size(0) == 1:
-            return decode(self.model, prompt, n, temperature=0, stop_token=None)
+            return decode(self.model, prompt, n, temperature=0, stop_token=None, check_finite=False)
         # An int8 model multiplies one row on another kernel than several (gpt2port.quant): each prompt decodes alone,
         # as `generate` runs a prompt, so verify judges that kernel (and its smoothing), not the batched one.
-        rows = [list(decode(self.model, prompt[i : i + 1], n, temperature=0, stop_token=None))
+        rows = [list(decode(self.model, prompt[i : i + 1], n, temperature=0, stop_token=None, check_finite=False))
                 for i in range(prompt.size(0))]
         return ((torch.cat([r[step][0] for r in rows]), torch.cat([r[step][1] for r in rows])) for step in range(n))
 

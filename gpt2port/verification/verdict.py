@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from gpt2port.verification.report import Check, VerifyReport
 from gpt2port.verification.tolerances import Tolerance
 
@@ -16,8 +18,8 @@ def judge(report: VerifyReport, inputs, per_input, tol: Tolerance, known_answer:
                         loc["first_divergence"] or f"worst: {worst['stage']}"))
     o = report.metrics["overall"]["ours_vs_f64"]
     checks.append(Check("logits vs float64 (max rel)", o["max_rel"] <= tol.logits_rel, o["max_rel"], tol.logits_rel,
-                        "" if o["max_rel"] <= tol.logits_rel or first else
-                        "every stage matches alone: forward() wires them differently"))
+                        "" if o["max_rel"] <= tol.logits_rel or first else _unexplained(o["max_rel"],
+                        "every stage matches alone: forward() wires them differently")))
     checks.append(Check("next-token KL vs float64", o["kl_mean"] <= tol.kl, o["kl_mean"], tol.kl))
     checks.append(Check("top-1 flips beyond near-ties", o["top1_unexplained"] == 0, o["top1_unexplained"], 0,
                         f"top-1 agreement {100 * o['top1']:.2f}%"))
@@ -39,8 +41,8 @@ def judge(report: VerifyReport, inputs, per_input, tol: Tolerance, known_answer:
     if report.reference.get("hf"):
         h, oh = report.metrics["overall"]["hf_vs_f64"], report.metrics["overall"]["ours_vs_hf"]
         checks.append(Check("HF vs float64 (references agree)", h["max_rel"] <= tol.logits_rel, h["max_rel"],
-                            tol.logits_rel, "" if h["max_rel"] <= tol.logits_rel else
-                            "the two references disagree: check the HF config/files"))
+                            tol.logits_rel, "" if h["max_rel"] <= tol.logits_rel else _unexplained(h["max_rel"],
+                            "the two references disagree: check the HF config/files")))
         vs_hf = tol.logits_rel * tol.vs_hf_factor
         checks.append(Check("logits vs HF (max rel)", oh["max_rel"] <= vs_hf, oh["max_rel"], vs_hf))
         if g:
@@ -51,6 +53,11 @@ def judge(report: VerifyReport, inputs, per_input, tol: Tolerance, known_answer:
     if known_answer:
         checks.append(_known_answer_check(inputs, per_input))
     return checks
+
+
+def _unexplained(rel: float, why: str) -> str:
+    """A NaN error is the logits' own NaN or Inf (where both sides are NaN, they are not wired differently)."""
+    return "the logits hold NaN or Inf" if math.isnan(rel) else why
 
 
 def _known_answer_check(inputs, per_input) -> Check:
