@@ -353,11 +353,11 @@ def test_an_error_in_the_users_file_is_theirs_with_file_and_line(tutorial_file, 
     assert f"tutorial_gpt.py:{lineno}: KeyError: 'layers_per_stage'" in line
     assert "in read_config <- tutorial_gpt.py:" in line and "in make_typo" in line
     assert "internal error" not in line and "please report" not in line
-    # raised by the model's forward while verify runs it on 16 tokens: still theirs, and said when
+    # raised by the model's forward on 16 tokens (load_into's closing proof runs it first): still theirs, and said when
     r = run_cli("check", f"{tutorial_file}:make_limited", tiny_ckpt, "--tokens", "16", "--no-hf")
     line = assert_clean_failure(r, names=["tutorial_gpt.py:"])
     assert re.search(r"tutorial_gpt.py:\d+: ValueError: sequence of \d+ tokens is longer than 12", line), line
-    assert "while verifying" in line and "in forward" in line
+    assert "while loading" in line and "in forward" in line
 
 
 def test_a_file_that_exits_at_import_is_an_error_not_a_pass(tmp_path, tiny_ckpt):
