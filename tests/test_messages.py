@@ -76,7 +76,7 @@ def test_generate_says_when_other_work_slows_decoding(tiny_ckpt, monkeypatch, bu
 
     seen = {}
 
-    def steps(model, ids, n, *args, threads=None):
+    def steps(model, ids, n, *args, threads=None, report=None):
         seen["threads"] = threads
         for k in range(n):
             time.sleep(0.1 if busy and k % 4 else 0.02)
