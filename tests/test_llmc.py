@@ -158,7 +158,9 @@ def test_round_trip_is_bit_exact(tmp_path, tiny_ckpt, dtype):
     assert json.loads((back / "config.json").read_text()) == json.loads((start / "config.json").read_text())
     # The tokenizer came back from gpt2_tokenizer.bin alone: GPT-2's vocabulary, merges in their order.
     assert json.loads((back / "vocab.json").read_bytes()) == json.loads((start / "vocab.json").read_bytes())
-    merges = lambda p: [l for l in p.read_text(encoding="utf-8").splitlines() if l and not l.startswith("#")]
+    def merges(p):
+        return [line for line in p.read_text(encoding="utf-8").splitlines() if line and not line.startswith("#")]
+
     assert merges(back / "merges.txt") == merges(start / "merges.txt")
     assert json.loads((back / "manifest.json").read_text())["warnings"] == []
 
