@@ -15,7 +15,7 @@ How the products run, by the number of rows (tokens) they multiply:
   (`torch._weight_int8pack_mm`) with bf16 activations, each row in its own precision.
 - more rows (a long prompt, verify's inputs): the weight dequantized to fp32 a block of output rows at a time, each
   block multiplied while it is in cache (on F.linear; gpt2port.fast.accelerate puts oneDNN there, as for an fp32
-  model's products, scripts/bench_prefill.py): fp32's numbers at fp32's speed
+  model's products, scripts/bench/prefill.py): fp32's numbers at fp32's speed
   (a GEMM over many rows is bound by arithmetic, not by reading the weight), without writing out and faulting in a
   whole fp32 copy of each matrix (that took 4.3 s of a 17-token prefill at 1.5B, 1.0 s in blocks).
 

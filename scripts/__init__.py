@@ -1,1 +1,3 @@
-"""Benchmarks, random-checkpoint makers and the stand-in Hub, run from the repo root as `python -m scripts.NAME`."""
+"""Tools run from the repository root as `python -m scripts.NAME`: random-checkpoint makers (hf_fixtures,
+tf_fixtures), the stand-in Hub (fake_hub, fill_fake_hub) and the offline demo, the fuzzer and the soak, the checks
+against llm.c and llama.cpp, the GPU check; benchmarks in scripts/bench/."""

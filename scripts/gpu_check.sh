@@ -35,15 +35,15 @@ stage "doctor"
 timeout 60 $PY -m gpt2port doctor || fail "doctor"
 
 stage "124M fp32: CUDA graph vs eager step vs HF eager"
-timeout 150 $PY -m scripts.bench_generate_cuda --sizes gpt2 --dtypes fp32 --repeats 2 --no-compile \
+timeout 150 $PY -m scripts.bench.generate_cuda --sizes gpt2 --dtypes fp32 --repeats 2 --no-compile \
     --workdir "$WORK" --json "$OUT_DIR/decode_124m_fp32.json" || fail "124M fp32 decode"
 
 stage "1.5B bf16 against the bandwidth floor"
-timeout 200 $PY -m scripts.bench_generate_cuda --sizes gpt2-xl --dtypes bf16 --repeats 2 --no-compile \
+timeout 200 $PY -m scripts.bench.generate_cuda --sizes gpt2-xl --dtypes bf16 --repeats 2 --no-compile \
     --workdir "$WORK" --json "$OUT_DIR/decode_1.5b_bf16.json" || fail "1.5B bf16 decode"
 
-stage "fine-tuning step (bench_finetune --device cuda)"
-timeout 90 $PY -m scripts.bench_finetune --device cuda --steps 10 --workdir "$WORK/finetune" \
-    2>&1 | tee "$OUT_DIR/finetune.log" || fail "bench_finetune"
+stage "fine-tuning step (scripts.bench.finetune --device cuda)"
+timeout 90 $PY -m scripts.bench.finetune --device cuda --steps 10 --workdir "$WORK/finetune" \
+    2>&1 | tee "$OUT_DIR/finetune.log" || fail "scripts.bench.finetune"
 
 echo; echo "gpu_check: all stages passed; figures in $OUT_DIR"

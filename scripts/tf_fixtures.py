@@ -14,7 +14,7 @@ and weights.npz beside each: the same arrays as numpy wrote them, an independent
 
     /tmp/tfvenv/bin/python scripts/tf_fixtures.py OUT --size gpt2-xl
 
-writes one full-size checkpoint of random weights at OUT (for scripts/bench_convert.py; no weights.npz).
+writes one full-size checkpoint of random weights at OUT (for scripts/bench/convert.py; no weights.npz).
 """
 
 from __future__ import annotations

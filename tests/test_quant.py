@@ -3,7 +3,7 @@ logits against fp32 within the stated tolerance at tiny and 124M, the tied matri
 stored dtype, the refusals, and `generate`/`verify --dtype int8`.
 
 Tolerance: logits max|int8 - fp32| / max|fp32| <= 3e-2 over the few positions each test looks at. Over 200 positions
-of random 124M weights scripts/int8_error.py measures a median 3.0e-2 and a worst 3.8e-2 for decoding (llama.cpp's
+of random 124M weights scripts/bench/int8_error.py measures a median 3.0e-2 and a worst 3.8e-2 for decoding (llama.cpp's
 q8_0: 2.1e-2 and 2.6e-2; see the README's performance section), so the bound guards against regressions on short
 inputs; it is not a bound on every position of a long one.
 """
@@ -104,7 +104,7 @@ def test_124m_int8_logits_within_tolerance_of_fp32_on_every_path(gpt2_ckpt):
     errors = {"forward": rel_err(logits_of(q, ids), logits_of(ref, ids))}
     errors["prompt"], steps = teacher_forced_steps(q, ref, prompt, 8)
     # The decode steps' activations are rounded to 8 bits too: the bound holds for their median, and no position
-    # strays past the worst scripts/int8_error.py measured over 200 positions (3.8e-2, README).
+    # strays past the worst scripts/bench/int8_error.py measured over 200 positions (3.8e-2, README).
     errors["decode"], errors["worst step"] = statistics.median(steps), max(steps)
     for path, err in errors.items():  # quantized for real (not fp32 in disguise), and within the bound
         bound = INT8_WORST_POSITION if path == "worst step" else INT8_LOGITS_REL
@@ -161,7 +161,7 @@ def test_many_rows_go_through_the_weight_dequantized_block_by_block(monkeypatch)
 @pytest.mark.parametrize("use_onednn", [True, False])
 def test_many_rows_multiply_each_block_on_onednn_as_fp32_does(monkeypatch, use_onednn):
     """The dequantized blocks go where an fp32 model's many-row products go: oneDNN (1.7x faster than F.linear's MKL
-    for a long prompt, scripts/bench_prefill.py) once gpt2port.fast.accelerate swapped it in, else F.linear; same
+    for a long prompt, scripts/bench/prefill.py) once gpt2port.fast.accelerate swapped it in, else F.linear; same
     numbers."""
     import gpt2port.quant as quant
 

@@ -1,4 +1,4 @@
-"""How fast decoding could go: the memory-bandwidth floor that `generate --verbose` and scripts/bench_generate.py
+"""How fast decoding could go: the memory-bandwidth floor that `generate --verbose` and scripts/bench/generate.py
 compare a decode rate with.
 
 One decode step must read every weight once (the position table excepted: one row of it), and little else, so

@@ -15,7 +15,7 @@ class Tolerance:
 
 
 # 5-10x the worst error either implementation showed against float64 on random-weight GPT-2s, measured by
-# scripts/bench_verify.py (fp32 and int8 with 2x1024 random ids, fp16/bf16 with 2x128):
+# scripts/bench/verify.py (fp32 and int8 with 2x1024 random ids, fp16/bf16 with 2x128):
 #                      logits max rel   KL        worst stage   KV-cached   loss diff
 #     fp32  124M       1.4e-6           1.5e-13   1.4e-6        1.3e-6      1.3e-7
 #     fp32  355M       1.5e-6           2.7e-13   1.3e-6        1.3e-6      6.0e-8

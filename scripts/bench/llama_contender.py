@@ -1,4 +1,4 @@
-"""llama.cpp as a contender of scripts/bench_generate.py: the same weights exported as q8_0 GGUF by gpt2port, decoded
+"""llama.cpp as a contender of scripts/bench/generate.py: the same weights exported as q8_0 GGUF by gpt2port, decoded
 greedily through llama.cpp's own sampler (llama-cpp-python, when it is installed)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ in Python, as a PyTorch without a C++ compiler gets.
              paired differences.
 
 Usage (from the repository root):
-    python -m scripts.bench_attention [--threads 2] [--rounds 6] [--workdir DIR] [--against OLD.c]
+    python -m scripts.bench.attention [--threads 2] [--rounds 6] [--workdir DIR] [--against OLD.c]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from gpt2port import GPT
 from gpt2port.fast import Settings, accelerate, decode_step, native
 from gpt2port.model import KVCache
-from scripts.bench_generate import prepare
+from scripts.bench.generate import prepare
 
 H, D, LAYERS = 12, 64, 12
 

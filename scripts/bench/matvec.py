@@ -13,7 +13,7 @@ Kernels: fp32 on oneDNN (gpt2port's Linear for several rows), fp32 and bf16 on g
 F.linear (what bf16 decoding ran before that kernel), int8 on fbgemm (torch.ops.quantized.linear_dynamic, what
 `--dtype int8` decodes with) and on torch._weight_int8pack_mm with bf16 activations (its fallback).
 
-Usage (from the repository root):  python -m scripts.bench_matvec [--size gpt2] [--threads 2]
+Usage (from the repository root):  python -m scripts.bench.matvec [--size gpt2] [--threads 2]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ True): opt-in until this script has proved it) against its eager step, Hugging F
 the decoding forward compiled by torch.compile (transformers compiles it itself when a generation uses a static cache
 on a GPU), at fp32 and bf16.
 
-For each size: the random-weight checkpoint of scripts/bench_generate (`prepare`), loaded by both libraries from the
+For each size: the random-weight checkpoint of scripts/bench/generate (`prepare`), loaded by both libraries from the
 same files; greedy, a 16-token prompt, 128 new tokens, tokens/s including the prompt's prefill, the device
 synchronized around each run. Every contender runs once first (for HF's compiled path that first run includes the
 compilation: its time is reported apart, as start-up, never inside a rate); then the rounds alternate contender by
@@ -14,7 +14,7 @@ products per timing; its best).
 Targets: 124M fp32 recorded >= 5x HF eager; 1.5B bf16 recorded >= 60% of the floor.
 
 Usage (from the repository root, on a machine with a CUDA device):
-    python -m scripts.bench_generate_cuda [--sizes gpt2,gpt2-xl] [--repeats 3] [--workdir DIR] [--json out.json]
+    python -m scripts.bench.generate_cuda [--sizes gpt2,gpt2-xl] [--repeats 3] [--workdir DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 from gpt2port import GPT
 from gpt2port.generate import generate
 from gpt2port.fast.speed import matvec_bandwidth, weight_bytes_per_token
-from scripts.bench_generate import FAST, GRAPHED, NEW_TOKENS, _common_prefix, hf_decode, ours_decode, prepare
+from scripts.bench.generate import FAST, GRAPHED, NEW_TOKENS, _common_prefix, hf_decode, ours_decode, prepare
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GRAPH, EAGER, HF_EAGER, HF_COMPILED = "gpt2port, CUDA graph", "gpt2port, eager step", "HF eager", \

@@ -7,9 +7,9 @@ the converter, not this script); its wall time is measured around it. The errors
 the float64 reference) are the numbers behind gpt2port.verification.TOLERANCES.
 
 Usage (from the repository root):
-    python -m scripts.bench_verify --sizes gpt2                       # one size, fp32, full 1024-token inputs
-    python -m scripts.bench_verify --sizes gpt2,gpt2-medium --dtypes fp32,bf16 --tokens 128
-    python -m scripts.bench_verify                                    # all four sizes (gpt2-xl needs ~13 GB disk)
+    python -m scripts.bench.verify --sizes gpt2                       # one size, fp32, full 1024-token inputs
+    python -m scripts.bench.verify --sizes gpt2,gpt2-medium --dtypes fp32,bf16 --tokens 128
+    python -m scripts.bench.verify                                    # all four sizes (gpt2-xl needs ~13 GB disk)
 Prints a markdown table; --json-out FILE also saves every verify report.
 """
 

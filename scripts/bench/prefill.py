@@ -2,7 +2,7 @@
 prompt that fills the KV cache and gives the next token's logits, side by side, each contender in turn, round by
 round (this machine's speed swings from minute to minute: neighbours see the same), best of the rounds.
 
-Contenders, on the same random weights (scripts.bench_generate.prepare): gpt2port fp32, bf16 and int8 (its many-row
+Contenders, on the same random weights (scripts.bench.generate.prepare): gpt2port fp32, bf16 and int8 (its many-row
 products on the weight dequantized a block at a time and multiplied on oneDNN, gpt2port/quant.py), int8 with those
 blocks on F.linear (MKL; gpt2port.fast.Settings(onednn=False)), HF GPT2LMHeadModel fp32
 (use_cache=True, logits for the last position only, as every contender computes them), and, where llama-cpp-python
@@ -10,7 +10,7 @@ is installed, llama.cpp on the same weights exported as q8_0 GGUF (its context r
 previous round's prompt is reused).
 
 Usage (from the repository root):
-    python -m scripts.bench_prefill [--size gpt2] [--tokens 880] [--rounds 4] [--threads 2] [--workdir DIR]
+    python -m scripts.bench.prefill [--size gpt2] [--tokens 880] [--rounds 4] [--threads 2] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from gpt2port import GPT
 from gpt2port.fast import Settings
 from gpt2port.fast.kernels import accelerated
 from gpt2port.model import KVCache
-from scripts import llama_contender
-from scripts.bench_generate import prepare
+from scripts.bench import llama_contender
+from scripts.bench.generate import prepare
 
 
 def ours(model: GPT, ids: torch.Tensor, settings: Settings = Settings()) -> float:

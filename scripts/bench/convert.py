@@ -15,8 +15,8 @@ With --tf DIR (OpenAI's TensorFlow layout, e.g. written by `scripts/tf_fixtures.
   (c) cp of DIR's data file(s), flushed to disk (gpt2port flushes its output too)
 Targets: (a) wall <= 1.5x (c), peak RSS <= 1 GB.
 
-    python -m scripts.bench_convert [--size gpt2-xl] [--workdir /tmp/gpt2port-bench] [--repeat 1] [--keep]
-    python -m scripts.bench_convert --tf /tmp/tf-xl [--repeat 3]
+    python -m scripts.bench.convert [--size gpt2-xl] [--workdir /tmp/gpt2port-bench] [--repeat 1] [--keep]
+    python -m scripts.bench.convert --tf /tmp/tf-xl [--repeat 3]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ STEPS = {"gpt2port": step_gpt2port, "nanogpt": step_nanogpt, "cp": step_cp, "cp_
 def run_step(name: str, src: Path, out: Path) -> dict:
     """Run one step in a fresh interpreter; its wall time includes interpreter start and imports."""
     t0, cpu0 = time.perf_counter(), machine_cpu()
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench_convert", "--step", name, str(src), str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.convert", "--step", name, str(src), str(out)], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     wall, cpu = time.perf_counter() - t0, [b - a for a, b in zip(cpu0, machine_cpu())]
     if proc.returncode != 0:

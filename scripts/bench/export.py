@@ -1,6 +1,6 @@
 """export --to gguf against a flushed `cp` of a file of the same size, side by side, each in a fresh process.
 
-    python -m scripts.bench_export CKPT [--dtype fp32] [--repeat 2]
+    python -m scripts.bench.export CKPT [--dtype fp32] [--repeat 2]
 
 Prints wall seconds and peak RSS (VmHWM, from /usr/bin/time -v) for both, and the ratio. Both start from the same
 state: the checkpoint's weights read once into the page cache and every dirty page synced, untimed. The cp copies

@@ -10,7 +10,7 @@ memory one process holds when training with --fsdp on 2 processes against 1.
 (2) With --fsdp-memory: `gpt2port finetune` on a random --size checkpoint, in 1 process and under torchrun with 2
     processes and --fsdp, a few steps each; peak RSS (VmHWM) of every training process.
 
-    python -m scripts.bench_finetune [--size gpt2] [--batch-size 4] [--block-size 256] [--steps 10]
+    python -m scripts.bench.finetune [--size gpt2] [--batch-size 4] [--block-size 256] [--steps 10]
                                      [--device cpu|cuda] [--compile] [--fsdp-memory] [--workdir DIR]
 """
 
@@ -129,9 +129,9 @@ def fsdp_memory(args) -> dict:
     if not text.exists():
         text.write_text((ROOT / "README.md").read_text() * 20)
     results = {}
-    for label, launcher in (("1 process", [sys.executable, "-m", "scripts.bench_finetune", "--worker"]),
+    for label, launcher in (("1 process", [sys.executable, "-m", "scripts.bench.finetune", "--worker"]),
                             ("2 processes, --fsdp", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     "--nproc-per-node", "2", "-m", "scripts.bench_finetune",
+                                                     "--nproc-per-node", "2", "-m", "scripts.bench.finetune",
                                                      "--fsdp", "--worker"])):
         out = work / "run"
         shutil.rmtree(out, ignore_errors=True)
@@ -146,7 +146,7 @@ def fsdp_memory(args) -> dict:
 
 
 def _worker(ckpt, text, out, batch_size, block_size, fsdp) -> None:
-    from scripts.bench_convert import _vm_hwm_kib
+    from scripts.bench.convert import _vm_hwm_kib
 
     from gpt2port.training.finetune import Settings, finetune
 

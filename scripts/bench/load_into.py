@@ -11,7 +11,7 @@ fresh processes, one after the other in the same run, each up to the first logit
       each tensor copied over with its transpose (skipped with --skip-baseline; needs two models of memory)
 Targets: (a) peak RSS <= 1.15x the class's weights.
 
-    python -m scripts.bench_load_into [--size gpt2-xl] [--workdir /tmp/gpt2port-bench] [--repeat N]
+    python -m scripts.bench.load_into [--size gpt2-xl] [--workdir /tmp/gpt2port-bench] [--repeat N]
                                       [--skip-baseline] [--keep]
 """
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from scripts.bench_convert import _vm_hwm_kib, warm
+from scripts.bench.convert import _vm_hwm_kib, warm
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[464, 3290, 373, 1043]]
@@ -145,7 +145,7 @@ STEPS = {"load_into": step_load_into, "load_into_hf": step_load_into_hf, "from_p
 
 def run_step(name: str, ckpt: Path, hf: Path) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "scripts.bench_load_into", "--step", name, str(ckpt), str(hf)],
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.load_into", "--step", name, str(ckpt), str(hf)],
                           cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     if proc.returncode != 0:

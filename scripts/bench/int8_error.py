@@ -1,7 +1,7 @@
 """How far 8-bit logits stray from fp32, position by position, for gpt2port's int8 and llama.cpp's q8_0 on the same
 weights.
 
-Random-weight GPT-2 (the same hub-layout file scripts/bench_generate.py writes), random token ids, and for every
+Random-weight GPT-2 (the same hub-layout file scripts/bench/generate.py writes), random token ids, and for every
 position: max |logit - fp32 logit| / max |fp32 logit| at that position. Reported as the median, 90th percentile and
 maximum over the positions, for:
 
@@ -17,7 +17,7 @@ of each LayerNorm and --units (4) MLP units (their fc rows) scaled M times (seed
   gpt2port int8, decode, unsmoothed   the decode steps of quant.quantized_model(..., smoothing=False)
 
 Usage (from the repository root):
-    python -m scripts.int8_error [--size gpt2] [--tokens 200] [--threads 2] [--workdir DIR] [--outliers 30 [--gains 3] [--units 4]]
+    python -m scripts.bench.int8_error [--size gpt2] [--tokens 200] [--threads 2] [--workdir DIR] [--outliers 30 [--gains 3] [--units 4]]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from gpt2port import GPT, export, quant
 from gpt2port.model import KVCache
-from scripts.bench_generate import prepare
+from scripts.bench.generate import prepare
 
 
 def per_position(logits: torch.Tensor, ref: torch.Tensor) -> list[float]:

@@ -16,7 +16,7 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            of each counts. Then gpt2port bf16 (one row on gpt2port's kernel) and the same on F.linear, alternating.
            Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same with its eager step,
            and, when llama-cpp-python is installed, llama.cpp on the same weights exported to GGUF q8_0, greedy
-           through its own sampler (scripts/llama_contender.py), interleaved likewise; these quantized rounds run
+           through its own sampler (scripts/bench/llama_contender.py), interleaved likewise; these quantized rounds run
            in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
@@ -38,11 +38,11 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
 
 --device cuda runs the same on a GPU (no MKL contender there; "gpt2port fp32" is the step recorded as a CUDA graph,
 Settings(cuda_graph=True), the eager step the one not recorded; timings synchronize the device). The targets in the
-README are for the CPU run; scripts/bench_generate_cuda.py sets the recorded step against HF's static cache +
+README are for the CPU run; scripts/bench/generate_cuda.py sets the recorded step against HF's static cache +
 compile on a GPU.
 
 Usage (from the repository root):
-    python -m scripts.bench_generate [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
+    python -m scripts.bench.generate [--sizes gpt2,gpt2-xl] [--threads 2] [--repeats 3] [--json out.json]
                                      [--device cuda] [--prompt-tokens 16]
 """
 
@@ -67,7 +67,8 @@ from gpt2port.fast import OFF, Settings
 from gpt2port.fast.kernels import accelerated
 from gpt2port.fast.speed import matvec_bandwidth, timed, weight_bytes_per_token
 from gpt2port.generate import steps
-from scripts import hf_fixtures, llama_contender
+from scripts import hf_fixtures
+from scripts.bench import llama_contender
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
@@ -272,7 +273,7 @@ def quantized_rounds_fresh(size: str, ckpt: Path, root: Path, prompt: torch.Tens
     weights land depends on what the heap already holds, and here it would hold the holes the fp32 and bf16 rounds
     left."""
     ids = ",".join(str(t) for t in prompt[0].tolist())
-    child = subprocess.run([sys.executable, "-m", "scripts.bench_generate", "--threads", str(torch.get_num_threads()),
+    child = subprocess.run([sys.executable, "-m", "scripts.bench.generate", "--threads", str(torch.get_num_threads()),
                             "--quantized-child", size, str(ckpt), str(root), str(repeats), ids],
                            stdout=subprocess.PIPE, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
     got = json.loads(child.stdout.strip().splitlines()[-1])
