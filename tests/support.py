@@ -19,6 +19,8 @@ from gpt2port.cli import main
 from gpt2port.fsio import OLD_MARK, PARTIAL_MARK
 
 WEIGHTS = "model.safetensors"
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def interruptible(**popen_kw) -> dict:

@@ -121,7 +121,7 @@ def test_unsupported_configs_are_refused(make_hf_repo, tmp_path, setting, messag
 
 def test_a_head_that_differs_under_a_tied_config_is_refused(tiny_hf_model, tmp_path):
     """config.json says tied (GPT-2's default) but the file's lm_head.weight differs: converting would change the
-    model. (A config that says untied keeps its head: tests/test_untied.py.)"""
+    model. (A config that says untied keeps its head: tests/layouts/test_untied.py.)"""
     model = copy.deepcopy(tiny_hf_model)
     src = hf_fixtures.write_repo(model, tmp_path / "src", "with_head")
     from safetensors.torch import load_file, save_file

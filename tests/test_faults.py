@@ -33,6 +33,7 @@ from gpt2port.fsio import PARTIAL_MARK, staged_directory, sweep_leftovers
 from scripts import fake_hub, fill_fake_hub
 from tests.support import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint,
                            interruptible, leftovers, run_cli, snapshot)
+from tests.support import ROOT
 
 # The CLI with faults patched in, chosen by the JSON in $GPT2PORT_TEST_FAULT:
 #   slow: seconds to sleep before each tensor (and touch `started` at the first), so a signal lands mid-write
@@ -475,7 +476,7 @@ def test_soak_gpt2(tmp_path):
     report = tmp_path / "soak.json"
     r = subprocess.run([sys.executable, "-m", "scripts.soak", "--sizes", "gpt2", "--rounds", "2", "--json", str(report),
                         "--workdir", str(tmp_path / "w")],
-                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=1200)
+                       cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(report.read_text())["rows"]
     converts = [row for row in rows if row["step"].startswith("convert")]

@@ -22,8 +22,8 @@ import pytest
 from scripts import fake_hub, fill_fake_hub
 from tests.support import assert_clean_failure, assert_one_line_error, assert_valid_checkpoint, leftovers, run_cli, \
     snapshot
+from tests.support import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 FOREIGN = "holds files gpt2port did not write (.ssh, notes.txt); choose another --out or remove it yourself"
 TINY_FINETUNE = ["--steps", "1", "--batch-size", "2", "--block-size", "16", "--eval-every", "0", "--quiet"]
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_what_the_readme_examples_write_is_ignored_by_git():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from gpt2port.config import ACTIVATIONS
 from gpt2port.errors import GPT2PortError
 from gpt2port.fast import Settings, accelerate
 from gpt2port.fast.kernels import onednn_works
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # Each snippet runs in a fresh process between two reads of the global RNG state. Fresh, because the oneDNN probe
 # runs once per process, when generate first swaps the fast layers in: in a process where anything ran before, it has

@@ -9,13 +9,12 @@ import os
 import pty
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from gpt2port import progress
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env() -> dict:

@@ -38,8 +38,8 @@ def test_every_reader_lists_then_reads_the_same_tensors(tmp_path):
             for key, want in TENSORS.items():
                 assert torch.equal(reader.read(key, into=buffer).clone(), want), (name, key)
             assert reader.files[0].exists()
-    # .gguf holds a whole model (names, sizes, tokenizer), not arbitrary tensors: tests/test_gguf.py covers it;
-    # a TensorFlow checkpoint (.index) can only be written by TensorFlow: tests/test_tf.py reads genuine ones.
+    # .gguf holds a whole model (names, sizes, tokenizer), not arbitrary tensors: tests/formats/test_gguf.py covers it;
+    # a TensorFlow checkpoint (.index) can only be written by TensorFlow: tests/formats/test_tf.py reads genuine ones.
     assert set(READERS) == {".safetensors", ".bin", ".pt", ".pth", ".index.json", ".gguf", ".index"}
 
 

@@ -21,6 +21,7 @@ import torch
 
 from scripts import hostile_files as hf
 from tests.support import assert_one_line_error, snapshot
+from tests.support import ROOT
 
 MEMORY = 1 << 30  # address space of the whole process, torch's ~0.65 GB included
 TIMEOUT = 30  # the work is bounded by the file's few KB; this turns a hang into a failure on a busy machine
@@ -30,7 +31,7 @@ def capped(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m gpt2port ARGS` in a fresh process with MEMORY of address space and TIMEOUT seconds."""
     def limit():
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     try:
         return subprocess.run([sys.executable, "-m", "gpt2port", *map(str, args)], capture_output=True, text=True,
                               env=env, cwd=cwd, timeout=TIMEOUT, preexec_fn=limit)
@@ -335,7 +336,7 @@ def test_fuzz_script_runs_and_finds_nothing(tmp_path):
     report = tmp_path / "fuzz.json"
     r = subprocess.run([sys.executable, "-m", "scripts.fuzz", "--cases", "20", "--seed", "7", "--json", report,
                         "--work", tmp_path / "work"], capture_output=True, text=True, timeout=300,
-                       cwd=Path(__file__).parents[1])
+                       cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     facts = json.loads(report.read_text())
     assert facts["cases"] == 20 and facts["failures"] == [], facts["failures"]

@@ -21,9 +21,9 @@ import torch
 from gpt2port import GPT
 from gpt2port.training import data as tokens
 from tests.support import assert_clean_failure, assert_valid_checkpoint, interruptible, run_cli, snapshot
+from tests.support import ROOT
 
 LICENSE = Path("/usr/share/common-licenses/GPL-3")
-ROOT = Path(__file__).resolve().parent.parent
 # A short run: 8 sequences of 32 tokens per step, evaluated on 8 held-out windows every 5 steps.
 RUN = ["--batch-size", "8", "--block-size", "32", "--lr", "1e-3", "--eval-every", "5", "--eval-windows", "8",
        "--quiet"]
@@ -117,7 +117,7 @@ def test_loss_falls_and_the_result_is_an_ordinary_checkpoint(straight, tiny_ckpt
     assert train[-1]["lr"] == pytest.approx(1e-4)
     assert_valid_checkpoint(straight)
     assert not (straight / "train_state").exists()  # the finished run needs no state
-    chart = ET.parse(straight / "loss.svg").getroot()  # its content: tests/test_plot.py
+    chart = ET.parse(straight / "loss.svg").getroot()  # its content: tests/training/test_plot.py
     line = {p.get("class"): p.get("points").split() for p in chart.iter("{http://www.w3.org/2000/svg}polyline")}
     assert len(line["train"]) == 20 and len(line["eval"]) == 5
     manifest = json.loads((straight / "manifest.json").read_text())

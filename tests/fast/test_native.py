@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gpt2port import GPT, GPTConfig
 from gpt2port.fast import Settings, accelerate, native
 from gpt2port.model import KVCache
+from tests.support import ROOT
 
 needs_kernel = pytest.mark.usefixtures("native_kernels")
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=48, vocab_size=203, n_positions=32)
@@ -259,7 +260,7 @@ print(built.attend_one, built.binding_why_not)
 def first_calls(env: dict) -> tuple[list[str], str]:
     """A fresh process: a plain model's forward, then the kernels asked for (stdout lines, stderr)."""
     proc = subprocess.run([sys.executable, "-c", FIRST_CALLS], env={**os.environ, **env}, capture_output=True,
-                          text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+                          text=True, check=True, cwd=ROOT)
     return proc.stdout.splitlines(), proc.stderr
 
 
@@ -294,7 +295,7 @@ def test_processes_building_at_once_build_once(tmp_path):
             "print(native.kernels().matvec)\n")
     env = {**os.environ, "GPT2PORT_NATIVE_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=Path(__file__).resolve().parents[1]) for _ in range(3)]
+                              text=True, cwd=ROOT) for _ in range(3)]
     outs = [p.communicate(timeout=600) for p in procs]
     if native.compiler() is None:
         pytest.skip("no C compiler here")
@@ -338,7 +339,7 @@ def test_without_a_compiler_generation_runs_on_pytorchs_kernels(tmp_path):
     env = {**os.environ, "CC": str(tmp_path / "no-cc"), "CXX": str(tmp_path / "no-cxx"),
            "GPT2PORT_NATIVE_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", WITHOUT_KERNELS], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["True", "no C compiler found (cc, gcc or clang on the PATH, or $CC)",
                                         "gpt2port.fast's step (attention: SDPA)"]

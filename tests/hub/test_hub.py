@@ -28,6 +28,7 @@ from click.testing import CliRunner
 from scripts import fake_hub, fill_fake_hub, hf_fixtures
 from gpt2port.errors import GPT2PortError
 from tests.support import interruptible
+from tests.support import ROOT
 
 TINY_REPO = "gpt2port-fixtures/tiny"
 BIN_REPO = "gpt2port-fixtures/tiny-bin-only"
@@ -35,7 +36,6 @@ SHARDED_REPO = "gpt2port-fixtures/tiny-sharded"
 BROKEN_REPO = "gpt2port-fixtures/tiny-shard-missing"
 NEEDED = {"config.json", "vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "model.safetensors"}
 NEVER = set(fill_fake_hub.DECOYS) | {"README.md", ".gitattributes", "generation_config.json"}
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------------

@@ -422,7 +422,7 @@ def test_nan_fails_and_json_stays_strict(tiny_ckpt, hub_reference):
         model.blocks[1].mlp.fc.bias = torch.nn.Parameter(model.blocks[1].mlp.fc.bias.clone())
         model.blocks[1].mlp.fc.bias[0] = float("nan")
     report = verify_model(model, hub_reference, hf=False, tokens=8)
-    assert not report.passed  # the NaN is named; nothing is compared (tests/test_nonfinite.py)
+    assert not report.passed  # the NaN is named; nothing is compared (tests/verification/test_nonfinite.py)
     assert report.failures[0].startswith("weights are finite: NaN or Inf in the model's weights: blocks.1.mlp.fc.bias")
     json.dumps(report.to_dict(), allow_nan=False)  # raises on a bare NaN/Infinity
     # NaN that no weight holds (computed): the stage that makes it differs, by an infinite error, in strict JSON

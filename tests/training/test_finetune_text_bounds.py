@@ -17,6 +17,7 @@ import pytest
 from gpt2port.tokenizer import from_directory
 from gpt2port.training import data, text
 from tests.support import run_cli, snapshot
+from tests.support import ROOT
 
 WORDS = "The quick brown fox, it's said, jumps over 12 lazy dogs!\t(Twice.)  "
 
@@ -28,7 +29,7 @@ def child(script: str, *args) -> subprocess.Popen:
                "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n")
     return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(script), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 PREPARE = """

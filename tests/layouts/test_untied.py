@@ -21,8 +21,8 @@ from gpt2port.config import GPTConfig
 from tests.conftest import TINY
 from tests.userclasses import Case
 from tests.support import assert_clean_failure, run_cli
+from tests.support import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures"
 V = TINY["vocab_size"]
 CONFIG = GPTConfig(**TINY)
 

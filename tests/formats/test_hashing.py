@@ -19,9 +19,9 @@ import pytest
 from gpt2port import convert, hashing
 from gpt2port.errors import GPT2PortError
 from tests.support import run_cli
+from tests.support import ROOT, FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "tf"
-ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = FIXTURES / "tf"
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from scripts import fill_fake_hub
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_with_an_incomplete_venv_installs_and_names_what_is_still_missing(tmp_path):

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from gpt2port import GPT, convert
 from gpt2port.formats.tf_bundle import TFBundleReader
 from tests.support import assert_clean_failure, leftovers, run_cli, snapshot
+from tests.support import FIXTURES
 
-FIXTURES = Path(__file__).parent / "fixtures" / "tf"
+FIXTURES = FIXTURES / "tf"
 
 
 def npz(name: str = "tiny") -> dict[str, torch.Tensor]:
