@@ -27,7 +27,7 @@ print(torch.__version__, torch.cuda.get_device_name())' || fail "device"
 
 stage "CUDA tests (the graph recorded and replayed against the model's forward)"
 log="$OUT_DIR/cuda_tests.log"
-timeout 240 $PY -m pytest -q -p no:cacheprovider -rs tests/test_step.py tests/test_generate.py -k "cuda or graph" \
+timeout 240 $PY -m pytest -q -p no:cacheprovider -rs tests/fast/test_step.py tests/test_generate.py -k "cuda or graph" \
     2>&1 | tee "$log" || fail "CUDA tests"
 if grep -Eq "[0-9]+ skipped" "$log"; then fail "CUDA tests (some skipped: see $log)"; fi
 

@@ -1,5 +1,5 @@
 """Tiny valid files of every format gpt2port reads, written here byte by byte where the format's own library would
-hide what a hostile file can say: the seeds that scripts/fuzz.py mutates and tests/test_hostile.py bends.
+hide what a hostile file can say: the seeds that scripts/fuzz.py mutates and tests/formats/test_hostile.py bends.
 
 One tiny GPT-2 (1 layer, width 8, 2 heads, 8 positions, a 320-token byte-level BPE: GPT-2's own first 63 merges) in:
   safetensors/   Hugging Face's layout: model.safetensors + config.json + tokenizer

@@ -1,4 +1,4 @@
-"""Which from-scratch mistakes verify can see, at which weight scale: each mistake of tests/test_diagnose.py (plus
+"""Which from-scratch mistakes verify can see, at which weight scale: each mistake of tests/verification/test_diagnose.py (plus
 ReLU for GELU and every bias dropped) made in gpt2port's own GPT, verified against its source, on weights at the
 transformers' own init, at the test fixtures' 0.02 init with random LayerNorms and biases (hf_fixtures.make_hf_model),
 and at a trained GPT-2's activation scales (tests/realistic.py).
@@ -21,7 +21,7 @@ import gpt2port
 from gpt2port import GPT
 from scripts import hf_fixtures
 from tests.realistic import make_realistic_
-from tests.test_diagnose import CASES
+from tests.verification.test_diagnose import CASES
 
 
 def relu(m):

@@ -12,7 +12,7 @@ one-token kernel where it is built (kernels.choose_attention), which writes the 
 The step calls the model's own modules for the embeddings, norms, products and MLPs (whatever kernels
 gpt2port.fast.accelerate swapped in); only the composition of a block and attention over the cache are written
 here, as Block and CausalSelfAttention compute them, so `applies` asks only that the model is built of those.
-tests/test_step.py holds the step to the model's forward, logits and cache, for every kernel, dtype, batch and
+tests/fast/test_step.py holds the step to the model's forward, logits and cache, for every kernel, dtype, batch and
 padding; on a GPU, scripts/gpu_check.sh records it.
 """
 
