@@ -9,8 +9,9 @@ Each begins with 256 little-endian int32s: a magic number, a version, then the f
     tokenizer    20240328, version 2; the number of tokens, the end-of-text id. Then per token one length byte
                  and that many bytes.
 
-The files carry no names and no checksum, so the reader checks what it can: magic, version, sizes that make a
-GPT-2, and that the header accounts for the file's length to the byte.
+The files carry no names and no checksum, so what can be checked is: magic and version (here), sizes that make a
+GPT-2 (readers/llmc.py, which names and shapes the tensors by layouts/llmc.py), and that the header accounts for the
+file's length to the byte (check_size).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def _gguf_reader(path: Path) -> Reader:
 # How a weights file is read, by the end of its name. The index row opens each shard through this same table.
 READERS = {
     ".safetensors": SafetensorsReader,
-    ".bin": lambda path: open_bin(path, PickleReader, LlmcReader),  # a pickle, or llm.c's model file (told by its magic)
+    ".bin": lambda path: open_bin(path, PickleReader, LlmcReader),  # a pickle, or llm.c's model file (by its magic)
     ".pt": PickleReader,
     ".pth": PickleReader,
     INDEX_SUFFIX: lambda path: ShardedReader(path, open_weights),
