@@ -12,8 +12,8 @@ from gpt2port.formats import WEIGHT_FILES, Reader
 from gpt2port.formats.llmc import open_bin
 from gpt2port.formats.safetensors import SafetensorsReader
 from gpt2port.formats.shards import INDEX_SUFFIX, ShardedReader
-from gpt2port.formats.torch_pickle import PickleReader
 from gpt2port.readers.llmc import LlmcReader
+from gpt2port.readers.torch_pickle import ModelPickleReader
 
 
 def _tf_reader(path: Path) -> Reader:
@@ -31,9 +31,9 @@ def _gguf_reader(path: Path) -> Reader:
 # How a weights file is read, by the end of its name. The index row opens each shard through this same table.
 READERS = {
     ".safetensors": SafetensorsReader,
-    ".bin": lambda path: open_bin(path, PickleReader, LlmcReader),  # a pickle, or llm.c's model file (by its magic)
-    ".pt": PickleReader,
-    ".pth": PickleReader,
+    ".bin": lambda path: open_bin(path, ModelPickleReader, LlmcReader),  # a pickle, or llm.c's model file (by its magic)
+    ".pt": ModelPickleReader,
+    ".pth": ModelPickleReader,
     INDEX_SUFFIX: lambda path: ShardedReader(path, open_weights),
     ".gguf": _gguf_reader,
     ".index": _tf_reader,  # a TensorFlow checkpoint: PREFIX.index beside PREFIX.data-*-of-*
