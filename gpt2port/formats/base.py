@@ -33,8 +33,9 @@ class Reader:
     """One opened weights source. `tensors` lists every tensor in file order; read(name) loads just that one.
 
     Subclasses set path (what was opened), files (every file the tensors come from, in order), index_file (a file
-    that only lists others, or None), tensors and metadata (and layout, model_config where the format fixes them),
-    and implement read().
+    that only lists others, or None), tensors and metadata, and implement read(). layout, model_config and
+    embedded_tokenizer() are what a file means, set by the readers that know it (gpt2port.readers; here only where
+    the format itself fixes them, as OpenAI's TensorFlow release does).
     """
 
     path: Path
@@ -42,9 +43,9 @@ class Reader:
     index_file: Path | None = None
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
-    # A format whose files always hold one layout (llm.c's, GGUF's) names it here; None: tell it by the names.
+    # A file that always holds one layout (llm.c's, GGUF's) names it here; None: tell it by the names.
     layout: str | None = None
-    # A format that carries the model's sizes in the file itself gives them as config.json fields (n_layer, n_head,
+    # A file that carries the model's sizes in itself gives them as config.json fields (n_layer, n_head,
     # n_embd, vocab_size, n_positions, ...); None: they come from a config.json beside the file, or from shapes.
     model_config: dict | None = None
     config_file: Path | None = None  # the file model_config was read from, if it is one beside the weights
