@@ -21,15 +21,11 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.base import Reader
 from gpt2port.formats.prefetch import Streamed
-from gpt2port.formats.safetensors import stream_safetensors
-from gpt2port.fsio import copy_file, refuse_hf_cache, refuse_overlap, staged_directory, write_json
-from gpt2port.hashing import BackgroundHasher
-from gpt2port.layouts import GGUF, GPT2PORT, HF, canonical, get as get_layout
+from gpt2port.fsio import refuse_hf_cache, refuse_overlap, staged_directory
+from gpt2port.layouts import GPT2PORT, canonical, get as get_layout
 from gpt2port.layouts.transforms import merge
-from gpt2port.llmc_export import write_llmc
 from gpt2port.sources import Source, open_source
-from gpt2port.targets import ENCODINGS, TARGETS
-from gpt2port.tokenizer import defines_tokenizer
+from gpt2port.targets import REGISTRY
 
 
 @dataclass
@@ -37,7 +33,7 @@ class ConvertResult:
     out: Path
     layout: str
     n_params: int
-    dtype: torch.dtype | str  # a str for an encoding of the layout's own (ENCODINGS: "q8_0")
+    dtype: torch.dtype | str  # a str for an encoding of the target's own (Target.encodings: "q8_0")
     bytes_written: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
@@ -79,42 +75,41 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
             provenance: dict | None = None, known_sha256: dict[str, str] | None = None,
             progress: Callable[[int, int], None] | None = None, options: dict | None = None) -> ConvertResult:
     """Convert the GPT-2 weights at `src` (a Hugging Face repo directory or weights file, a gpt2port checkpoint, an
-    llm.c model file or a GGUF file) into the directory `out`, in layout `to` (one of targets.TARGETS: "gpt2port", "hf"
-    for GPT2LMHeadModel.from_pretrained, "llmc", "gguf").
+    llm.c model file or a GGUF file) into the directory `out`, in layout `to` (one of targets.REGISTRY: "gpt2port",
+    "hf" for GPT2LMHeadModel.from_pretrained, "llmc", "gguf").
 
-    dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (ENCODINGS). provenance: extra
+    dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (Target.encodings). provenance: extra
     facts for the manifest (the Hub repo and commit a download came from). known_sha256: file name -> sha256 already established (a verified download), so it is
     not hashed again. progress(done_bytes, total_bytes) is called after each tensor. options: switches of the target
-    layout's writer (see WRITERS).
+    layout's writer (Target.options).
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
-    if to not in WRITERS:
-        raise GPT2PortError(f"unknown output layout {to!r} (known: {', '.join(WRITERS)})")
-    target = get_layout(to)
-    encoding = dtype.lower() if isinstance(dtype, str) and dtype.lower() in ENCODINGS.get(to, ()) else None
+    if to not in REGISTRY:
+        raise GPT2PortError(f"unknown output layout {to!r} (known: {', '.join(REGISTRY)})")
+    target, writer = get_layout(to), REGISTRY[to].writer()
+    encoding = dtype.lower() if isinstance(dtype, str) and dtype.lower() in REGISTRY[to].encodings else None
     if encoding:  # produced in fp32; the writer encodes
         options, dtype = {**(options or {}), "encoding": encoding}, torch.float32
-    elif isinstance(dtype, str) and any(dtype.lower() in e for e in ENCODINGS.values()):
-        owners = " or ".join(f"--to {t}" for t, e in ENCODINGS.items() if dtype.lower() in e)
+    elif isinstance(dtype, str) and any(dtype.lower() in t.encodings for t in REGISTRY.values()):
+        owners = " or ".join(f"--to {n}" for n, t in REGISTRY.items() if dtype.lower() in t.encodings)
         raise GPT2PortError(f"dtype {dtype!r} is for {owners} only; the {to} layout takes fp32, fp16 or bf16")
     with open_source(src) as source:
         refuse_overlap(out, source.root)
         refuse_hf_cache(out)
-        if to in ("llmc", "gguf") and source.config.activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        if REGISTRY[to].tanh_gelu and source.config.activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
             raise GPT2PortError(f"{source.where}: its MLP's activation is {source.config.activation!r}; {to} files "
                                 f"always compute GPT-2's tanh GELU, so this export would be another model (--to hf "
                                 f"keeps the activation)")
         out_dtype = parse_dtype(dtype) or source.dtype()
         warnings = source.warnings()
-        # gpt2port's and HF's layouts are written by stream_safetensors, which takes tensors in pieces
-        items, dropped, head = _items(source, target, out_dtype, warnings, streamed=target.name in ("gpt2port", "hf"))
+        items, dropped, head = _items(source, target, out_dtype, warnings, streamed=REGISTRY[to].streamed)
         if out_dtype not in DTYPE_LABELS:
             raise GPT2PortError(f"{source.where}: weights are {out_dtype}; pass --dtype fp32, fp16 or bf16")
         facts = {"dropped_keys": len(dropped), "head": "checked equal to wte" if head else "absent (tied)",
                  **(provenance or {})}
         job = Job(source, out, items, out_dtype, force, progress, warnings, facts, known_sha256 or {}, options or {})
-        size = WRITERS[target.name](job)
+        size = writer(job)
     n_params = sum(math.prod(s) for s in canonical.shapes(source.config).values())
     return ConvertResult(out, target.name, n_params, encoding or out_dtype, size, time.perf_counter() - t0, warnings)
 
@@ -231,77 +226,3 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
         return True
     return bool(torch.isfinite(tensor).all())
-
-
-# --- writing: a gpt2port checkpoint, or a directory in another layout ------------------------------------------
-
-def _write_checkpoint(job: Job) -> int:
-    source = job.source
-    if source.layout is GPT2PORT:  # re-writing a checkpoint: its provenance carries over, with a note of this
-        prev = checkpoint.read_manifest(source.root)
-        meta = checkpoint.derived_manifest(prev, job.dtype, "exports", str(source.root.resolve()))
-        return checkpoint.write(job.out, source.config, job.items, lambda: {**meta, "warnings": job.warnings},
-                                source.tokenizer_files, job.force, job.progress, source.read_files())
-    hasher = BackgroundHasher(source.reader.files + source.side_files(), job.known_sha256)
-
-    def manifest() -> dict:  # called once the weights are written: the hashes are ready by then
-        return checkpoint.manifest(job.dtype, source.config, {
-            "path": str(source.path.resolve()),
-            "dtype": str(source.dtype()).removeprefix("torch."),
-            "files": hasher.results(),
-            **job.facts,
-        }, job.warnings)
-
-    try:
-        return checkpoint.write(job.out, source.config, job.items, manifest, source.tokenizer_files, job.force,
-                                job.progress, source.read_files())
-    except BaseException:
-        hasher.cancel()  # a failed conversion needs no digests: stop reading the source now
-        raise
-
-
-def _write_hf_dir(job: Job) -> int:
-    """What GPT2LMHeadModel.from_pretrained loads as is: safetensors weights, its config.json, the tokenizer."""
-    with job.staged() as stage:
-        stream_safetensors(stage / checkpoint.WEIGHTS, job.items, dict(HF.metadata), job.progress)
-        write_json(stage / checkpoint.CONFIG, {**job.source.config.to_hf_config(),
-                                               "dtype": str(job.dtype).removeprefix("torch.")})
-        for f in job.source.tokenizer_files():
-            copy_file(f, stage / f.name)
-        size = (stage / checkpoint.WEIGHTS).stat().st_size
-        job.write_manifest(stage, "hf")
-    return size
-
-
-def _write_gguf(job: Job) -> int:
-    """One self-contained model.gguf (weights, sizes, tokenizer) that llama.cpp loads as it is."""
-    from gpt2port.formats.gguf import FILE_NAME, OPTIONS, stream_gguf  # imported only when used: see its docstring
-
-    unknown = sorted(set(job.options) - OPTIONS - {"encoding"})
-    if unknown:
-        raise GPT2PortError(f"unknown gguf option(s) {', '.join(unknown)} (known: {', '.join(sorted(OPTIONS))})")
-    if not defines_tokenizer(job.source.tokenizer_names()):
-        raise GPT2PortError(f"{job.source.root}: no tokenizer files beside the weights; a GGUF must embed one")
-    items = list(job.items)
-    if job.options.get("output_tensor") and job.source.config.tie_word_embeddings:
-        # the tied head once more, under the name older loaders require (an untied head is written anyway)
-        _, dtype, shape, produce = next(i for i in items if i[0] == GGUF.key_for(canonical.EMBEDDING))
-        items.append((GGUF.untied_head, dtype, shape, produce))
-    encoding = job.options.get("encoding") or DTYPE_LABELS[job.dtype]
-    with job.staged() as stage:
-        files = job.source.tokenizer_files()  # rebuilt (from a GGUF, llm.c's file) inside the stage
-        size = stream_gguf(stage / FILE_NAME, items, job.source.config, encoding, files[0].parent, job.progress)
-        job.write_manifest(stage, "gguf")
-    return size
-
-
-# How each target layout is written: a new output format is a writer here, its name in targets.py, and its layout's
-# table in layouts/.
-WRITERS: dict[str, Callable[[Job], int]] = {
-    "gpt2port": _write_checkpoint,
-    "hf": _write_hf_dir,
-    "llmc": write_llmc,
-    "gguf": _write_gguf,
-}
-if tuple(WRITERS) != TARGETS:
-    raise ImportError(f"conversion.WRITERS {tuple(WRITERS)} and targets.TARGETS {TARGETS} disagree")

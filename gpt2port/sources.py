@@ -8,6 +8,7 @@ a gpt2port checkpoint. Sources are only ever opened for reading.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,13 +17,16 @@ import torch
 from gpt2port import checkpoint
 from gpt2port.config import GPTConfig, read_json
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats import Reader, find_weights, open_weights
+from gpt2port.formats import Reader
 from gpt2port.formats.tf_bundle import index_for
+from gpt2port.fsio import scratch_directory
 from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
 from gpt2port.layouts.infer import check_config_matches_weights, infer_config
-from gpt2port.tokenizer import NO_TOKENIZER, TOKENIZER_FILES, defines_tokenizer, side_file_problem
+from gpt2port.readers import find_weights, open_weights
+from gpt2port.tokenizer import (NO_TOKENIZER, TOKENIZER_FILES, VOCAB_MERGES, defines_tokenizer, side_file_problem,
+                                write_bpe_files)
 
 
 @dataclass
@@ -34,6 +38,8 @@ class Source:
     config_path: Path | None  # None: the config was inferred from the shapes
     _beside: list[Path] | None = field(default=None, repr=False)  # tokenizer files beside it, once checked
     _left_out: list[str] = field(default_factory=list, repr=False)  # why others were not
+    _embedded: tuple | None = field(default=None, repr=False)  # (tokens, merges) once read, () where none
+    _tokenizer_dir: Path | None = field(default=None, repr=False)  # where they were written out as files
 
     @property
     def root(self) -> Path:
@@ -44,11 +50,28 @@ class Source:
         return ", ".join(str(f) for f in self.reader.files)
 
     def tokenizer_files(self) -> list[Path]:
-        return self._tokenizer_beside() or self.reader.tokenizer_files()
+        return self._tokenizer_beside() or self._rebuilt_tokenizer()
 
     def tokenizer_names(self) -> list[str]:
         """The names of tokenizer_files(), without having a format rebuild them yet."""
-        return [f.name for f in self._tokenizer_beside()] or self.reader.tokenizer_names()
+        return [f.name for f in self._tokenizer_beside()] or self._embedded_names()
+
+    def _embedded_names(self) -> list[str]:
+        """The names of the files _rebuilt_tokenizer() gives, without writing them: a conversion asks early, and has
+        them written only inside the output it builds."""
+        if self._embedded is None:
+            self._embedded = self.reader.embedded_tokenizer() or ()
+        return list(VOCAB_MERGES[0]) if self._embedded else []
+
+    def _rebuilt_tokenizer(self) -> list[Path]:
+        """vocab.json + merges.txt rebuilt from what the weights file carries, for when none lie beside it: in a
+        scratch directory (inside the output being built: fsio.scratch_directory) that close() removes."""
+        if self._tokenizer_dir is None or not self._tokenizer_dir.is_dir():  # (an earlier output's went with it)
+            if not self._embedded_names():
+                return []
+            self._tokenizer_dir = scratch_directory(f"gpt2port-{self.reader.layout or 'source'}-tokenizer-")
+            write_bpe_files(self._tokenizer_dir, *self._embedded)
+        return sorted(self._tokenizer_dir.iterdir())
 
     def _tokenizer_beside(self) -> list[Path]:
         """The tokenizer files beside the weights that really are GPT-2's: a file under such a name (perhaps a link
@@ -96,6 +119,9 @@ class Source:
 
     def close(self) -> None:
         self.reader.close()
+        if self._tokenizer_dir is not None:
+            shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
+            self._tokenizer_dir = None
 
     def __enter__(self):
         return self

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from gpt2port import checkpoint, export
-from gpt2port.formats.gguf import FILE_NAME
+from gpt2port.targets.gguf import FILE_NAME
 from gpt2port.model import GPT
 
 TEXT = ("The quick brown fox jumps over the lazy dog. GGUF carries GPT-2's byte-level BPE: caf\u00e9, \u4e2d\u6587, "

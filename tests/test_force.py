@@ -313,11 +313,11 @@ def test_sigkill_converting_a_gguf_leaves_nothing_outside_the_output(gguf_file, 
 
 
 def test_a_ggufs_tokenizer_is_rebuilt_inside_the_output_being_built(gguf_file, tmp_path, monkeypatch):
-    import gpt2port.formats.base as base_mod
+    import gpt2port.sources as sources_mod
 
     made = []
-    write = base_mod.write_bpe_files
-    monkeypatch.setattr(base_mod, "write_bpe_files", lambda d, *a: made.append(Path(d)) or write(d, *a))
+    write = sources_mod.write_bpe_files
+    monkeypatch.setattr(sources_mod, "write_bpe_files", lambda d, *a: made.append(Path(d)) or write(d, *a))
     dest = tmp_path / "out"
     r = run_cli("convert", gguf_file, "--out", dest, "-q")
     assert r.exit_code == 0, r.stderr

@@ -65,6 +65,33 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+# What a name, a metadata key or a file means for GPT-2: none of it is the file formats' to know.
+MEANING = ("gpt2port.config", "gpt2port.layouts", "gpt2port.tokenizer", "gpt2port.model", "gpt2port.readers",
+           "gpt2port.targets")
+
+
+def _meaning_imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """formats/ module -> the modules it imports (at the top or lazily) that give names and keys a meaning."""
+    found = {}
+    for name, path in modules.items():
+        if name == "gpt2port.formats" or name.startswith("gpt2port.formats."):
+            bad = {m for m in _imports(name, path, modules) if any(m == p or m.startswith(p + ".") for p in MEANING)}
+            if bad:
+                found[name] = bad
+    return found
+
+
+def test_the_formats_read_and_write_bytes_and_know_no_gpt2():
+    assert _meaning_imports(_modules()) == {}
+
+
+def test_the_formats_check_sees_an_import_of_meaning(tmp_path):
+    bad = tmp_path / "f.py"
+    bad.write_text("def f():\n    from gpt2port.layouts.llmc import LLMC\n")
+    modules = {"gpt2port.formats.f": bad, "gpt2port.layouts.llmc": PACKAGE / "layouts" / "llmc.py"}
+    assert _meaning_imports(modules) == {"gpt2port.formats.f": {"gpt2port.layouts.llmc"}}
+
+
 def test_the_cycle_check_sees_a_lazy_cycle(tmp_path, monkeypatch):
     """The check is not vacuous: a cycle made only of imports inside functions is found."""
     a = tmp_path / "a.py"
@@ -234,3 +261,17 @@ def test_no_cycles_between_subpackages():
                     seen.add(n)
                     todo.extend(graph.get(n, ()))
     assert not cycles, sorted(cycles)
+
+
+def test_one_registry_names_the_targets_the_cli_offers_and_conversion_writes():
+    """Every target of targets.REGISTRY is offered by `export --to`, has a layout table and a writer module, and its
+    encodings are offered by --dtype: one table, nothing kept in step by hand."""
+    from gpt2port.cli import export
+    from gpt2port.layouts import LAYOUTS
+    from gpt2port.targets import REGISTRY
+
+    options = {p.name: p for p in export.params}
+    assert list(options["to"].type.choices) == list(REGISTRY)
+    for name, target in REGISTRY.items():
+        assert name in LAYOUTS and callable(target.writer()), name
+        assert set(target.encodings) <= set(options["dtype"].type.choices), name

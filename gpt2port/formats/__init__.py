@@ -1,81 +1,15 @@
-"""File formats: bytes on disk <-> named tensors, one module per format behind one small protocol (formats.base).
+"""File formats: bytes on disk <-> named tensors (and metadata key/values), one module per format behind one small
+protocol (formats.base).
 
-Adding a format is adding a module and a row to READERS; nothing here knows what a tensor's name means.
+Nothing here knows what a tensor's name or a metadata key means: that is gpt2port.layouts' (name tables) and
+gpt2port.readers' and gpt2port.targets' (a GPT-2 config and tokenizer out of a file, and into one). Adding a format
+is adding a module here and a row to readers.READERS.
 """
 
-from __future__ import annotations
-
-import os
-from pathlib import Path
-
-from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo
-from gpt2port.formats.llmc import open_bin
-from gpt2port.formats.safetensors import SafetensorsReader
-from gpt2port.formats.shards import INDEX_SUFFIX, ShardedReader
-from gpt2port.formats.torch_pickle import PickleReader
-
-def _tf_reader(path: Path) -> Reader:
-    from gpt2port.formats.tf_bundle import TFBundleReader
-
-    return TFBundleReader(path)
-
-
-def _gguf_reader(path: Path) -> Reader:
-    from gpt2port.formats.gguf import GGUFFileReader  # llama.cpp's package, imported only when a .gguf is read
-
-    return GGUFFileReader(path)
-
-
-# How a weights file is read, by the end of its name. The index row opens each shard through this same table.
-READERS = {
-    ".safetensors": SafetensorsReader,
-    ".bin": lambda path: open_bin(path, PickleReader),  # a pickle, or llm.c's model file (told by its magic)
-    ".pt": PickleReader,
-    ".pth": PickleReader,
-    INDEX_SUFFIX: lambda path: ShardedReader(path, open_weights),
-    ".gguf": _gguf_reader,
-    ".index": _tf_reader,  # a TensorFlow checkpoint: PREFIX.index beside PREFIX.data-*-of-*
-}
 
 # The weights files of a Hugging Face repo, in order of preference: safetensors cannot run code and streams; .bin
 # is the fallback for older repos. Download, conversion and verification all choose by this one list.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
-
-def open_weights(path: str | Path) -> Reader:
-    """A reader for one weights file (or a shard index), chosen by its name."""
-    path = Path(path)
-    # An HF cache snapshot is symlinks into blobs/: a deleted blob leaves a dangling link, worth naming as such.
-    if path.is_symlink() and not path.exists():
-        raise GPT2PortError(f"{path}: is a broken symbolic link (its target {os.readlink(path)} is missing)")
-    if not path.exists():
-        raise GPT2PortError(f"{path}: no such file or directory")
-    if not path.is_file():
-        raise GPT2PortError(f"{path}: is a directory or special file, expected a weights file")
-    if path.stat().st_size == 0:
-        raise GPT2PortError(f"{path}: file is empty")
-    opener = next((make for suffix, make in READERS.items() if path.name.endswith(suffix)), None)
-    if opener is None:
-        raise GPT2PortError(f"{path}: unrecognised weights file (expected {', '.join(READERS)})")
-    reader = opener(path)
-    if not reader.tensors:
-        reader.close()
-        raise GPT2PortError(f"{path}: holds no tensors")
-    return reader
-
-
-def find_weights(directory: Path) -> Path:
-    """The weights file of a repo directory, by WEIGHT_FILES' preference."""
-    found = next((directory / n for n in WEIGHT_FILES if os.path.lexists(directory / n)), None)
-    if found is None:
-        from gpt2port.formats.tf_bundle import checkpoint_in  # OpenAI's release: models/124M/ and its kin
-
-        found = checkpoint_in(directory)
-    if found is None:
-        raise GPT2PortError(f"{directory}: no GPT-2 weights found (looked for {', '.join(WEIGHT_FILES)}, or a "
-                            f"TensorFlow checkpoint)")
-    return found
-
-
-__all__ = ["FLOAT_DTYPES", "READERS", "Reader", "TensorInfo", "WEIGHT_FILES", "find_weights", "open_weights"]
+__all__ = ["FLOAT_DTYPES", "Reader", "TensorInfo", "WEIGHT_FILES"]

@@ -7,7 +7,6 @@ and how a tensor must be reshaped to mean it, belongs to gpt2port.layouts.
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +14,6 @@ import torch
 
 from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import scratch_directory
-from gpt2port.tokenizer import VOCAB_MERGES, write_bpe_files
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 LFS_POINTER_PREFIX = b"version https://git-lfs"
@@ -36,8 +33,9 @@ class Reader:
     """One opened weights source. `tensors` lists every tensor in file order; read(name) loads just that one.
 
     Subclasses set path (what was opened), files (every file the tensors come from, in order), index_file (a file
-    that only lists others, or None), tensors and metadata (and layout, model_config where the format fixes them),
-    and implement read().
+    that only lists others, or None), tensors and metadata, and implement read(). layout, model_config and
+    embedded_tokenizer() are what a file means, set by the readers that know it (gpt2port.readers; here only where
+    the format itself fixes them, as OpenAI's TensorFlow release does).
     """
 
     path: Path
@@ -45,9 +43,9 @@ class Reader:
     index_file: Path | None = None
     tensors: dict[str, TensorInfo]
     metadata: dict[str, str]
-    # A format whose files always hold one layout (llm.c's, GGUF's) names it here; None: tell it by the names.
+    # A file that always holds one layout (llm.c's, GGUF's) names it here; None: tell it by the names.
     layout: str | None = None
-    # A format that carries the model's sizes in the file itself gives them as config.json fields (n_layer, n_head,
+    # A file that carries the model's sizes in itself gives them as config.json fields (n_layer, n_head,
     # n_embd, vocab_size, n_positions, ...); None: they come from a config.json beside the file, or from shapes.
     model_config: dict | None = None
     config_file: Path | None = None  # the file model_config was read from, if it is one beside the weights
@@ -59,30 +57,10 @@ class Reader:
         """Every file this reader opened (an output must never replace one)."""
         return [f for f in (self.path, *self.files, self.index_file, self.config_file) if f is not None]
 
-    _tokenizer: tuple | None = None  # (tokens, merges) once read, () where the format carries none
-    _tokenizer_dir: Path | None = None
-
-    def _read_tokenizer(self) -> tuple[list[str], list[tuple[str, str]]] | None:
-        """GPT-2's tokens and merges as the format itself carries them (GGUF's embedded tokenizer, llm.c's
-        gpt2_tokenizer.bin), checked; None where it carries none."""
+    def embedded_tokenizer(self) -> tuple[list[str], list[tuple[str, str]]] | None:
+        """The tokens and merges the file itself carries (GGUF's embedded tokenizer, llm.c's gpt2_tokenizer.bin), as
+        the readers that know them give them (gpt2port.readers); None where it carries none."""
         return None
-
-    def tokenizer_names(self) -> list[str]:
-        """The names of the files tokenizer_files() gives, without writing them: a conversion asks early, and has
-        them written only inside the output it builds."""
-        if self._tokenizer is None:
-            self._tokenizer = self._read_tokenizer() or ()
-        return list(VOCAB_MERGES[0]) if self._tokenizer else []
-
-    def tokenizer_files(self) -> list[Path]:
-        """vocab.json + merges.txt rebuilt from what the format carries, for when none lie beside the weights: in a
-        scratch directory (inside the output being built: fsio.scratch_directory) that close() removes."""
-        if self._tokenizer_dir is None or not self._tokenizer_dir.is_dir():  # (an earlier output's went with it)
-            if not self.tokenizer_names():
-                return []
-            self._tokenizer_dir = scratch_directory(f"gpt2port-{self.layout or 'source'}-tokenizer-")
-            write_bpe_files(self._tokenizer_dir, *self._tokenizer)
-        return sorted(self._tokenizer_dir.iterdir())
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor. `into`, a uint8 buffer of at least its nbytes, may receive the bytes (the result is then a
@@ -98,9 +76,7 @@ class Reader:
         return max((t.nbytes for t in self.tensors.values()), default=0)
 
     def close(self) -> None:
-        if self._tokenizer_dir is not None:
-            shutil.rmtree(self._tokenizer_dir, ignore_errors=True)
-            self._tokenizer_dir = None
+        pass
 
     def __enter__(self):
         return self

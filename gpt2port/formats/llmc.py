@@ -9,8 +9,9 @@ Each begins with 256 little-endian int32s: a magic number, a version, then the f
     tokenizer    20240328, version 2; the number of tokens, the end-of-text id. Then per token one length byte
                  and that many bytes.
 
-The files carry no names and no checksum, so the reader checks what it can: magic, version, sizes that make a
-GPT-2, and that the header accounts for the file's length to the byte.
+The files carry no names and no checksum, so what can be checked is: magic and version (here), sizes that make a
+GPT-2 (readers/llmc.py, which names and shapes the tensors by layouts/llmc.py), and that the header accounts for the
+file's length to the byte (check_size).
 """
 
 from __future__ import annotations
@@ -23,14 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.formats.safetensors import PreadReader
 from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
-from gpt2port.layouts.llmc import LLMC, VOCAB_MULTIPLE
-from gpt2port.tokenizer import NO_TOKENIZER, vocab_and_merges
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -39,34 +36,12 @@ MODEL_VERSIONS = {3: torch.float32, 5: torch.bfloat16}
 STATE_VERSION = 2
 TOKENIZER_VERSION = 2
 _KIND = {MODEL_MAGIC: "model", STATE_MAGIC: "debug-state", TOKENIZER_MAGIC: "tokenizer"}
-# llm.c names its model file by the parameter count of the four official sizes.
-TOKENIZER_FILE = "gpt2_tokenizer.bin"
-SIZE_NAMES = {(12, 768): "124M", (24, 1024): "355M", (36, 1280): "774M", (48, 1600): "1558M"}
-
-
-def model_file_name(config: GPTConfig) -> str:
-    return f"gpt2_{SIZE_NAMES.get((config.n_layer, config.n_embd), 'model')}.bin"
-
-
-def state_file_name(config: GPTConfig) -> str:
-    return model_file_name(config).removesuffix(".bin") + "_debug_state.bin"
-
-
-def padded_vocab(vocab_size: int) -> int:
-    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+TOKENIZER_FILE = "gpt2_tokenizer.bin"  # the name llm.c gives its tokenizer file, beside the model file
 
 
 def header(magic: int, version: int, *fields: int) -> bytes:
     ints = [magic, version, *fields]
     return struct.pack(f"<{HEADER_INTS}i", *ints, *[0] * (HEADER_INTS - len(ints)))
-
-
-def model_header(config: GPTConfig, dtype: torch.dtype) -> bytes:
-    version = next((v for v, d in MODEL_VERSIONS.items() if d == dtype), None)
-    if version is None:
-        raise GPT2PortError(f"llm.c model files hold fp32 or bf16, not {dtype}; pass --dtype fp32 or bf16")
-    return header(MODEL_MAGIC, version, config.n_positions, config.vocab_size, config.n_layer, config.n_head,
-                  config.n_embd, padded_vocab(config.vocab_size))
 
 
 def magic_of(path: Path) -> int | None:
@@ -77,7 +52,7 @@ def magic_of(path: Path) -> int | None:
     return found if found in _KIND else None
 
 
-def _read_header(path: Path, magic: int, versions) -> tuple[list[int], int]:
+def read_header(path: Path, magic: int, versions) -> tuple[list[int], int]:
     """The header's ints after checking magic and version; and the file's size."""
     try:
         with open(path, "rb") as f:
@@ -107,59 +82,15 @@ def check_size(path: Path, expected: int, size: int, what: str) -> None:
                             f"file's size)")
 
 
-class LlmcReader(PreadReader):
-    """An llm.c model file: the config from its header, each tensor read with pread at its place."""
-
-    layout = LLMC.name
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.files = [self.path]
-        ints, size = _read_header(self.path, MODEL_MAGIC, MODEL_VERSIONS)
-        dtype = MODEL_VERSIONS[ints[1]]
-        max_t, vocab, n_layer, n_head, n_embd, padded = ints[2:8]
-        if min(max_t, vocab, n_layer, n_head, n_embd) < 1 or n_embd % n_head:
-            raise GPT2PortError(f"{self.path}: header sizes do not make a GPT-2 (max_seq_len {max_t}, vocab_size "
-                                f"{vocab}, {n_layer} layers, {n_head} heads, {n_embd} channels)")
-        if padded != padded_vocab(vocab):
-            raise GPT2PortError(f"{self.path}: padded_vocab_size {padded} is not vocab_size {vocab} rounded up to a "
-                                f"multiple of {VOCAB_MULTIPLE} ({padded_vocab(vocab)})")
-        self.model_config = {"model_type": "gpt2", "n_layer": n_layer, "n_head": n_head, "n_embd": n_embd,
-                             "vocab_size": vocab, "n_positions": max_t}
-        # The blocks' matrices alone (12 C^2 per layer) bound the length from below: a header claiming huge sizes
-        # fails here, on the file's length, before a single tensor is even listed.
-        if n_layer * 12 * n_embd * n_embd * dtype.itemsize > size:
-            raise GPT2PortError(f"{self.path}: truncated: a {n_layer}-layer, {n_embd}-wide model needs more than the "
-                                f"file's {size} bytes")
-        shapes = [(w.key, w.shape) for w in LLMC.order(LLMC.plan_write(_config(self.model_config, self.path)))]
-        offset, self.tensors = HEADER_BYTES, {}
-        for key, shape in shapes:
-            nbytes = math.prod(shape) * dtype.itemsize
-            self.tensors[key] = TensorInfo(key, dtype, shape, self.path, offset, nbytes)
-            offset += nbytes
-        check_size(self.path, offset, size, f"the {n_layer}-layer model its header describes")
-        self.metadata = {}
-        self.warnings: list[str] = []
-
-    def inputs(self) -> list[Path]:
-        return [*super().inputs(), self.path.parent / TOKENIZER_FILE]
-
-    def _read_tokenizer(self) -> tuple | None:
-        """GPT-2's tokens and merges from a gpt2_tokenizer.bin beside the model file (llm.c keeps only the token
-        bytes; the merges follow from them); None, with a warning, where there is none or it is not GPT-2's."""
-        path = self.path.parent / TOKENIZER_FILE
-        if not path.is_file():
-            self.warnings.append(f"{self.path}: no tokenizer beside it ({TOKENIZER_FILE}); {NO_TOKENIZER}")
-            return None
-        try:
-            return vocab_and_merges(*read_tokenizer(path), str(path))
-        except GPT2PortError as e:
-            self.warnings.append(f"{e}; {NO_TOKENIZER}")
-            return None
-
-
-def _config(fields: dict, path: Path) -> GPTConfig:
-    return GPTConfig.from_hf_config(fields, str(path))
+def place(path: Path, shapes, dtype: torch.dtype) -> tuple[dict[str, TensorInfo], int]:
+    """TensorInfos for `shapes` [(name, shape)], stored back to back after the header in `dtype`; and the byte at
+    which the last ends."""
+    offset, tensors = HEADER_BYTES, {}
+    for key, shape in shapes:
+        nbytes = math.prod(shape) * dtype.itemsize
+        tensors[key] = TensorInfo(key, dtype, shape, path, offset, nbytes)
+        offset += nbytes
+    return tensors, offset
 
 
 def write_raw(path: Path, head: bytes, items, progress=None) -> int:
@@ -206,7 +137,7 @@ def tokenizer_bytes(tokens: list[bytes], eot: int) -> bytes:
 
 def read_tokenizer(path: Path) -> tuple[list[bytes], int]:
     """(every token's bytes, in id order; the end-of-text id)."""
-    ints, size = _read_header(path, TOKENIZER_MAGIC, (TOKENIZER_VERSION,))
+    ints, size = read_header(path, TOKENIZER_MAGIC, (TOKENIZER_VERSION,))
     n, eot = ints[2], ints[3]
     data = np.fromfile(path, dtype=np.uint8, offset=HEADER_BYTES).tobytes()
     tokens, at = [], 0
@@ -226,12 +157,13 @@ def state_header(batch: int, seq_len: int) -> bytes:
     return header(STATE_MAGIC, STATE_VERSION, batch, seq_len)
 
 
-def open_bin(path: Path, pickle_reader) -> Reader:
+def open_bin(path: Path, pickle_reader, model_reader) -> Reader:
     """`.bin` is PyTorch's pickle suffix and llm.c's: llm.c's files start with their magic number, a pickle with a
-    zip signature (PK) or a pickle opcode (0x80)."""
+    zip signature (PK) or a pickle opcode (0x80). model_reader opens an llm.c model file (the names and shapes of
+    its tensors are the model's, not the format's)."""
     magic = magic_of(path)
     if magic == MODEL_MAGIC:
-        return LlmcReader(path)
+        return model_reader(path)
     if magic is not None:
         raise GPT2PortError(f"{path}: is llm.c's {_KIND[magic]} file, not a model file")
     with open(path, "rb") as f:

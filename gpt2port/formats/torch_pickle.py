@@ -19,16 +19,18 @@ from gpt2port.formats.base import LFS_POINTER_PREFIX, Reader, TensorInfo, refuse
 
 class PickleReader(Reader):
     """A state dict of tensors: flat (pytorch_model.bin, a .pth of model.state_dict()), or a training checkpoint
-    that keeps it under "model" beside the optimizer's state (nanoGPT's ckpt.pt; its "model_args" then give the
-    model's sizes). Memory-mapped where the file allows it (zip format), so reading a tensor touches only its pages."""
+    that keeps it under "model" beside the optimizer's state (nanoGPT's ckpt.pt; its "model_args", a dict, are kept
+    as model_args for readers.torch_pickle to read the model's sizes from). Memory-mapped where the file allows it
+    (zip format), so reading a tensor touches only its pages."""
+
+    model_args: dict | None = None
 
     def __init__(self, path: Path):
         self.path = Path(path)
         self.files = [self.path]
-        self._state, self.model_config = _unwrap(load_state_dict(self.path), self.path)
+        self._state, self.model_args = _unwrap(load_state_dict(self.path), self.path)
         for k, v in self._state.items():
             _refuse_unbacked(self.path, k, v)
-        self.config_keys = NANOGPT_KEYS if self.model_config is not None else {}
         self.tensors = {k: TensorInfo(k, v.dtype, tuple(v.shape), self.path, n, v.numel() * v.element_size())
                         for n, (k, v) in enumerate(self._state.items())}
         self.metadata = {}
@@ -85,27 +87,13 @@ def _flat(sd) -> bool:
     return isinstance(sd, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items())
 
 
-# config.json's names -> where a training checkpoint keeps them
-NANOGPT_KEYS = {"n_layer": "model_args.n_layer", "n_head": "model_args.n_head", "n_embd": "model_args.n_embd",
-                "vocab_size": "model_args.vocab_size", "n_positions": "model_args.block_size"}
-
-
 def _unwrap(sd: dict, file: Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """(the tensors, config.json-style sizes or None) of a loaded pickle: a flat state dict as it is, or a training
-    checkpoint's "model" with its "model_args" (block_size is the context length)."""
+    """(the tensors, the "model_args" dict beside them or None) of a loaded pickle: a flat state dict as it is, or a
+    training checkpoint's "model"."""
     if _flat(sd):
         return sd, None
     if not _flat(sd.get("model")):
         raise GPT2PortError(f"{file}: is neither a flat state dict of tensors nor a training checkpoint holding one "
                             f"under \"model\" (it has {', '.join(map(str, list(sd)[:6]))})")
     args = sd.get("model_args")
-    if not isinstance(args, dict):
-        return sd["model"], None
-    if args.get("bias") is False:
-        raise GPT2PortError(f"{file}: model_args say bias=False; GPT-2 has a bias in every linear layer and "
-                            f"LayerNorm, so this model cannot be held as GPT-2 (train with bias=True)")
-    sizes = {"n_layer": args.get("n_layer"), "n_head": args.get("n_head"), "n_embd": args.get("n_embd"),
-             "vocab_size": args.get("vocab_size"), "n_positions": args.get("block_size", args.get("n_positions"))}
-    sizes = {k: v for k, v in sizes.items() if v is not None}
-    complete = {"n_layer", "n_head", "n_embd", "vocab_size"} <= set(sizes)
-    return sd["model"], sizes if complete else None
+    return sd["model"], args if isinstance(args, dict) else None

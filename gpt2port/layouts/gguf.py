@@ -8,6 +8,8 @@ tied: the loader falls back to token_embd when `output.weight` is absent, which 
 
 from gpt2port.layouts.table import Layout, Row
 
+ARCH = "gpt2"  # general.architecture, and the prefix of its metadata keys
+
 GGUF = Layout(
     name="gguf",
     rows=(

@@ -45,3 +45,7 @@ def file_order(writes: list[Write]) -> list[Write]:
 
 
 LLMC = Layout(name="llmc", rows=ROWS, order=file_order)
+
+
+def padded_vocab(vocab_size: int) -> int:
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE

@@ -81,7 +81,7 @@ def llama_row(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor, work: Path) -> l
         return None
     import numpy as np
 
-    from gpt2port.formats.gguf import FILE_NAME
+    from gpt2port.targets.gguf import FILE_NAME
 
     export(ckpt, work, to="gguf", dtype="q8_0", force=True)
     llm = llama_cpp.Llama(str(work / FILE_NAME), logits_all=True, n_ctx=ids.size(1), n_threads=torch.get_num_threads(),

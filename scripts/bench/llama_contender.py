@@ -20,7 +20,7 @@ def q8_0_model(ckpt: Path, out: Path, n_ctx: int):
         return None
     from gguf import GGUFReader
 
-    from gpt2port.formats.gguf import FILE_NAME
+    from gpt2port.targets.gguf import FILE_NAME
 
     if not (out / FILE_NAME).is_file():
         export(ckpt, out, to="gguf", dtype="q8_0", force=True)

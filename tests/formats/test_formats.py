@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats import READERS, open_weights
+from gpt2port.readers import READERS, open_weights
 from gpt2port.formats.safetensors import read_header, stream_safetensors
 from gpt2port.formats.shards import read_index
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from gpt2port import convert, export
 from gpt2port.checkpoint import read_config
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.gguf import FILE_NAME
+from gpt2port.targets.gguf import FILE_NAME
 from scripts import hf_fixtures
 from tests.support import leftovers, run_cli
 

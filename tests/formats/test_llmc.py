@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from gpt2port import GPT, export
-from gpt2port.llmc_export import batch
+from gpt2port.targets.llmc import batch
 from gpt2port.tokenizer import from_directory
 from tests.support import assert_clean_failure, leftovers, run_cli, snapshot
 

@@ -168,7 +168,7 @@ def test_save_from_a_cropped_class_is_the_gpt2_it_is(tiny_ckpt, tmp_path):
 
 def test_gguf_gets_the_head_as_output_weight(untied_ckpt, tmp_path):
     gguf = pytest.importorskip("gguf")
-    from gpt2port.formats.gguf import FILE_NAME
+    from gpt2port.targets.gguf import FILE_NAME
 
     gpt2port.export(untied_ckpt, tmp_path / "g", to="gguf", options={"output_tensor": True})  # written once
     tensors = {}

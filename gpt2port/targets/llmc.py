@@ -1,4 +1,4 @@
-"""The llm.c target: the files llm.c's C code loads, in one directory written whole or not at all.
+"""The llmc target: the files llm.c's C code loads, in one directory written whole or not at all.
 
     gpt2_124M.bin                 the weights (formats.llmc; named after the size, gpt2_model.bin for others)
     gpt2_tokenizer.bin            the token bytes, for llm.c's decoder
@@ -13,15 +13,20 @@ import itertools
 
 import torch
 
-from gpt2port.dtypes import label
+from gpt2port.config import GPTConfig
+from gpt2port.dtypes import DTYPE_LABELS, label
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.llmc import (MODEL_VERSIONS, TOKENIZER_FILE, LlmcReader, model_file_name, model_header,
-                                   state_file_name, state_header, tokenizer_bytes, write_raw)
+from gpt2port.formats.llmc import (MODEL_MAGIC, MODEL_VERSIONS, TOKENIZER_FILE, header, state_header, tokenizer_bytes,
+                                   write_raw)
 from gpt2port.fsio import write_file
-from gpt2port.layouts.llmc import LLMC
+from gpt2port.layouts.llmc import LLMC, padded_vocab
+from gpt2port.readers.llmc import LlmcReader
+from gpt2port.targets import REGISTRY
 from gpt2port.tokenizer import from_directory
 
-OPTIONS = ("debug_state",)
+OPTIONS = REGISTRY["llmc"].options
+# llm.c names its model file by the parameter count of the four official sizes.
+SIZE_NAMES = {(12, 768): "124M", (24, 1024): "355M", (36, 1280): "774M", (48, 1600): "1558M"}
 # The batch llm.c's test_gpt2 expects: B sequences of T tokens.
 BATCH, SEQ_LEN = 4, 64
 # A fixed English text for the debug state's batch (the MIT license, as the project is licensed), repeated as
@@ -40,13 +45,29 @@ TEXT = (
 )
 
 
-def write_llmc(job) -> int:
-    """The TARGETS writer for "llmc" (job: a conversion.Job). Returns the model file's size."""
+def model_file_name(config: GPTConfig) -> str:
+    return f"gpt2_{SIZE_NAMES.get((config.n_layer, config.n_embd), 'model')}.bin"
+
+
+def state_file_name(config: GPTConfig) -> str:
+    return model_file_name(config).removesuffix(".bin") + "_debug_state.bin"
+
+
+def model_header(config: GPTConfig, dtype: torch.dtype) -> bytes:
+    version = next((v for v, d in MODEL_VERSIONS.items() if d == dtype), None)
+    if version is None:
+        raise GPT2PortError(f"llm.c model files hold fp32 or bf16, not {dtype}; pass --dtype fp32 or bf16")
+    return header(MODEL_MAGIC, version, config.n_positions, config.vocab_size, config.n_layer, config.n_head,
+                  config.n_embd, padded_vocab(config.vocab_size))
+
+
+def write(job) -> int:
+    """The writer for "llmc" (job: a conversion.Job). Returns the model file's size."""
     config, where = job.source.config, job.source.where
     unknown = sorted(set(job.options) - set(OPTIONS))
     if unknown:
         raise GPT2PortError(f"llm.c export: unknown option(s) {', '.join(unknown)} (known: {', '.join(OPTIONS)})")
-    if job.dtype not in MODEL_VERSIONS.values():
+    if DTYPE_LABELS.get(job.dtype) not in REGISTRY["llmc"].dtypes:
         raise GPT2PortError(f"{where}: llm.c model files hold fp32 or bf16, not {label(job.dtype)}; pass --dtype fp32 "
                             f"or bf16")
     if job.options.get("debug_state") and not job.source.tokenizer_names():
