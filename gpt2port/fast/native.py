@@ -80,11 +80,15 @@ class Kernels:
 def kernels() -> Kernels:
     """Build (or load the cached build of) the library and its operators, once per process, and register
     torch.ops.gpt2port.matvec / attend_one where they work. Never raises: a failure is reported in the result."""
-    lib, why_not = load(cache_dir(), compiler())
-    if lib is None:
-        return Kernels(None, why_not, why_not)
-    _define_ops()
-    binding_why_not = bind(cache_dir(), compiler("CXX"), lib)
+    cache = cache_dir()
+    # Both builds under one hold of the cache's lock: of N processes starting together, one builds the library and
+    # its operators (and says so once); the others wait, then load both.
+    with _locked(cache / ".lock", create_parent=True):
+        lib, why_not = load(cache, compiler(), lock=False)
+        if lib is None:
+            return Kernels(None, why_not, why_not)
+        _define_ops()
+        binding_why_not = bind(cache, compiler("CXX"), lib, lock=False)
     if binding_why_not is not None:
         with warnings.catch_warnings():  # over a C++ kernel that loaded but failed its probe: meant to replace it
             warnings.simplefilter("ignore")
@@ -163,8 +167,9 @@ def cache_dir() -> Path:
     return Path(base) / "gpt2port" / "native"
 
 
-def load(cache: Path, cc: str | None) -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library, None), built into `cache` if not there yet, or (None, why not)."""
+def load(cache: Path, cc: str | None, lock: bool = True) -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None), built into `cache` if not there yet, or (None, why not). lock=False: the caller holds
+    the cache's lock."""
     if cc is None:
         return None, "no C compiler found (cc, gcc or clang on the PATH, or $CC)"
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
@@ -176,7 +181,7 @@ def load(cache: Path, cc: str | None) -> tuple[ctypes.CDLL | None, str | None]:
         path = cache / _key(source, cc, version, flags) / LIBRARY_NAME
         lib = _open(path)
         if lib is None:
-            error = _build([cc, *flags, "-shared", "-fPIC", *map(str, SOURCES), "-lm"], path)
+            error = _build([cc, *flags, "-shared", "-fPIC", *map(str, SOURCES), "-lm"], path, lock)
             if error is not None:
                 errors.append(f"{' '.join(flags)}: {error}")
                 continue
@@ -190,7 +195,7 @@ def load(cache: Path, cc: str | None) -> tuple[ctypes.CDLL | None, str | None]:
     return None, f"building {', '.join(p.name for p in SOURCES)} with {cc} failed: " + "; ".join(errors)
 
 
-def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL) -> str | None:
+def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL, lock: bool = True) -> str | None:
     """Register the operator's C++ kernel (native_ops.cpp, linked to `lib`), built into `cache` against this PyTorch
     if not there yet; None once it serves the operator, else why not. Once per process: a kernel registered stays."""
     if cxx is None:
@@ -206,7 +211,7 @@ def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL) -> str | None:
                             str(torch.version.git_version)) / BINDING_NAME
         if not path.is_file():
             error = _build([cxx, *flags, "-shared", "-fPIC", "-I", str(torch_dir / "include"), str(BINDING_SOURCE),
-                            lib._name, "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu"], path)
+                            lib._name, "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu"], path, lock)
             if error is not None:
                 errors.append(f"{' '.join(flags)}: {error}")
                 continue
@@ -255,15 +260,15 @@ def _open(path: Path) -> ctypes.CDLL | None:
     return lib
 
 
-def _build(command: list[str], path: Path) -> str | None:
+def _build(command: list[str], path: Path, lock: bool = True) -> str | None:
     """Run the compiler `command` with its output in a temporary file beside `path`, then rename it there, holding
-    the cache's lock: of N processes starting together (torchrun ranks) one builds, the others then find its file.
-    The error's last line, or None."""
+    the cache's lock (unless the caller holds it: lock=False): of N processes starting together (torchrun ranks) one
+    builds, the others then find its file. The error's last line, or None."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         return f"cannot write the cache {path.parent}: {e.strerror}"
-    with _locked(path.parent.parent / ".lock"):
+    with _locked(path.parent.parent / ".lock") if lock else contextlib.nullcontext():
         if path.is_file():  # built by another process while this one waited
             return None
         _announce()
@@ -292,7 +297,7 @@ def _announce() -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
+def _locked(path: Path, create_parent: bool = False):
     """An exclusive lock on `path` for the block (flock; where there is none, no lock: the rename above still keeps
     a half-written library from ever being loaded)."""
     try:
@@ -301,6 +306,8 @@ def _locked(path: Path):
         yield
         return
     try:
+        if create_parent:
+            path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         yield
