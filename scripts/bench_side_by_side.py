@@ -48,12 +48,14 @@ def child(ckpt: str, threads: int) -> dict:
         for _ in steps(model, prompt[:, :4], 8, temperature=0, stop_token=None):
             pass
         bandwidth = matvec_bandwidth("cpu", repeats=5)
-        t = time.perf_counter()
+        times = [time.perf_counter()]
         for _ in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None):
-            pass
-        rate = NEW_TOKENS / (time.perf_counter() - t)
+            times.append(time.perf_counter())
+        rate = NEW_TOKENS / (times[-1] - times[0])
+        gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # one decode step each (the prefill is the first)
         got[name] = {"tokens_per_s": rate, "bandwidth": bandwidth,
-                     "floor_fraction": rate * weight_bytes_per_token(model) / bandwidth}
+                     "floor_fraction": rate * weight_bytes_per_token(model) / bandwidth,
+                     "step_ms_median": 1e3 * statistics.median(gaps), "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10]}
         del model
     return got
 
@@ -82,7 +84,9 @@ def main() -> None:
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 runs.setdefault(f"{threads}", {}).setdefault(str(tree), []).append(got)
                 print(f"threads {threads} round {r + 1} {tree.name}: " + ", ".join(
-                    f"{k} {v['tokens_per_s']:.1f} tok/s ({v['floor_fraction']:.0%} of floor)" for k, v in got.items()),
+                    f"{k} {v['tokens_per_s']:.1f} tok/s ({v['floor_fraction']:.0%} of floor; step median "
+                    f"{v['step_ms_median']:.2f} ms, best decile {v['step_ms_best_decile']:.2f} ms)"
+                    for k, v in got.items()),
                     file=sys.stderr, flush=True)
     print(report(runs))
     if args.json:
