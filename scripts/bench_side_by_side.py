@@ -55,7 +55,8 @@ def child(ckpt: str, threads: int) -> dict:
         gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # one decode step each (the prefill is the first)
         got[name] = {"tokens_per_s": rate, "bandwidth": bandwidth,
                      "floor_fraction": rate * weight_bytes_per_token(model) / bandwidth,
-                     "step_ms_median": 1e3 * statistics.median(gaps), "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10]}
+                     "step_ms_median": 1e3 * statistics.median(gaps),
+                     "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10]}
         del model
     return got
 

@@ -9,9 +9,13 @@ written at that position by index_copy_; attention spans every slot of the cache
 past the position and each row's left padding. On the CPU one sequence's attention runs instead on gpt2port's
 one-token kernel where it is built (kernels.choose_attention), which writes the cache itself.
 
-The step calls the model's own modules for the embeddings, norms, products and MLPs (whatever kernels
-gpt2port.fast.accelerate swapped in); only the composition of a block and attention over the cache are written
-here, as Block and CausalSelfAttention compute them, so `applies` asks only that the model is built of those.
+On the CPU a step is also a few hundred small operations, and for an int8 model (whose products are short) their
+Python cost is a visible part of the step. So the step is bound once per generation (Step.bind): each layer's
+product as the kernel the layer itself would take (kernels.bound_product, gpt2port.quant.Int8Linear.bound), each
+norm's arguments, each layer's slice of the cache, all in one list walked per token; rows stay (B, C), residuals are
+added in place, dropout (eval mode) is left out, and PyTorch's __torch_function__ lookup is switched off once for
+the whole step. The embeddings and activations are the model's own; norms, products and attention are computed as
+LayerNorm, the layers and CausalSelfAttention compute them, so `applies` asks that the model is built of those.
 tests/test_step.py holds the step to the model's forward, logits and cache, for every kernel, dtype, batch and
 padding; on a GPU, scripts/gpu_check.sh records it.
 """
