@@ -8,7 +8,7 @@ the floor that probe sets: bandwidth / bytes of weights per token. Trees alterna
 same load; on a shared machine compare ranges, not single runs.
 
 Usage (from the repository root; any gpt2port checkpoint directory, e.g. one scripts/bench_generate.py --workdir
-left):
+left, or a small one, where a step is all dispatch and Python):
     python -m scripts.bench_side_by_side --trees /path/to/before,. --ckpt DIR [--threads 1,2] [--rounds 3]
                                          [--json out.json]
 The child only uses what both trees have: GPT.from_pretrained, gpt2port.generate.steps and the bandwidth probe.
@@ -40,11 +40,11 @@ def child(ckpt: str, threads: int) -> dict:
         from gpt2port.speed import matvec_bandwidth, weight_bytes_per_token
 
     torch.set_num_threads(threads)
-    prompt = torch.randint(0, 50000, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     got = {}
     for name in DTYPES:
         dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[name]
         model = GPT.from_pretrained(ckpt, dtype=dtype)
+        prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
         for _ in steps(model, prompt[:, :4], 8, temperature=0, stop_token=None):
             pass
         bandwidth = matvec_bandwidth("cpu", repeats=5)
