@@ -44,6 +44,7 @@ import ctypes
 import functools
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -128,6 +129,22 @@ class Int8Linear(nn.Module):
         else:
             y = self._blockwise(rows.float())
         return y.view(*x.shape[:-1], self.out_features)
+
+    def bound(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This layer's product for (rows, in_features) fp32 inputs under inference, as one callable bound once: for
+        one row with fbgemm, its op called bare (forward's branching and per-call subclass switch dropped; a caller
+        that holds torch._C.DisableTorchFunctionSubclass spares the lookup that fbgemm_linear explains), else the
+        layer's forward. Same kernel, same numbers, as forward."""
+        if rows != 1 or self._packed is None:
+            return self.forward
+        # The overload's own C++ entry where PyTorch exposes it: its Python __call__ first scans the arguments for
+        # the fake script objects of torch.export, a few us per product, more than the rest of the call.
+        op = torch.ops.quantized.linear_dynamic.default
+        op = getattr(op, "_op", op)
+        packed, reduce_range, in_scale = self._packed, _reduce_range(), self.in_scale
+        if in_scale is None:
+            return lambda x: op(x, packed, reduce_range)
+        return lambda x: op(x * in_scale, packed, reduce_range)
 
     def _blockwise(self, rows: torch.Tensor) -> torch.Tensor:
         """rows @ (q * scale).T + bias, the weight dequantized BLOCK_ROWS output rows at a time."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -51,6 +51,27 @@ def product(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         rows = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.size(-1)).contiguous(), weight, bias, "none", [], "")
         return rows.view(*x.shape[:-1], weight.size(0))
     return F.linear(x, weight, bias)
+
+
+def bound_product(layer: nn.Module, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's inference product for (rows, in_features) inputs of `dtype`, as a callable bound once (a decode
+    step calls ~50 of them per token): the kernel the layer's forward would take for such inputs, with forward's
+    per-call checks made here instead. A layer this does not know, or whose checks fail, gets its own forward."""
+    if isinstance(layer, Int8Linear):
+        return layer.bound(rows) if dtype == torch.float32 else layer.forward
+    if type(layer) not in (nn.Linear, FastLinear) or layer.weight.dtype != dtype:
+        return layer.forward
+    weight, bias = layer.weight, layer.bias
+    kind = PLAIN
+    if type(layer) is FastLinear and (weight.dtype, weight.device) == layer.chosen_for:
+        kind = layer.one_row if rows == 1 else layer.rows
+    if kind == NATIVE:
+        matvec = torch.ops.gpt2port.matvec
+        return lambda x: matvec(x, weight, bias)
+    if kind == ONEDNN:
+        onednn = torch.ops.mkldnn._linear_pointwise
+        return lambda x: onednn(x.contiguous(), weight, bias, "none", [], "")
+    return lambda x: F.linear(x, weight, bias)
 
 
 class FastLinear(nn.Linear):

@@ -9,9 +9,13 @@ written at that position by index_copy_; attention spans every slot of the cache
 past the position and each row's left padding. On the CPU one sequence's attention runs instead on gpt2port's
 one-token kernel where it is built (kernels.choose_attention), which writes the cache itself.
 
-The step calls the model's own modules for the embeddings, norms, products and MLPs (whatever kernels
-gpt2port.fast.accelerate swapped in); only the composition of a block and attention over the cache are written
-here, as Block and CausalSelfAttention compute them, so `applies` asks only that the model is built of those.
+On the CPU a step is also a few hundred small operations, and for an int8 model (whose products are short) their
+Python cost is a visible part of the step. So the step is bound once per generation (Step.bind): each layer's
+product as the kernel the layer itself would take (kernels.bound_product, gpt2port.quant.Int8Linear.bound), each
+norm's arguments, each layer's slice of the cache, all in one list walked per token; rows stay (B, C), residuals are
+added in place, dropout (eval mode) is left out, and PyTorch's __torch_function__ lookup is switched off once for
+the whole step. The embeddings and activations are the model's own; norms, products and attention are computed as
+LayerNorm, the layers and CausalSelfAttention compute them, so `applies` asks that the model is built of those.
 tests/fast/test_step.py holds the step to the model's forward, logits and cache, for every kernel, dtype, batch and
 padding; on a GPU, scripts/gpu_check.sh records it.
 """
@@ -21,11 +25,13 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2port.fast.kernels import choose_attention
+from gpt2port.fast.kernels import bound_product, choose_attention
 from gpt2port.fast.settings import Settings
 from gpt2port.model import GPT, MLP, Block, CausalSelfAttention, KVCache
+from gpt2port.quant import Int8Embedding
 
 
 def applies(model: GPT, cache: KVCache) -> str | None:
@@ -39,6 +45,12 @@ def applies(model: GPT, cache: KVCache) -> str | None:
     if any(type(b) is not Block or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP
            for b in model.blocks):
         return "its blocks are not gpt2port's own"
+    # The step computes norms, the position table and (in eval mode) dropout as these classes do, not by calling them
+    norms = [model.final_norm] + [ln for b in model.blocks for ln in (b.ln1, b.ln2)]
+    dropouts = [model.drop] + [d for b in model.blocks for d in (b.attn.resid_dropout, b.mlp.dropout)]
+    if any(type(n) is not nn.LayerNorm for n in norms) or any(type(d) is not nn.Dropout for d in dropouts) or \
+            type(model.pos_emb) is not nn.Embedding:
+        return "its norms, dropouts or position table are not PyTorch's own"
     if hooked(model):
         return "it has forward hooks"
     return None
@@ -58,10 +70,29 @@ class Step:
         self.pad = torch.zeros(B, dtype=torch.long, device=device)  # each row's left padding, 0 when there is none
         self.slots = torch.arange(cache.max_len, device=device)
         self.kernel_attention = choose_attention(cache.k[0], settings)  # one unpadded sequence only (checked per call)
+        self.bind()
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # a recorded graph's output: rewritten by every replay
         self._pos_at: int | None = None  # the position self.pos holds, as far as this side knows
         self._pad_of: object = ()  # the cache.pad that self.pad was copied from (() : none yet)
+
+    def bind(self) -> None:
+        """What each step calls, looked up once per generation: per block, its norms' arguments, its products bound
+        to their kernels (kernels.bound_product: the kernel the layer itself takes for B rows), its slice of the
+        cache, its activation."""
+        m, B = self.model, self.ids.size(0)
+        dtype = (torch.float32 if isinstance(m.tok_emb, Int8Embedding) else m.tok_emb.weight.dtype)
+        dtype = torch.promote_types(dtype, m.pos_emb.weight.dtype)  # the rows' dtype, as the model's sum makes it
+
+        def norm(ln: torch.nn.LayerNorm) -> tuple:
+            return ln.normalized_shape, ln.weight, ln.bias, ln.eps
+
+        self.tok_emb, self.pos_table, self.n_head = m.tok_emb.forward, m.pos_emb.weight, m.config.n_head
+        self.layers = [(norm(b.ln1), bound_product(b.attn.qkv, B, dtype), self.cache.k[i], self.cache.v[i],
+                        b.attn.scale, bound_product(b.attn.proj, B, dtype), norm(b.ln2),
+                        bound_product(b.mlp.fc, B, dtype), b.mlp.act, bound_product(b.mlp.proj, B, dtype))
+                       for i, b in enumerate(m.blocks)]
+        self.final_norm, self.head = norm(m.final_norm), bound_product(m.lm_head, B, dtype)
 
     @property
     def description(self) -> str:
@@ -97,36 +128,45 @@ class Step:
             self._pad_of = cache.pad
 
     def forward(self) -> torch.Tensor:
-        """The step on self.ids at self.pos: what GPT.forward does for one new token per row, in eval mode."""
-        m, B = self.model, self.ids.size(0)
-        kernel = self.kernel_attention and self.cache.pad is None
-        if kernel:  # one unpadded row on the CPU: the position as a number, no mask
-            length = self.cache.length
-            x = m.drop(m.tok_emb(self.ids) + m.pos_emb.weight[length])
-        else:  # left-padded rows count positions from their first real token, as GPT.embed
-            x = m.drop(m.tok_emb(self.ids) + m.pos_emb((self.pos - self.pad).clamp(min=0)).unsqueeze(1))
-            # (B, 1, 1, slots): the slots a row's query sees, up to its own and not its padding (a query's own
-            # position is never padding: every row has at least one real token)
-            visible = ((self.slots <= self.pos) & (self.slots >= self.pad.view(B, 1))).view(B, 1, 1, -1)
-        for layer, block in enumerate(m.blocks):
-            attn, h = block.attn, block.ln1(x)
-            if kernel:
-                y = torch.ops.gpt2port.attend_one(attn.qkv(h), self.cache.k[layer], self.cache.v[layer], length,
-                                                  attn.scale)
-            else:
-                y = self._attend(attn, h, layer, visible)
-            x = x + attn.resid_dropout(attn.proj(y))
-            x = x + block.mlp(block.ln2(x))
-        return m.lm_head(m.final_norm(x)).view(B, -1)
+        """The step on self.ids at self.pos: what GPT.forward does for one new token per row, in eval mode (where
+        dropout is the identity, so it is left out). Rows stay (B, C) throughout; every product, norm and cache view
+        was bound once (self.layers); residuals are added in place. PyTorch's lookup of __torch_function__ is off for
+        the whole step: every tensor here is a plain one (or a Parameter, whose lookup does nothing), and fbgemm's
+        packed weights would otherwise cost a failed lookup each (gpt2port.quant.fbgemm_linear)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            if self.kernel_attention and self.cache.pad is None:
+                return self._one_sequence()
+            return self._masked()
 
-    def _attend(self, attn: CausalSelfAttention, x: torch.Tensor, layer: int, visible: torch.Tensor) -> torch.Tensor:
-        B, _, C = x.shape
-        q, k, v = attn.qkv(x).view(B, 1, 3, attn.n_head, C // attn.n_head).permute(2, 0, 3, 1, 4).unbind(0)
-        keys, values = self.cache.k[layer], self.cache.v[layer]
-        keys.index_copy_(2, self.pos.view(1), k)
-        values.index_copy_(2, self.pos.view(1), v)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=attn.scale)
-        return y.transpose(1, 2).reshape(B, 1, C)
+    def _one_sequence(self) -> torch.Tensor:
+        """One unpadded row on the CPU: the position as a number, no mask, attention on gpt2port's kernel (which
+        writes the cache itself)."""
+        length, attend, layer_norm = self.cache.length, torch.ops.gpt2port.attend_one, torch.layer_norm
+        x = self.tok_emb(self.ids.view(-1)) + self.pos_table[length]
+        for ln1, qkv, keys, values, scale, proj, ln2, fc, act, out in self.layers:
+            y = attend(qkv(layer_norm(x, *ln1)), keys, values, length, scale)
+            x.add_(proj(y))
+            x.add_(out(act(fc(layer_norm(x, *ln2)))))
+        return self.head(layer_norm(x, *self.final_norm))
+
+    def _masked(self) -> torch.Tensor:
+        """Left-padded rows (or no kernel): positions counted from each row's first real token, as GPT.embed, and
+        attention on SDPA over every slot of the cache, masked."""
+        B, layer_norm, sdpa = self.ids.size(0), torch.layer_norm, F.scaled_dot_product_attention
+        x = self.tok_emb(self.ids.view(-1)) + F.embedding((self.pos - self.pad).clamp(min=0), self.pos_table)
+        # (B, 1, 1, slots): the slots a row's query sees, up to its own and not its padding (a query's own position
+        # is never padding: every row has at least one real token)
+        visible = ((self.slots <= self.pos) & (self.slots >= self.pad.view(B, 1))).view(B, 1, 1, -1)
+        at = self.pos.view(1)
+        for ln1, qkv, keys, values, scale, proj, ln2, fc, act, out in self.layers:
+            # (B, 3C) -> q, k, v (B, H, 1, D): with one position no permute is needed to reach SDPA's layout
+            q, k, v = qkv(layer_norm(x, *ln1)).view(B, 3, self.n_head, 1, -1).unbind(1)
+            keys.index_copy_(2, at, k)
+            values.index_copy_(2, at, v)
+            y = sdpa(q, keys, values, attn_mask=visible, scale=scale)
+            x.add_(proj(y.transpose(1, 2).reshape(B, -1)))
+            x.add_(out(act(fc(layer_norm(x, *ln2)))))
+        return self.head(layer_norm(x, *self.final_norm))
 
     def capture(self) -> None:
         """Record forward() and the position's advance as one CUDA graph; later calls replay it."""

@@ -184,7 +184,7 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
     prefill = {name: min(v) for name, v in prefill.items() if v}
     bytes_per_token = {name: weight_bytes_per_token(ours) for name in fp32}
     products_ms, products_probe = {OURS: products_alone_ms(ours)}, {OURS: matvec_bandwidth(device, repeats=5)}
-    del hf, ours
+    hf = ours = None  # free both models (the contenders above are done with them)
     gc.collect()
 
     bf16 = GPT.from_pretrained(ckpt, dtype=torch.bfloat16, device=device)

@@ -133,6 +133,39 @@ def test_what_the_step_cannot_reproduce_gets_the_models_forward():
     assert step.description == "the model's forward (switched off)"
 
 
+def test_a_norm_of_another_kind_gets_the_models_forward():
+    """The step computes norms as nn.LayerNorm does rather than calling them: a model with another norm is left to
+    its own forward, and generates what that forward does."""
+    class Scaled(nn.LayerNorm):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = lively_model()
+    model.blocks[1].ln2.__class__ = Scaled
+    assert applies(model, KVCache(model.config, 1, 8)) == "its norms, dropouts or position table are not PyTorch's own"
+    ref = generate(model, [[1, 2, 3]], max_new_tokens=6, temperature=0, stop_token=None, fast=Settings(step=False))
+    assert generate(model, [[1, 2, 3]], max_new_tokens=6, temperature=0, stop_token=None) == ref
+
+
+def test_the_int8_step_calls_its_kernels_not_the_layers(tmp_path, monkeypatch):
+    """Each product of a one-row step is bound to fbgemm's kernel once per generation (quant.Int8Linear.bound), not
+    routed through the layer's forward per call; the numbers are the forward's (test_int8_one_row_and_batches)."""
+    if not quant._fbgemm_works():
+        pytest.skip("this PyTorch has no working fbgemm")
+    model = int8_model(tmp_path, lively_model())
+    calls = []
+    forward = quant.Int8Linear.forward
+    monkeypatch.setattr(quant.Int8Linear, "forward", lambda self, x: calls.append(x.shape) or forward(self, x))
+    accelerate(model, Settings())
+    with torch.inference_mode():
+        cache = KVCache(model.config, 1, 12, torch.float32)
+        model(prompt(), cache=cache, last_only=True)
+        step = decode_step(model, cache, Settings())
+        calls.clear()
+        step(torch.tensor([[4]]))
+    assert calls == []
+
+
 def test_hooks_still_run_during_generation():
     model = lively_model()
     calls, report = [], []

@@ -1,0 +1,113 @@
+"""Decode speed of two checkouts of gpt2port side by side: the same checkpoint, the same machine, runs alternating.
+
+For each thread count and round, each tree in turn runs a fresh interpreter (PYTHONPATH set to that tree) that
+loads the checkpoint as fp32, bf16 and int8 and, for each, decodes greedily from a 16-token prompt (after a short
+warm-up), timing 128 new tokens, the prompt's prefill included (as scripts/bench_generate.py). Right before each
+decode it probes the memory bandwidth (the tree's own matvec_bandwidth), so each rate is also given as a fraction of
+the floor that probe sets: bandwidth / bytes of weights per token. Trees alternate round by round, so both see the
+same load; on a shared machine compare ranges, not single runs.
+
+Usage (from the repository root; any gpt2port checkpoint directory, e.g. one scripts/bench_generate.py --workdir
+left, or a small one, where a step is all dispatch and Python):
+    python -m scripts.bench.side_by_side --trees /path/to/before,. --ckpt DIR [--threads 1,2] [--rounds 3]
+                                         [--json out.json]
+The child only uses what both trees have: GPT.from_pretrained, gpt2port.generate.steps and the bandwidth probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT_LEN, NEW_TOKENS, DTYPES = 16, 128, ("fp32", "bf16", "int8")
+
+
+def child(ckpt: str, threads: int) -> dict:
+    import torch
+
+    import gpt2port
+    from gpt2port import GPT
+    from gpt2port.generate import steps
+    if (Path(gpt2port.__file__).parent / "fast" / "speed.py").exists():
+        from gpt2port.fast.speed import matvec_bandwidth, weight_bytes_per_token
+    else:  # a tree from before gpt2port.fast
+        from gpt2port.speed import matvec_bandwidth, weight_bytes_per_token
+
+    torch.set_num_threads(threads)
+    got = {}
+    for name in DTYPES:
+        dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[name]
+        model = GPT.from_pretrained(ckpt, dtype=dtype)
+        prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+        for _ in steps(model, prompt[:, :4], 8, temperature=0, stop_token=None):
+            pass
+        bandwidth = matvec_bandwidth("cpu", repeats=5)
+        times = [time.perf_counter()]
+        for _ in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None):
+            times.append(time.perf_counter())
+        rate = NEW_TOKENS / (times[-1] - times[0])
+        gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # one decode step each (the prefill is the first)
+        got[name] = {"tokens_per_s": rate, "bandwidth": bandwidth,
+                     "floor_fraction": rate * weight_bytes_per_token(model) / bandwidth,
+                     "step_ms_median": 1e3 * statistics.median(gaps),
+                     "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10]}
+        del model
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", help="comma-separated checkout directories (the first is the baseline)")
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--threads", default="2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # threads, in a child
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.ckpt, args.child)))
+        return
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    runs: dict = {}
+    for threads in (int(t) for t in args.threads.split(",")):
+        for r in range(args.rounds):
+            for tree in trees:
+                env = dict(os.environ, PYTHONPATH=str(tree))
+                out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--ckpt", args.ckpt,
+                                      "--child", str(threads)], cwd=tree, env=env, stdout=subprocess.PIPE, text=True,
+                                     check=True)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                runs.setdefault(f"{threads}", {}).setdefault(str(tree), []).append(got)
+                print(f"threads {threads} round {r + 1} {tree.name}: " + ", ".join(
+                    f"{k} {v['tokens_per_s']:.1f} tok/s ({v['floor_fraction']:.0%} of floor; step median "
+                    f"{v['step_ms_median']:.2f} ms, best decile {v['step_ms_best_decile']:.2f} ms)"
+                    for k, v in got.items()),
+                    file=sys.stderr, flush=True)
+    print(report(runs))
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+
+
+def report(runs: dict) -> str:
+    lines = ["| threads | tree | " + " | ".join(f"{d} tokens/s (median, min-max)" for d in DTYPES)
+             + " | fp32 fraction of floor (median, min-max) |", "|---" * (3 + len(DTYPES)) + "|"]
+    for threads, trees in runs.items():
+        for tree, rounds in trees.items():
+            cells = []
+            for d in DTYPES:
+                rates = [r[d]["tokens_per_s"] for r in rounds]
+                cells.append(f"{statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})")
+            fractions = [r["fp32"]["floor_fraction"] for r in rounds]
+            cells.append(f"{statistics.median(fractions):.0%} ({min(fractions):.0%}-{max(fractions):.0%})")
+            lines.append(f"| {threads} | {Path(tree).name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
