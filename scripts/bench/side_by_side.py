@@ -2,12 +2,12 @@
 
 For each thread count and round, each tree in turn runs a fresh interpreter (PYTHONPATH set to that tree) that
 loads the checkpoint as fp32, bf16 and int8 and, for each, decodes greedily from a 16-token prompt (after a short
-warm-up), timing 128 new tokens, the prompt's prefill included (as scripts/bench_generate.py). Right before each
+warm-up), timing 128 new tokens, the prompt's prefill included (as scripts/bench/generate.py). Right before each
 decode it probes the memory bandwidth (the tree's own matvec_bandwidth), so each rate is also given as a fraction of
 the floor that probe sets: bandwidth / bytes of weights per token. Trees alternate round by round, so both see the
 same load; on a shared machine compare ranges, not single runs.
 
-Usage (from the repository root; any gpt2port checkpoint directory, e.g. one scripts/bench_generate.py --workdir
+Usage (from the repository root; any gpt2port checkpoint directory, e.g. one scripts/bench/generate.py --workdir
 left, or a small one, where a step is all dispatch and Python):
     python -m scripts.bench.side_by_side --trees /path/to/before,. --ckpt DIR [--threads 1,2] [--rounds 3]
                                          [--json out.json]
