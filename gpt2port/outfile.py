@@ -27,8 +27,7 @@ import threading
 
 BLOCK = 4096  # alignment of O_DIRECT offsets, lengths and buffers: a page, a multiple of every device block
 CHUNK = 16 << 20  # bytes per write() call: large enough that the device streams
-WRITERS = 2  # direct writes in flight at once: the device takes one while the other completes (dd here: 1.6 GB/s
-# writing 16 MB at a time, 1.9 GB/s with two at a time; a conversion waited on the disk for a quarter of its run)
+WRITERS = 2  # direct writes in flight at once: the device takes one while the other completes (docs/performance.md)
 CHUNKS = WRITERS + 2  # chunk buffers: those being written, one being filled, one to spare
 WRITE_SLICE = 4 << 20  # bytes per buffered write() call
 _write = os.pwrite  # the one call that writes a direct chunk (a module attribute: the tests inject a full disk here)

@@ -3,9 +3,9 @@
  * softmax(q . keys[0..length] * scale) . values[0..length]. In fp32 or bf16 (bf16 numbers widened as they are read,
  * the sums in fp32, each result rounded to bf16 once).
  *
- * Why a kernel of gpt2port's own: PyTorch's scaled_dot_product_attention is built for many queries; for one it
- * costs ~10 us of setup a layer, and the cache writes, slices and reshapes around it as many again, which at 124M
- * come to ~5% of a decode step. Here it is one call that reads each cached key and value once.
+ * Why a kernel of gpt2port's own: PyTorch's scaled_dot_product_attention is built for many queries; for one, its
+ * setup and the cache writes, slices and reshapes around it cost more than the reading itself (docs/performance.md).
+ * Here it is one call that reads each cached key and value once.
  *
  * Layouts: qkv (3 C): q, k, v, each H heads of D numbers (C = H D), as the model's qkv product makes them; keys and
  * values (H, T, D), the layer's cache for one sequence (T positions of room); y (C), heads in order, as the model's

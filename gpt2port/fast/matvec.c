@@ -12,7 +12,7 @@
  * gpt2port/fast/native.py with the machine's C compiler (-O3 -march=native -fopenmp). The partial sums are vectors of
  * the compiler's vector extension (GCC and Clang), one named variable per stream, so that they stay in registers
  * whatever the target: written as a [STREAMS][LANES] array, GCC 12 with AVX-512 kept them in memory, and every
- * step of the loop waited on a store and a load (~30 GB/s where the registers give ~47 on the same CPU). The
+ * step of the loop waited on a store and a load (docs/performance.md has the figures). The
  * threads are OpenMP's: loaded into a PyTorch process, the library shares PyTorch's OpenMP runtime and its threads.
  */
 #include <omp.h>

@@ -3,8 +3,8 @@
 // library gpt2port/fast/native.py built from those C files.
 //
 // Why C++: a decode step makes ~50 one-row products (~200 at 1.5B), and a kernel written in Python costs each a round
-// trip from PyTorch's dispatcher into the interpreter and out through ctypes, ~3 us more than an operator registered
-// from C++ (124M: ~0.3 ms of an ~11 ms step, measured). gpt2port/fast/native.py builds this file against the running
+// trip from PyTorch's dispatcher into the interpreter and out through ctypes, which an operator registered from C++
+// does not pay (docs/performance.md). gpt2port/fast/native.py builds this file against the running
 // PyTorch's headers and links it to the library; where that cannot be done (no C++ compiler, no headers), a Python
 // kernel serves gpt2port::matvec, and attention stays on PyTorch's.
 #include <ATen/Parallel.h>
