@@ -82,7 +82,7 @@ def torchrun(*args) -> None:
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:  # torchrun's own torchelastic_* directories
         r = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600,
                            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp})
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-20000:]  # every rank's last lines, not only the launcher's
 
 
 def _safe_rows(log: Path) -> list[dict]:
