@@ -8,12 +8,10 @@ held-out split is the end of the token stream. Text that happens to contain "<|e
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
 import shutil
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import missing_parents, remove_if_empty, sweep_leftovers, write_json
 from gpt2port.progress import StatusLine
+from gpt2port.signals import sigterm_as_interrupt
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
 from gpt2port.training.text import documents, pieces
 
@@ -88,7 +87,7 @@ def _build(files: list[Path], tokenizer_dir: Path, cache_dir: Path, recipe: dict
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir(parents=True)
         n, docs = 0, 0
-        with _terminate_as_interrupt(), open(stage / "train.bin", "wb") as out:
+        with sigterm_as_interrupt(), open(stage / "train.bin", "wb") as out:
             batch: list[tuple[bool, str]] = []
             for piece in pieces(files):
                 batch.append(piece)
@@ -121,26 +120,6 @@ def _build(files: list[Path], tokenizer_dir: Path, cache_dir: Path, recipe: dict
         raise
     finally:
         pool.shutdown(wait=False)
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt for the duration (where it would kill the process), so the stage is removed
-    as on Ctrl-C; outside the main thread, or where SIGTERM is ignored or handled already, nothing changes."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread
-        yield
-        return
-    if previous is not signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, previous)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _flush(enc, pool, batch, out, dtype, n: int, docs: int) -> tuple[int, int]:
