@@ -6,7 +6,7 @@ One function per command, importable from here (the CLI calls the same ones):
     gpt2port.convert(src, out, dtype=None, force=False, to="gpt2port")                       # local files -> checkpoint
     gpt2port.export(ckpt, out, to="gpt2port" | "hf", dtype=None, force=False)               # checkpoint -> elsewhere
     gpt2port.verify(ckpt, reference=None, dtype=None, tokens=None, hf=True)                 # -> report.passed
-    gpt2port.save(model, out, dtype=None, force=False)                                      # model in memory -> checkpoint
+    gpt2port.save(model, out, dtype=None, force=False)                                     # in memory -> checkpoint
     gpt2port.finetune(ckpt, data, out, gpt2port.FinetuneSettings(steps=...), resume=False)   # text -> tuned checkpoint
 
 Your own GPT class (gpt2port.userclass):

@@ -88,7 +88,8 @@ class GPTConfig:
         activation = hf.get("activation_function", "gelu_new")
         if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise GPT2PortError(
-                f"{source}: activation_function {_shown(activation)} is not supported (supported: {', '.join(ACTIVATIONS)})"
+                f"{source}: activation_function {_shown(activation)} is not supported "
+                f"(supported: {', '.join(ACTIVATIONS)})"
             )
         positions = "n_positions" if hf.get("n_positions") is not None or "n_ctx" not in hf else "n_ctx"
         try:
@@ -105,7 +106,8 @@ class GPTConfig:
                 tie_word_embeddings=hf.get("tie_word_embeddings", True),
             )
         except KeyError as e:
-            raise GPT2PortError(f"{source}: missing required field {(keys or {}).get(e.args[0], e.args[0])!r}") from None
+            field = (keys or {}).get(e.args[0], e.args[0])
+            raise GPT2PortError(f"{source}: missing required field {field!r}") from None
         except ConfigError as e:
             key = positions if e.field == "n_positions" else e.field
             raise e.named(source, (keys or {}).get(key, key)) from None

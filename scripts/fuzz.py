@@ -232,7 +232,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=2))
-    print(f"{report['cases']} cases ({report['runs']} runs: {report['accepted']} accepted, {report['refused']} refused) over {len(report['formats'])} formats "
+    print(f"{report['cases']} cases ({report['runs']} runs: {report['accepted']} accepted, "
+          f"{report['refused']} refused) over {len(report['formats'])} formats "
           f"({', '.join(f'{k} {v}' for k, v in report['formats'].items())}) in {report['seconds']} s, seed "
           f"{report['seed']}: {len(report['failures'])} failures")
     sys.exit(1 if report["failures"] else 0)

@@ -138,7 +138,7 @@ def safetensors_header(path: Path, rng: random.Random) -> str:
     return f"header {what}"
 
 
-# --- structured: TF index entries, GGUF counts, pickle members ---------------------------------------------------------
+# --- structured: TF index entries, GGUF counts, pickle members --------------------------------------------------------
 
 def tf_entry(path: Path, rng: random.Random) -> str:
     """One entry (or the header) of a TF index re-encoded with a hostile field, checksums made valid again."""

@@ -36,7 +36,7 @@ SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GB = 1e9
 
 
-# --- what this process holds ------------------------------------------------------------------------------------------------
+# --- what this process holds ------------------------------------------------------------------------------------------
 
 def open_fds() -> dict[str, str]:
     fds = {}
@@ -120,7 +120,7 @@ class Baseline:
         return found
 
 
-# --- the steps ----------------------------------------------------------------------------------------------------------------
+# --- the steps --------------------------------------------------------------------------------------------------------
 
 def make_source(size: str, src: Path, dtype: str) -> None:
     from scripts import hf_fixtures
@@ -177,7 +177,7 @@ def verify_step(dest: Path, src: Path, tokens: int, extra: list[str]) -> dict:
     return step
 
 
-# --- the run -------------------------------------------------------------------------------------------------------------------
+# --- the run ----------------------------------------------------------------------------------------------------------
 
 def soak(sizes: list[str], workdir: Path, rounds: int, dtype: str, tokens: int, keep: bool,
          verify_args: list[str]) -> tuple[list[dict], bool]:

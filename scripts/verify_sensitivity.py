@@ -1,7 +1,7 @@
-"""Which from-scratch mistakes verify can see, at which weight scale: each mistake of tests/verification/test_diagnose.py (plus
-ReLU for GELU and every bias dropped) made in gpt2port's own GPT, verified against its source, on weights at the
-transformers' own init, at the test fixtures' 0.02 init with random LayerNorms and biases (hf_fixtures.make_hf_model),
-and at a trained GPT-2's activation scales (tests/realistic.py).
+"""Which from-scratch mistakes verify can see, at which weight scale: each mistake of
+tests/verification/test_diagnose.py (plus ReLU for GELU and every bias dropped) made in gpt2port's own GPT, verified
+against its source, on weights at the transformers' own init, at the test fixtures' 0.02 init with random LayerNorms and
+biases (hf_fixtures.make_hf_model), and at a trained GPT-2's activation scales (tests/realistic.py).
 
     python -m scripts.verify_sensitivity [--width 32]
 

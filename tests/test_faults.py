@@ -96,7 +96,7 @@ def force_if(dest: Path) -> list[str]:
     return ["--force"] if dest.exists() else []
 
 
-# --- disk full -----------------------------------------------------------------------------------------------------------
+# --- disk full --------------------------------------------------------------------------------------------------------
 
 class _FullDisk(io.FileIO):
     """A file on a disk with `budget[0]` bytes left: a write that crosses it is cut short, the next one fails ENOSPC,
@@ -211,7 +211,7 @@ def test_disk_full_for_real(size, tiny_src, tiny_ckpt, small_tmpfs):
     assert list(disk.iterdir()) == [], "something was left on the full disk"
 
 
-# --- signals -----------------------------------------------------------------------------------------------------------------
+# --- signals ----------------------------------------------------------------------------------------------------------
 
 def start_slow_conversion(src: Path, dest: Path, tmp_path: Path):
     """A CLI conversion slowed to a crawl, returned a few tensors in, with snapshots of source and destination."""
@@ -287,7 +287,7 @@ def test_ctrl_c_between_the_renames_is_held_until_they_are_done(tiny_src, dest_f
     assert leftovers(dest.parent) == []
 
 
-# --- the post-write check --------------------------------------------------------------------------------------------------
+# --- the post-write check ---------------------------------------------------------------------------------------------
 
 def _failing_check(path, entries, metadata):
     raise GPT2PortError(f"{path}: post-write check failed: simulated")
@@ -315,7 +315,7 @@ def test_post_write_check_failure(check, prev, tiny_src, dest_for, monkeypatch):
     assert leftovers(dest.parent) == []
 
 
-# --- two conversions, one destination ---------------------------------------------------------------------------------------
+# --- two conversions, one destination ---------------------------------------------------------------------------------
 
 def race(dest: Path, src: Path, tmp_path: Path, *extra) -> list[tuple[str, str, int]]:
     """Two conversions to `dest`, both held at their first tensor until both are there (so both have passed the
@@ -377,7 +377,7 @@ def test_two_forced_conversions_leave_one_complete_checkpoint(tiny_src, tiny_ckp
     assert leftovers(dest.parent) == []
 
 
-# --- leftovers belong to their own destination ------------------------------------------------------------------------------
+# --- leftovers belong to their own destination ------------------------------------------------------------------------
 
 def _dead_pid() -> int:
     return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # above pid_max: no process can have it
@@ -405,7 +405,7 @@ def test_sweep_spares_a_live_runs_directory(tmp_path):
     assert live.is_dir()
 
 
-# --- full size: the same promises when the write takes real time --------------------------------------------------------------
+# --- full size: the same promises when the write takes real time ------------------------------------------------------
 
 @pytest.mark.heavy  # a second size of a check the default run makes on the tiny model
 @pytest.mark.fullsize
@@ -436,7 +436,7 @@ def test_signal_during_a_124m_conversion(sig, gpt2_hf_repo, gpt2_ckpt, tmp_path)
     assert {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in gpt2_hf_repo.iterdir()} == src_facts
 
 
-# --- the soak check (scripts/soak.py) -----------------------------------------------------------------------------------------
+# --- the soak check (scripts/soak.py) ---------------------------------------------------------------------------------
 
 def test_soak_leak_detector_sees_each_kind_of_leak(tmp_path):
     """The soak's 'no leaks' verdict means something only if each kind of leak would be caught."""
@@ -487,7 +487,7 @@ def test_soak_gpt2(tmp_path):
     assert list((tmp_path / "w").glob("**/.*partial*")) == []
 
 
-# --- download: a failed replacement keeps the old checkpoint and the Hugging Face cache -------------------------------------
+# --- download: a failed replacement keeps the old checkpoint and the Hugging Face cache -------------------------------
 # (the download faults themselves, cut connections and corrupted bodies, are tested in test_hub.py)
 
 @pytest.fixture

@@ -28,9 +28,11 @@ def test_a_passing_test_run_leaves_nothing_in_the_temp_directory(tmp_path):
     temp = tmp_path / "temp"
     temp.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
+    config = str(ROOT / "pyproject.toml")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", config,
                         "--rootdir", str(tmp_path / "t"), str(tmp_path / "t" / "test_t.py")],
-                       cwd=tmp_path / "t", capture_output=True, text=True, timeout=120, env={**env, "TMPDIR": str(temp)})
+                       cwd=tmp_path / "t", capture_output=True, text=True, timeout=120,
+                       env={**env, "TMPDIR": str(temp)})
     assert r.returncode == 0, r.stdout + r.stderr
     left = [str(p.relative_to(temp)) for p in temp.rglob("*") if p.is_file() or p.is_symlink()]
     assert left == [], left

@@ -20,7 +20,8 @@ def test_q8_0_for_another_layout_says_where_it_belongs(tiny_ckpt, tmp_path):
 
 
 def test_llmc_names_the_dtype_as_users_type_it(tiny_ckpt, tmp_path):
-    line = assert_clean_failure(run_cli("export", tiny_ckpt, "--out", tmp_path / "c", "--to", "llmc", "--dtype", "fp16"))
+    line = assert_clean_failure(run_cli("export", tiny_ckpt, "--out", tmp_path / "c", "--to", "llmc",
+                                        "--dtype", "fp16"))
     assert "hold fp32 or bf16, not fp16;" in line and "torch." not in line
 
 

@@ -38,7 +38,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             for a in node.names:
                 found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
     return {m for m in found if m in modules and m != name}

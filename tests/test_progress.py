@@ -81,7 +81,7 @@ def test_status_lines_in_a_log_one_per_step_and_counts_thinned(monkeypatch):
     assert progress.StatusLine("job").enabled is False  # without `lines` a log gets nothing, as before
 
 
-@pytest.mark.parametrize("message, bar", [("block 0/4", " |....................|"), ("block 3/12", " |#####...............|"),
-                                          ("loading", "")])
+@pytest.mark.parametrize("message, bar", [("block 0/4", " |....................|"),
+                                          ("block 3/12", " |#####...............|"), ("loading", "")])
 def test_the_bar_follows_the_count(message, bar):
     assert progress._bar(message) == bar

@@ -31,7 +31,7 @@ from tests.support import (WEIGHTS, assert_clean_failure, assert_one_line_error,
                            run_cli, run_module, snapshot)
 
 
-# --- fixtures ------------------------------------------------------------------------------------------------------------
+# --- fixtures ---------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def base_repo(make_hf_repo) -> Path:
@@ -246,7 +246,7 @@ def test_directory_where_a_file_is_expected(tmp_path, tiny_ckpt):
     assert_clean_failure(result, names=[tiny_ckpt / WEIGHTS])
 
 
-# --- sharded and pickled sources ----------------------------------------------------------------------------------------
+# --- sharded and pickled sources --------------------------------------------------------------------------------------
 
 @pytest.fixture
 def sharded_src(tmp_path, make_hf_repo) -> Path:
@@ -336,7 +336,7 @@ def test_pickle_payload_never_runs(tmp_path, fmt):
     assert not dest.exists() and leftovers(tmp_path) == []
 
 
-# --- weights that are odd but convertible --------------------------------------------------------------------------------
+# --- weights that are odd but convertible -----------------------------------------------------------------------------
 
 def test_nan_and_inf_weights_warn_by_name_and_convert(src, tmp_path):
     def poison(t):
@@ -368,7 +368,7 @@ def test_integer_mask_buffers_are_fine(src, tmp_path):
     assert_valid_checkpoint(dest)
 
 
-# --- where the output may go ----------------------------------------------------------------------------------------------
+# --- where the output may go ------------------------------------------------------------------------------------------
 
 def test_output_equal_to_the_source_is_refused(src):
     fails_safely(src, src, names=[src])
@@ -419,7 +419,7 @@ def test_existing_output_needs_force(src, dest_for):
     assert snapshot(dest) == before
 
 
-# --- paths and permissions that must simply work -------------------------------------------------------------------------
+# --- paths and permissions that must simply work ----------------------------------------------------------------------
 
 def test_unicode_and_space_paths(tmp_path, base_repo):
     src = tmp_path / "modèle GPT-2 ✓ (copie)"
@@ -510,7 +510,7 @@ def test_changing_loaded_weights_never_writes_to_the_checkpoint(tmp_path, tiny_c
     assert snapshot(ckpt) == before
 
 
-# --- a failure nobody planned for still ends in one line ------------------------------------------------------------------
+# --- a failure nobody planned for still ends in one line --------------------------------------------------------------
 
 def test_unexpected_exception_is_one_line_and_debug_shows_traceback(src, tmp_path, monkeypatch):
     import gpt2port.conversion as convert_mod

@@ -49,5 +49,6 @@ def test_parent_names_where_a_model_came_from(tiny_ckpt, tmp_path):
 def test_a_loaded_model_records_its_parents_bytes(tiny_ckpt, tmp_path):
     out = GPT.from_pretrained(tiny_ckpt).save_pretrained(tmp_path / "l")
     saved = json.loads((out / "manifest.json").read_text())["saves"][-1]
-    assert saved["from_weights"] == {"name": "model.safetensors", "size": (tiny_ckpt / "model.safetensors").stat().st_size,
-                                     "sha256": sha256(tiny_ckpt / "model.safetensors")}
+    weights = tiny_ckpt / "model.safetensors"
+    assert saved["from_weights"] == {"name": "model.safetensors", "size": weights.stat().st_size,
+                                     "sha256": sha256(weights)}

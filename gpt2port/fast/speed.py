@@ -35,10 +35,10 @@ def weight_bytes_per_token(model) -> int:
 
 def matvec_bandwidth(device: str | torch.device = "cpu", repeats: int = 20) -> float:
     """Bytes/s streamed by a one-row product against a PROBE_BYTES weight: the fastest of fp32 F.linear and, on CPU,
-    oneDNN and gpt2port's one-row kernel (gpt2port/fast/native.py) where built, on a GPU bf16 F.linear, so that no kernel the model
-    uses beats the floor it defines. On a GPU the weight is up to GPU_PROBE_FACTOR times larger (a quarter of the
-    free memory at most) and each timing spans GPU_BATCH products: one product there takes ~0.1 ms, of the order of
-    a synchronization."""
+    oneDNN and gpt2port's one-row kernel (gpt2port/fast/native.py) where built, on a GPU bf16 F.linear, so that no
+    kernel the model uses beats the floor it defines. On a GPU the weight is up to GPU_PROBE_FACTOR times larger (a
+    quarter of the free memory at most) and each timing spans GPU_BATCH products: one product there takes ~0.1 ms, of
+    the order of a synchronization."""
     device = torch.device(device)
     if device.type == "cpu":
         return _best_matvec(device, torch.float32, PROBE_BYTES, repeats, 1, cpu_kernels=True)

@@ -31,5 +31,5 @@ def get(name: str) -> Layout:
         raise GPT2PortError(f"unknown layout {name!r} (known: {', '.join(LAYOUTS)})") from None
 
 
-__all__ = ["GGUF", "GPT2PORT", "HF", "LAYOUTS", "LLMC", "LLMS_FROM_SCRATCH", "NANOGPT", "OPENAI_TF", "STATE_DICT_LAYOUTS", "Layout",
-           "Read", "Row", "Write", "get", "recognise"]
+__all__ = ["GGUF", "GPT2PORT", "HF", "LAYOUTS", "LLMC", "LLMS_FROM_SCRATCH", "NANOGPT", "OPENAI_TF",
+           "STATE_DICT_LAYOUTS", "Layout", "Read", "Row", "Write", "get", "recognise"]

@@ -73,9 +73,9 @@ class LoadReport:
         if self.cost:
             c = self.cost
             lines.append(f"cost of the dropped biases vs GPT-2: max rel logit error {c['max_rel']:.3g}, "
-                         f"KL {c['kl_mean']:.3g}, top-1 agreement {c['top1']:.1%}; its greedy continuation is GPT-2's for "
-                         f"the first {round(c['greedy_agreement'] * c['greedy_tokens'])} of {c['greedy_tokens']} "
-                         f"tokens")
+                         f"KL {c['kl_mean']:.3g}, top-1 agreement {c['top1']:.1%}; its greedy continuation is "
+                         f"GPT-2's for the first {round(c['greedy_agreement'] * c['greedy_tokens'])} of "
+                         f"{c['greedy_tokens']} tokens")
         return "\n".join(lines)
 
 

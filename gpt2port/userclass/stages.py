@@ -130,7 +130,8 @@ def stages_for(model: nn.Module, reference=None) -> ModelStages:
     from gpt2port.userclass.roles import layout_of
 
     report = loaded(model)
-    lay = report.layout if report is not None else layout_of(model, None if hasattr(reference, "forward") else reference)
+    given = None if hasattr(reference, "forward") else reference
+    lay = report.layout if report is not None else layout_of(model, given)
     if lay.reasons:
         raise GPT2PortError(f"{lay.model_name}: cannot be verified as GPT-2: {lay.reasons[0]}")
     stages = ModelStages(model, lay)

@@ -2,7 +2,7 @@
 
     from gpt2port.verification import run_verify, verify_model
     report = run_verify("checkpoints/gpt2")              # a converted checkpoint
-    report = verify_model(model, "path/to/hf-repo")   # an in-memory GPT, or a Stages adapter (gpt2port.verify_model: any class)
+    report = verify_model(model, "path/to/hf-repo")   # an in-memory GPT or a Stages adapter (any class)
 
 Modules, each importable without the ones after it: reference (the float64 GPT-2), report (VerifyReport, the JSON
 schema), tolerances, metrics, stages (the adapter a model is seen through), inputs, localize, hf, verdict, run.

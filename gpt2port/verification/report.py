@@ -133,7 +133,8 @@ def render_text(r: VerifyReport) -> str:
         f"HF transformers not used ({ref.get('hf_note') or 'not installed'})"
     lines = [
         f"gpt2port verify  {r.checkpoint}",
-        f"  model      {m['n_layer']} layers, {m['n_embd']} wide, {m['n_params']:,} params; {r.weights_dtype} weights, computing in {r.dtype}",
+        f"  model      {m['n_layer']} layers, {m['n_embd']} wide, {m['n_params']:,} params; "
+        f"{r.weights_dtype} weights, computing in {r.dtype}",
         f"  reference  {ref['path']}",
         f"             float64 forward over the HF files (truth); {hf}",
         f"  inputs     {_describe_inputs(r.inputs)}",

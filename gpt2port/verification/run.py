@@ -189,7 +189,8 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
     )
     if dlabel in ("fp16", "bf16"):
         report.notes.append(f"{dlabel} matrix products are slow on CPUs without native {dlabel} support; "
-                            f"--dtype fp32 checks the same {wlabel} weights, judged at {wlabel} tolerances, much faster")
+                            f"--dtype fp32 checks the same {wlabel} weights, judged at {wlabel} tolerances, "
+                            f"much faster")
     report.notes += [f"history: {line}" for line in history.lines(ours.history)]
     shape_problem = _shape_mismatch(ours, ref.config)
     # NaN or Inf weights make every comparison meaningless: they are named, and nothing is compared.
@@ -256,8 +257,8 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
 
 def _shape_mismatch(ours: Stages, rc) -> str | None:
     names = ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size")
-    cropped = any(h["event"] == history.CROPPED_POSITIONS and h["rows"] == ours.n_positions and h["of"] == rc.n_positions
-                  for h in ours.history)
+    cropped = any(h["event"] == history.CROPPED_POSITIONS and h["rows"] == ours.n_positions
+                  and h["of"] == rc.n_positions for h in ours.history)
     names = names if not cropped else tuple(n for n in names if n != "n_positions")  # said in the notes
     pairs = [(n, getattr(ours, n), getattr(rc, n)) for n in names]
     diff = [f"{n} {mine} vs reference {theirs}" for n, mine, theirs in pairs if mine != theirs]

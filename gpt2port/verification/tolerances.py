@@ -28,8 +28,8 @@ class Tolerance:
 # the weights' rounding to 8 bits, systematic rather than random, so its tolerances are 4-12x the measured error.
 # In fp32 ours (oneDNN's products, see model.Linear) errs about twice as much as HF (MKL's); fp16/bf16: HF's errors
 # were the same to two digits. KL gets extra room: it grows with the square of the logit scale, and real GPT-2 logits
-# (|logit| ~ 100) are larger than random-weight ones. The seeded bugs of tests/verification/test_verify.py land at stage errors
-# from 1.7e-4 (erf GELU) upwards, above every fp32 tolerance here.
+# (|logit| ~ 100) are larger than random-weight ones. The seeded bugs of tests/verification/test_verify.py land at
+# stage errors from 1.7e-4 (erf GELU) upwards, above every fp32 tolerance here.
 TOLERANCES = {
     "fp32": Tolerance(logits_rel=1e-5, kl=1e-6, local_rel=1e-5, loss=1e-5),
     "fp16": Tolerance(logits_rel=1.5e-2, kl=1e-3, local_rel=1e-2, loss=5e-3),

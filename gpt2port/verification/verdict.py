@@ -48,8 +48,8 @@ def judge(report: VerifyReport, inputs, per_input, tol: Tolerance, known_answer:
         if g:
             splits = [i.name for i in inputs if "greedy" in per_input[i.name]
                       and not per_input[i.name]["greedy"]["hf_split_explained"]]
-            checks.append(Check("greedy tokens = HF's (own KV cache)", not splits, f"{g['match_hf']}/{g['steps']}", None,
-                                f"split beyond a near-tie in {', '.join(splits)}" if splits else ""))
+            checks.append(Check("greedy tokens = HF's (own KV cache)", not splits, f"{g['match_hf']}/{g['steps']}",
+                                None, f"split beyond a near-tie in {', '.join(splits)}" if splits else ""))
     if known_answer:
         checks.append(_known_answer_check(inputs, per_input))
     return checks

@@ -1,18 +1,19 @@
 """What a decode step spends outside its matrix products, and what gpt2port's own kernels for it save: attention for
-one new token (gpt2port/fast/attention.c) against PyTorch's scaled_dot_product_attention with the cache writes, slices and
-reshapes a step makes around it, and the operators' C++ kernels (gpt2port/fast/native_ops.cpp) against a kernel written
-in Python, as a PyTorch without a C++ compiler gets.
+one new token (gpt2port/fast/attention.c) against PyTorch's scaled_dot_product_attention with the cache writes,
+slices and reshapes a step makes around it, and the operators' C++ kernels (gpt2port/fast/native_ops.cpp) against a
+kernel written in Python, as a PyTorch without a C++ compiler gets.
 
   attention  one layer's attention for one token of one sequence, GPT-2's 12 heads of 64, after `length` cached
-             positions: gpt2port::attend_one against SDPA plus its cache writes and reshapes, in microseconds, warm (the layer's cache just read) and cold (12 layers' caches, a 64 MB
-             buffer written between passes, as in a step, where a layer's keys were last read ~40 MB of weights ago).
+             positions: gpt2port::attend_one against SDPA plus its cache writes and reshapes, in microseconds, warm (the
+             layer's cache just read) and cold (12 layers' caches, a 64 MB buffer written between passes, as in a step,
+             where a layer's keys were last read ~40 MB of weights ago).
   --against  with another version of attention.c (e.g. `git show REV:gpt2port/fast/attention.c > old.c`): the
              attention rows for it and for this checkout's, both built here with the same compiler and flags and
              called the same way (ctypes), alternately, on the same caches.
   op call    microseconds a call of gpt2port::matvec costs from Python on a 4 x 768 weight, its C++ kernel
              against the same library reached through a Python kernel (registered here under another name).
-  step       a whole 124M decode step (gpt2port.fast.step) (random weights, 16-token prompt, 127 steps), with attention on
-             gpt2port's kernel against SDPA, the two run alternately step by step on caches of their own (this
+  step       a whole 124M decode step (gpt2port.fast.step) (random weights, 16-token prompt, 127 steps), with attention
+             on gpt2port's kernel against SDPA, the two run alternately step by step on caches of their own (this
              machine's bandwidth swings from minute to minute; neighbouring steps see the same): the median of the
              paired differences.
 

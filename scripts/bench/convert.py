@@ -219,7 +219,8 @@ def main() -> None:
     print(f"| gpt2port GPT.from_pretrained | {lg['wall_s']:.1f} | {lg['peak_rss_gb']:.2f} |")
     print(f"\ngpt2port load = {lg['wall_s'] / lh['wall_s']:.2f}x HF's time")
     print(f"\ntargets: convert {results['gpt2port']['wall_s'] / cp:.2f}x cp (<= 2.5), "
-          f"peak RSS {results['gpt2port']['peak_rss_gb']:.2f} GB (<= 1.5), load {lg['wall_s'] / lh['wall_s']:.2f}x HF (<= 1.0)")
+          f"peak RSS {results['gpt2port']['peak_rss_gb']:.2f} GB (<= 1.5), "
+          f"load {lg['wall_s'] / lh['wall_s']:.2f}x HF (<= 1.0)")
     print(json.dumps(results), file=sys.stderr)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

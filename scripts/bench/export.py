@@ -53,7 +53,8 @@ def main() -> None:
             size = next(out.iterdir()).stat().st_size / 1e9
             settle()
             cp = timed(["sh", "-c", f"cp '{weights}' '{work}/copy' && sync"])
-            print(f"run {i}: {size:.2f} GB  export {ex[0]:.2f} s, {ex[1] / 1024:.0f} MB peak RSS | cp+sync {cp[0]:.2f} s, "
+            print(f"run {i}: {size:.2f} GB  export {ex[0]:.2f} s, {ex[1] / 1024:.0f} MB peak RSS | "
+                  f"cp+sync {cp[0]:.2f} s, "
                   f"{cp[1] / 1024:.0f} MB | ratio {ex[0] / cp[0]:.2f}x")
             shutil.rmtree(out)
             (work / "copy").unlink()

@@ -1,7 +1,7 @@
-"""Decoding on a CUDA device, side by side in one run: gpt2port's step recorded as a CUDA graph (Settings(cuda_graph=
-True): opt-in until this script has proved it) against its eager step, Hugging Face's eager `generate`, and Hugging Face's own fast path, a static cache with
-the decoding forward compiled by torch.compile (transformers compiles it itself when a generation uses a static cache
-on a GPU), at fp32 and bf16.
+"""Decoding on a CUDA device, side by side in one run: gpt2port's step recorded as a CUDA graph
+(Settings(cuda_graph=True): opt-in until this script has proved it) against its eager step, Hugging Face's eager
+`generate`, and Hugging Face's own fast path, a static cache with the decoding forward compiled by torch.compile
+(transformers compiles it itself when a generation uses a static cache on a GPU), at fp32 and bf16.
 
 For each size: the random-weight checkpoint of scripts/bench/generate (`prepare`), loaded by both libraries from the
 same files; greedy, a 16-token prompt, 128 new tokens, tokens/s including the prompt's prefill, the device

@@ -17,7 +17,8 @@ of each LayerNorm and --units (4) MLP units (their fc rows) scaled M times (seed
   gpt2port int8, decode, unsmoothed   the decode steps of quant.quantized_model(..., smoothing=False)
 
 Usage (from the repository root):
-    python -m scripts.bench.int8_error [--size gpt2] [--tokens 200] [--threads 2] [--workdir DIR] [--outliers 30 [--gains 3] [--units 4]]
+    python -m scripts.bench.int8_error [--size gpt2] [--tokens 200] [--threads 2] [--workdir DIR]
+                                       [--outliers 30 [--gains 3] [--units 4]]
 """
 
 from __future__ import annotations

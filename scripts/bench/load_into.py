@@ -199,7 +199,8 @@ def main() -> None:
         print(f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['peak_rss_gb'] / r['weights_gb']:.2f} |")
     a = results["load_into"]
     print(f"\nload_into = {a['wall_s'] / results['from_pretrained']['wall_s']:.2f}x GPT.from_pretrained's time"
-          + (f", {results['by_hand']['wall_s'] / a['wall_s']:.1f}x faster than by hand" if "by_hand" in results else ""))
+          + (f", {results['by_hand']['wall_s'] / a['wall_s']:.1f}x faster than by hand"
+             if "by_hand" in results else ""))
     print(f"target: peak RSS {a['peak_rss_gb'] / a['weights_gb']:.2f}x weights (<= 1.15); "
           f"first logits agree across loaders: {len(sums) == 1 or max(sums) - min(sums) < 1e-3 * max(map(abs, sums))}")
     print(json.dumps(results), file=sys.stderr)

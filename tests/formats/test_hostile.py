@@ -300,7 +300,7 @@ def test_hostile_inputs_get_a_one_line_refusal(seeds, tmp_path, case):
     assert snapshot(tmp_path) == before  # nothing written, nothing changed
 
 
-# --- 12b/c. GGUF: overlapping tensors, and no embedded tokenizer ---------------------------------------------------------
+# --- 12b/c. GGUF: overlapping tensors, and no embedded tokenizer ------------------------------------------------------
 
 def test_gguf_tensors_at_overlapping_offsets_are_refused(tmp_path, gguf_meta):
     from gpt2port.layouts import GGUF
@@ -330,7 +330,7 @@ def test_gguf_without_a_tokenizer_converts_with_a_warning(tmp_path):
     assert not (tmp_path / "out" / "vocab.json").exists()
 
 
-# --- the fuzz script itself --------------------------------------------------------------------------------------------
+# --- the fuzz script itself -------------------------------------------------------------------------------------------
 
 def test_fuzz_script_runs_and_finds_nothing(tmp_path):
     report = tmp_path / "fuzz.json"

@@ -127,5 +127,6 @@ def test_the_demo_leaves_a_users_own_checkpoint_alone(tmp_path, tiny_hf_model, t
     work, env, r = _run_demo(repo, tmp_path, tiny_hf_model)
     assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
     assert not (repo / "checkpoints" / "gpt2-again").exists()
-    assert r.stdout.strip().splitlines()[-1] == f"    GPT2PORT_CHECKPOINTS={work}/checkpoints .venv/bin/gpt2port info gpt2"
+    last = r.stdout.strip().splitlines()[-1]
+    assert last == f"    GPT2PORT_CHECKPOINTS={work}/checkpoints .venv/bin/gpt2port info gpt2"
     assert (work / "checkpoints" / "gpt2" / "model.safetensors").is_file()

@@ -136,8 +136,8 @@ def test_nanogpt_erf_gelu_loads_but_is_not_exact(tiny_ckpt, tmp_path, config):
     assert 1e-5 < gap < 1e-2
 
 
-# (verify_model naming nanoGPT's erf GELU through the class's own modules: tests/verification/test_diagnose.py, on weights of
-# GPT-2's magnitudes, where the difference shows.)
+# (verify_model naming nanoGPT's erf GELU through the class's own modules: tests/verification/test_diagnose.py, on
+# weights of GPT-2's magnitudes, where the difference shows.)
 
 
 # --- refusals ------------------------------------------------------------------------------------------------------

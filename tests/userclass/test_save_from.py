@@ -310,7 +310,7 @@ def test_layout_of_says_what_loading_will_do_not_what_it_did():
     assert "lm_head.bias: set to zero" not in text and "(none: set to zero)" not in text
 
 
-# --- the sweep ---------------------------------------------------------------------------------------------------------
+# --- the sweep --------------------------------------------------------------------------------------------------------
 
 SWEEP = FAITHFUL + [NANOGPT_ERF] + BIASLESS
 

@@ -253,7 +253,7 @@ def test_fails_on_exact_erf_gelu(gelu_sensitive_repo, tmp_path):
 
 
 def test_known_answer_checked_for_the_official_gpt2(tiny_ckpt, tmp_path, pass_report):
-    """A manifest naming openai-community/gpt2 brings in transformers' known answer; random weights cannot produce it."""
+    """A manifest naming openai-community/gpt2 brings in transformers' known answer; random weights cannot give it."""
     out = tmp_path / "official"
     shutil.copytree(tiny_ckpt, out)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -532,7 +532,8 @@ def test_verifies_a_user_model_through_its_own_stages_adapter(tiny_ckpt, hub_ref
     report = verify_model(_UserStages(user), hub_reference, hf=False)
     assert report.passed, report.to_text()
     assert len(report.localization["stages"]) == 1 + 2 * hf_fixtures.TINY["n_layer"] + 2
-    assert report.model["n_params"] == GPT.from_pretrained(tiny_ckpt).num_params()  # the same weights, counted by the adapter
+    # the same weights, counted by the adapter
+    assert report.model["n_params"] == GPT.from_pretrained(tiny_ckpt).num_params()
     # Without a KV cache the greedy steps are recomputed in full, and the report says so instead of claiming a cache.
     names = [c.name for c in report.checks]
     assert "decode steps vs float64" in names and "KV-cached decode vs float64" not in names
@@ -559,4 +560,5 @@ def test_a_checkpoint_saved_after_changes_is_not_judged_silently_against_its_sou
     changed = model.save_pretrained(tmp_path / "changed")
     report = verify(changed, tokens=32, hf=False)
     assert not report.passed
-    assert [n for n in report.notes if "saved from a model in memory 1 time(s)" in n and "--reference" in n], report.notes
+    notes = [n for n in report.notes if "saved from a model in memory 1 time(s)" in n and "--reference" in n]
+    assert notes, report.notes
