@@ -18,12 +18,13 @@ from gpt2port import checkpoint
 from gpt2port.config import GPTConfig, read_json
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import Reader
-from gpt2port.formats.tf_bundle import index_for
+from gpt2port.formats.tf_bundle import STATE_FILE, index_for
 from gpt2port.fsio import scratch_directory
 from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
 from gpt2port.layouts.infer import check_config_matches_weights, infer_config
+from gpt2port.layouts.openai_tf import OPENAI_TF
 from gpt2port.readers import find_weights, open_weights
 from gpt2port.tokenizer import (NO_TOKENIZER, TOKENIZER_FILES, VOCAB_MERGES, defines_tokenizer, side_file_problem,
                                 write_bpe_files)
@@ -93,8 +94,8 @@ class Source:
         """Every file this source is read from (weights, shards, index, config, side files, a TensorFlow `checkpoint`
         pointer), once per real path: what an output must never replace."""
         files = [self.path, *self.reader.inputs(), self.config_path, *(self.root / n for n in TOKENIZER_FILES)]
-        if self.reader.layout == "openai-tf":
-            files.append(self.root / "checkpoint")
+        if self.reader.layout == OPENAI_TF.name:
+            files.append(self.root / STATE_FILE)
         return list({os.path.realpath(f): f for f in files if f is not None and os.path.lexists(f)}.values())
 
     def warnings(self) -> list[str]:

@@ -49,7 +49,7 @@ def worker() -> None:
     import gpt2port.conversion  # noqa: F401 - everything a command imports lazily, imported once here
     import gpt2port.readers.gguf  # noqa: F401
     import gpt2port.targets.gguf  # noqa: F401
-    import gpt2port.formats.tf_bundle  # noqa: F401
+    import gpt2port.readers.openai_tf  # noqa: F401
     import gpt2port.info  # noqa: F401
 
     channel = os.fdopen(os.dup(1), "w")

@@ -93,6 +93,43 @@ def test_the_formats_check_sees_an_import_of_meaning(tmp_path):
     assert _meaning_imports(modules) == {"gpt2port.formats.f": {"gpt2port.layouts.llmc"}}
 
 
+# What a reader says a file means (Reader's attributes): set only by gpt2port.readers, never by a format's reader.
+MEANING_ATTRIBUTES = ("layout", "model_config", "config_file", "config_keys")
+
+
+def _meaning_assignments(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """formats/ module -> the Reader attributes of meaning it sets (in a class body, or on self), base.py's
+    defaults (the protocol) apart."""
+    found = {}
+    for name, path in modules.items():
+        if not name.startswith("gpt2port.formats.") or name == "gpt2port.formats.base":
+            continue
+        set_here = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in (e for target in targets for e in (target.elts if isinstance(target, ast.Tuple) else [target])):
+                if isinstance(t, ast.Name) and t.id in MEANING_ATTRIBUTES:
+                    set_here.add(t.id)
+                elif isinstance(t, ast.Attribute) and t.attr in MEANING_ATTRIBUTES:
+                    set_here.add(t.attr)
+        if set_here:
+            found[name] = set_here
+    return found
+
+
+def test_the_formats_give_no_file_a_model_meaning():
+    """A format's reader lists and reads tensors; which layout they are in and what model sizes go with them
+    (hparams.json beside a TensorFlow bundle, GGUF's metadata) is a reader's in gpt2port.readers."""
+    assert _meaning_assignments(_modules()) == {}
+
+
+def test_the_meaning_check_sees_an_attribute_set(tmp_path):
+    bad = tmp_path / "f.py"
+    bad.write_text("class R:\n    layout = 'x'\n    def __init__(self):\n        self.model_config, n = {}, 1\n")
+    assert _meaning_assignments({"gpt2port.formats.f": bad}) == {"gpt2port.formats.f": {"layout", "model_config"}}
+
+
 def test_the_cycle_check_sees_a_lazy_cycle(tmp_path, monkeypatch):
     """The check is not vacuous: a cycle made only of imports inside functions is found."""
     a = tmp_path / "a.py"

@@ -34,8 +34,7 @@ class Reader:
 
     Subclasses set path (what was opened), files (every file the tensors come from, in order), index_file (a file
     that only lists others, or None), tensors and metadata, and implement read(). layout, model_config and
-    embedded_tokenizer() are what a file means, set by the readers that know it (gpt2port.readers; here only where
-    the format itself fixes them, as OpenAI's TensorFlow release does).
+    embedded_tokenizer() are what a file means, set only by the readers that know it (gpt2port.readers).
     """
 
     path: Path

@@ -10,6 +10,9 @@ The table: blocks of prefix-compressed key/value entries (shared length, unshare
 varints; a restart array at the block's end), each followed by a 5-byte trailer (compression type, masked
 crc32c of the block and that type byte); an index block whose values are the data blocks' handles (offset, size
 as varints); and a 48-byte footer: the metaindex and index handles, padding, and the table magic number.
+
+TensorFlow's own files only: the bundle, and the `checkpoint` state file that every TensorFlow saver writes beside
+it to name the latest prefix. What the tensors and OpenAI's hparams.json mean for GPT-2 is readers/openai_tf.py's.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import hashing, jsonio
+from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, TensorStream, read_whole, refuse_lfs_pointer
 
 TABLE_MAGIC = 0xDB4775248B80FB57
 FOOTER = 48
 TRAILER = 5
+STATE_FILE = "checkpoint"  # the text proto TensorFlow's savers write beside their checkpoints: the latest prefix
 CHUNK = 1 << 20  # bytes per checksum piece: small enough to stay in cache, large enough to be cheap
 # TensorFlow's DataType enum -> torch dtype, for the types a reader can hand out (the rest are named in refusals).
 DTYPES = {1: torch.float32, 2: torch.float64, 3: torch.int32, 9: torch.int64, 14: torch.bfloat16, 19: torch.float16}
@@ -188,7 +192,7 @@ def prefix_of(path: Path) -> Path:
 def checkpoint_in(directory: Path) -> Path | None:
     """The .index of the checkpoint a TensorFlow model directory holds: the one its `checkpoint` file names
     (model_checkpoint_path), or its only *.index."""
-    state = directory / "checkpoint"
+    state = directory / STATE_FILE
     if state.is_file():
         m = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', state.read_text(errors="replace"), re.M)
         if m:
@@ -201,7 +205,7 @@ def checkpoint_in(directory: Path) -> Path | None:
 def index_for(path: Path) -> Path | None:
     """The .index a user means by a path that is not a weights file itself: the `checkpoint` state file, a data
     shard, or the bare prefix (models/124M/model.ckpt)."""
-    if path.name == "checkpoint" and path.is_file():
+    if path.name == STATE_FILE and path.is_file():
         return checkpoint_in(path.parent)
     if ".data-" in path.name or not path.exists():
         index = prefix_of(path).with_name(prefix_of(path).name + ".index")
@@ -209,21 +213,8 @@ def index_for(path: Path) -> Path | None:
     return None
 
 
-# OpenAI's hparams.json names -> config.json's
-HPARAMS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "n_vocab": "vocab_size", "n_ctx": "n_positions"}
-
-
-def _hparams(directory: Path) -> dict | None:
-    path = directory / "hparams.json"
-    if not path.is_file():
-        return None
-    raw = jsonio.read(path)
-    return {HPARAMS[k]: v for k, v in raw.items() if k in HPARAMS}
-
-
 class TFBundleReader(Reader):
-    layout = "openai-tf"
-    config_keys = {v: k for k, v in HPARAMS.items()}
+    """A tensor bundle's variables by their TensorFlow names, each read checked against its crc32c."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -276,10 +267,6 @@ class TFBundleReader(Reader):
             self._crc[name] = entry.get(6)
         self.metadata = {}
         self._loans = hashing.Loans()  # pieces of the caller's `into` buffer lent to the source's hash
-        self.model_config = _hparams(self.index_file.parent)
-        if self.model_config is not None:
-            self.config_file = self.index_file.parent / "hparams.json"
-
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         """One tensor, checked against its crc32c, a CHUNK at a time (each piece checked while in cache). Into

@@ -1,5 +1,6 @@
 """Opening a weights file: the format chosen by its name (formats/), and for the formats that carry a model's meaning
-in the file itself (llm.c's, GGUF's) the reader that gives it as a GPT-2: its config and tokenizer.
+in the file itself or beside it (llm.c's, GGUF's, OpenAI's TensorFlow release) the reader that gives it as a GPT-2:
+its config and tokenizer.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from gpt2port.readers.torch_pickle import ModelPickleReader
 
 
 def _tf_reader(path: Path) -> Reader:
-    from gpt2port.formats.tf_bundle import TFBundleReader
+    from gpt2port.readers.openai_tf import OpenAITFReader
 
-    return TFBundleReader(path)
+    return OpenAITFReader(path)
 
 
 def _gguf_reader(path: Path) -> Reader:

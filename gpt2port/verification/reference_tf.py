@@ -1,7 +1,8 @@
 """OpenAI's TensorFlow checkpoints as the float64 reference's input: the same face as HFFiles (bare HF keys, HF's
 Conv1D (in, out) storage, a config dict), with the bytes read by gpt2port's tensor-bundle reader (crc32c-checked)
 and the names translated here, on their own: the reference does not share gpt2port's layout tables, so a mistake
-in those tables cannot hide from it."""
+in those tables cannot hide from it. The sizes are hparams.json's, in the one table of its names
+(readers/openai_tf.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import torch
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.tf_bundle import HPARAMS, TFBundleReader, checkpoint_in, index_for
+from gpt2port.formats.tf_bundle import TFBundleReader, checkpoint_in, index_for
+from gpt2port.readers.openai_tf import read_hparams
 
 # model/h3/attn/c_attn/w -> h.3.attn.c_attn.weight; ln_1/g -> ln_1.weight; b -> bias
 _LAYER = re.compile(r"^model/h(\d+)/(.+)$")
@@ -44,10 +46,11 @@ class TFFiles:
         self.root = self.reader.index_file.parent
         self.files = self.reader.files
         self._names = {hf_key(n): n for n in self.reader.tensors}
+        self._config = read_hparams(self.root)
 
     def config_dict(self) -> dict:
         """hparams.json in config.json's names (GPT-2's other settings are HF's defaults)."""
-        return dict(self.reader.model_config or {})
+        return dict(self._config or {})
 
     def has(self, key: str) -> bool:
         return key in self._names
@@ -75,4 +78,4 @@ class TFFiles:
         self.reader.close()
 
 
-__all__ = ["HPARAMS", "TFFiles", "hf_key", "is_tf"]
+__all__ = ["TFFiles", "hf_key", "is_tf"]

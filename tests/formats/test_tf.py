@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from gpt2port import GPT, convert
 from gpt2port.formats.tf_bundle import TFBundleReader
+from gpt2port.readers import open_weights
 from tests.support import assert_clean_failure, leftovers, run_cli, snapshot
 from tests.support import FIXTURES
 
@@ -57,6 +58,18 @@ def test_the_reader_gives_tensorflows_bytes():
         for k, t in expected.items():
             assert torch.equal(reader.read(k), t), k
     assert len(TFBundleReader(FIXTURES / "sharded" / "model.ckpt.index").files) == 2
+
+
+def test_the_bundle_is_bytes_and_openais_release_gives_it_a_meaning():
+    """formats/tf_bundle.py reads TensorFlow's bytes and says nothing of GPT-2; readers/openai_tf.py gives the same
+    bundle OpenAI's layout and the sizes of the hparams.json beside it."""
+    index = FIXTURES / "tiny" / "model.ckpt.index"
+    bundle = TFBundleReader(index)
+    assert (bundle.layout, bundle.model_config, bundle.config_file) == (None, None, None)
+    reader = open_weights(index)
+    assert reader.layout == "openai-tf" and sorted(reader.tensors) == sorted(bundle.tensors)
+    assert reader.model_config == {"vocab_size": 96, "n_positions": 24, "n_embd": 16, "n_head": 2, "n_layer": 2}
+    assert reader.config_file == FIXTURES / "tiny" / "hparams.json" and reader.config_file in reader.inputs()
 
 
 def test_converted_logits_equal_transformers_on_the_same_weights(tmp_path):
