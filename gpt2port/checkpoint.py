@@ -23,7 +23,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
 from gpt2port.fsio import copy_file, refuse_overlap, staged_directory, write_json
-from gpt2port.hashing import BackgroundHasher
+from gpt2port.hashing import BackgroundHasher, Hashes
 from gpt2port.layouts import canonical
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE, metadata_for
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
@@ -305,16 +305,13 @@ def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Pat
     tok_dir = Path(tokenizer_from) if tokenizer_from is not None else origin
     tokenizer_files = [tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()] if tok_dir else []
     parent_weights = Path(origin) / WEIGHTS if origin is not None else None
-    # The parent's weights are hashed on a second thread while this checkpoint is written: the record of what it was
-    # derived from names bytes, not only a path.
-    hasher = BackgroundHasher([parent_weights], {}) if parent_weights and parent_weights.is_file() else None
     if origin is not None and (Path(origin) / MANIFEST).is_file():
         prov = derived_manifest(read_manifest(Path(origin)), out_dtype, "saves", str(Path(origin).resolve()))
     else:
         prov = manifest(out_dtype, config, {"path": None, "kind": kind})
     (prov["saves"][-1] if "saves" in prov else prov["source"]).update(record or {})
 
-    def provenance() -> dict:
+    def provenance(hasher: BackgroundHasher | None) -> dict:
         if hasher is not None and "saves" in prov:
             prov["saves"][-1]["from_weights"] = hasher.results()[0]
         return prov
@@ -324,10 +321,9 @@ def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Pat
         refuse_overlap(out, Path(origin), "the checkpoint the model was loaded from")
     order = _stored_order(origin, shapes)
     items = [(name, out_dtype, shapes[name], (lambda t=state[name]: t.detach().cpu())) for name in order]
-    try:
-        write(out, config, items, provenance, tokenizer_files, force)
-    except BaseException:
-        if hasher is not None:
-            hasher.cancel()
-        raise
+    # The parent's weights are hashed on a second thread while this checkpoint is written: the record of what it was
+    # derived from names bytes, not only a path. Whatever fails, the session stops the hash.
+    with Hashes() as hashes:
+        hasher = BackgroundHasher([parent_weights], {}, hashes) if parent_weights and parent_weights.is_file() else None
+        write(out, config, items, lambda: provenance(hasher), tokenizer_files, force)
     return out

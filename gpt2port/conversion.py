@@ -22,6 +22,7 @@ from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.base import Reader
 from gpt2port.formats.prefetch import Streamed
 from gpt2port.fsio import refuse_hf_cache, refuse_overlap, staged_directory
+from gpt2port.hashing import Hashes
 from gpt2port.layouts import GPT2PORT, canonical, get as get_layout
 from gpt2port.layouts.transforms import merge
 from gpt2port.sources import Source, open_source
@@ -52,6 +53,7 @@ class Job:
     facts: dict  # provenance for a manifest: what the reading learned, and what the caller added
     known_sha256: dict[str, str]
     options: dict  # target-specific switches, passed through from convert(..., options=)
+    hashes: Hashes  # this conversion's hashing session (the source's reader offers to it); closed by convert()
 
     def staged(self):
         """The output directory being built (fsio.staged_directory), refused if it would replace what is read."""
@@ -94,7 +96,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     elif isinstance(dtype, str) and any(dtype.lower() in t.encodings for t in REGISTRY.values()):
         owners = " or ".join(f"--to {n}" for n, t in REGISTRY.items() if dtype.lower() in t.encodings)
         raise GPT2PortError(f"dtype {dtype!r} is for {owners} only; the {to} layout takes fp32, fp16 or bf16")
-    with open_source(src) as source:
+    with Hashes() as hashes, open_source(src, hashes) as source:
         refuse_overlap(out, source.root)
         refuse_hf_cache(out)
         if REGISTRY[to].tanh_gelu and source.config.activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
@@ -108,7 +110,8 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
             raise GPT2PortError(f"{source.where}: weights are {out_dtype}; pass --dtype fp32, fp16 or bf16")
         facts = {"dropped_keys": len(dropped), "head": "checked equal to wte" if head else "absent (tied)",
                  **(provenance or {})}
-        job = Job(source, out, items, out_dtype, force, progress, warnings, facts, known_sha256 or {}, options or {})
+        job = Job(source, out, items, out_dtype, force, progress, warnings, facts, known_sha256 or {}, options or {},
+                  hashes)
         size = writer(job)
     n_params = sum(math.prod(s) for s in canonical.shapes(source.config).values())
     return ConvertResult(out, target.name, n_params, encoding or out_dtype, size, time.perf_counter() - t0, warnings)

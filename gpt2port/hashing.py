@@ -1,21 +1,24 @@
 """sha256 of source files, computed beside the work that reads them.
 
-A conversion records every source file's sha256 in its manifest. At 1.5B parameters that is 6 GB through sha256,
-about 3.5 s of one core here: as much CPU time as any other part of a conversion, so it must not sit on its path.
+A conversion records every source file's sha256 in its manifest. For a large checkpoint that is as much CPU time
+as any other part of a conversion, so it must not sit on its path.
 
 - Each file is hashed on a thread of its own (hashlib releases the GIL while it hashes).
-- Readers hand it the bytes they read (`offer`), so each byte comes out of the page cache once, not twice (reading
-  a 1.5B checkpoint a second time cost 1.2 s of kernel copying). Until a reader offers anything, the hasher reads on
-  its own. Once a reader offers pieces, the hasher stops reading ahead: it drops pieces behind where it has got to,
-  waits for the reader to come up, and then takes the reader's pieces, reading itself only a gap before an offered
-  piece and, at the end (result()), whatever no reader offered. On a machine with few cores a hasher reading ahead
-  takes CPU time from the reader, the slower of the two. Either way the file is hashed in order, each byte once.
+- Readers hand it the bytes they read (`Hashes.offer`), so each byte comes out of the page cache once, not twice.
+  Until a reader offers anything, the hasher reads on its own. Once a reader offers pieces, the hasher stops
+  reading ahead: it drops pieces behind where it has got to, waits for the reader to come up, and then takes the
+  reader's pieces, reading itself only a gap before an offered piece and, at the end (result()), whatever no reader
+  offered. On a machine with few cores a hasher reading ahead takes CPU time from the reader, the slower of the
+  two. Either way the file is hashed in order, each byte once.
 - An offered piece is a view of the reader's own buffer, not a copy: the reader must leave those bytes alone until
   the hash is done with them, and `Loans` tells it when, region by region, so that it can read the next tensor into
   the start of its buffer while the hash still takes the end of the last one.
 
-A hash in progress is registered under the file's identity (device, inode, size, modification time): that is how
-a reader's offer finds it, and a second request for the same file takes it over rather than starting again.
+The hashes in progress belong to a `Hashes` session, which whoever records the digests owns (a conversion) and
+hands to the readers it opens (`Reader.hashes`): a reader offers only to its own session, and one without a session
+offers nothing. Within a session a hash is found by the file's identity (device, inode, size, modification time):
+that is how a reader's offer finds it, and a second request for the same file takes it over rather than starting
+again. Closing the session stops every hash still running; two sessions never see each other's hashes.
 """
 
 from __future__ import annotations
@@ -33,9 +36,6 @@ from gpt2port.errors import GPT2PortError
 HASH_CHUNK = 16 << 20
 OFFERED = 1 << 16  # pieces waiting for the hasher at most (views of a reader's buffer: they cost no memory)
 POLL_S = 0.05  # how often a hasher waiting for offered pieces looks whether it was stopped or told to finish
-
-_running: dict[tuple, "FileHash"] = {}  # identity -> a hash in progress (or finished and not yet collected)
-_lock = threading.Lock()
 
 
 def hash_file(path: Path, progress: Callable[[int], object] = lambda n: None, git: bool = False,
@@ -64,10 +64,12 @@ def _identity(st: os.stat_result) -> tuple:
 
 
 class FileHash:
-    """The sha256 of one file, computed on a thread of its own from offered pieces and its own reads."""
+    """The sha256 of one file, computed on a thread of its own from offered pieces and its own reads. `done(self)` is
+    called once its digest was collected or it was cancelled (its session then forgets it)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, done: Callable[["FileHash"], object] = lambda h: None):
         self.path = Path(path)
+        self._done = done
         st = os.stat(self.path)
         self.identity, self.size = _identity(st), st.st_size
         self.pos = 0  # bytes hashed so far, all of them from the file's start
@@ -110,7 +112,7 @@ class FileHash:
     def result(self) -> str:
         self._last.set()
         self._thread.join()
-        _forget(self)
+        self._done(self)
         if self._error is not None:
             raise GPT2PortError(f"{self.path}: hashing failed: {self._error}")
         if self._digest is None:
@@ -120,7 +122,7 @@ class FileHash:
     def cancel(self) -> None:
         self._stop.set()
         self._thread.join()
-        _forget(self)
+        self._done(self)
 
     def _run(self) -> None:
         buffer = memoryview(bytearray(HASH_CHUNK))
@@ -171,31 +173,57 @@ class FileHash:
         self.pos += n
 
 
-def _forget(h: FileHash) -> None:
-    with _lock:
-        if _running.get(h.identity) is h:
-            del _running[h.identity]
+class Hashes:
+    """The hashes of one conversion's source files: started here, offered the bytes its readers read, and all stopped
+    by close() (a session is a context manager). Readers are handed it (Reader.hashes); nothing is shared between
+    sessions, so two conversions in one process never take or stop each other's hashes."""
 
+    def __init__(self):
+        self._running: dict[tuple, FileHash] = {}  # identity -> a hash in progress (or finished, not yet collected)
+        self._lock = threading.Lock()
+        self._closed = False
 
-def start(path: Path) -> FileHash:
-    """The hash of `path`: the one in progress for this very file if there is one (taken over), else a new one."""
-    st = os.stat(path)
-    with _lock:
-        h = _running.get(_identity(st))
-        if h is None:
-            h = _running[_identity(st)] = FileHash(Path(path))
-        return h
+    def start(self, path: Path) -> FileHash:
+        """The hash of `path`: the one in progress in this session for this very file if there is one (taken over),
+        else a new one."""
+        key = _identity(os.stat(path))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("a closed hashing session cannot start another hash")
+            h = self._running.get(key)
+            if h is None:
+                h = self._running[key] = FileHash(Path(path), self._forget)
+            return h
 
+    def offer(self, fd: int, offset: int, data) -> tuple[FileHash, int] | None:
+        """Readers call this with each piece of a file they read (fd open on it): free when this session is not
+        hashing it. Where the hash took the piece, (hash, ticket): the bytes must stay as they are until
+        hash.wait(ticket) (see Loans)."""
+        if self._running:
+            h = self._running.get(_identity(os.fstat(fd)))
+            if h is not None:
+                ticket = h.offer(offset, data)
+                return (h, ticket) if ticket is not None else None
+        return None
 
-def offer(fd: int, offset: int, data) -> tuple[FileHash, int] | None:
-    """Readers call this with each piece of a file they read (fd open on it): free when nobody is hashing it. Where
-    the hash took the piece, (hash, ticket): the bytes must stay as they are until hash.wait(ticket) (see Loans)."""
-    if _running:
-        h = _running.get(_identity(os.fstat(fd)))
-        if h is not None:
-            ticket = h.offer(offset, data)
-            return (h, ticket) if ticket is not None else None
-    return None
+    def close(self) -> None:
+        """Stop every hash still running (a failed conversion needs no digests: stop reading the source now)."""
+        with self._lock:
+            self._closed = True
+            running = list(self._running.values())
+        for h in running:
+            h.cancel()
+
+    def _forget(self, h: FileHash) -> None:
+        with self._lock:
+            if self._running.get(h.identity) is h:
+                del self._running[h.identity]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class Loans:
@@ -206,9 +234,9 @@ class Loans:
     def __init__(self):
         self._lent: list[tuple[int, int, FileHash, int]] = []  # (buffer start, end, hash, ticket)
 
-    def offer(self, fd: int, offset: int, buffer_start: int, view) -> None:
-        """Offer `view`, read from the file at `offset` into the buffer at `buffer_start`."""
-        taken = offer(fd, offset, view)
+    def offer(self, hashes: Hashes, fd: int, offset: int, buffer_start: int, view) -> None:
+        """Offer `view`, read from the file at `offset` into the buffer at `buffer_start`, to `hashes`."""
+        taken = hashes.offer(fd, offset, view)
         if taken is not None:
             self._lent.append((buffer_start, buffer_start + len(view), *taken))
 
@@ -226,24 +254,19 @@ class Loans:
 
 
 class BackgroundHasher:
-    """sha256 of each file (on threads of their own) while the caller works; `known` names files already hashed."""
+    """sha256 of each file (on threads of their own, in the session `hashes`, which stops them if the caller fails)
+    while the caller works; `known` names files already hashed."""
 
-    def __init__(self, files: list[Path], known: dict[str, str]):
+    def __init__(self, files: list[Path], known: dict[str, str], hashes: Hashes):
         self._files = files
         self._known = known
         self._hashes: dict[Path, FileHash] = {}
         try:
             for f in files:
                 if f.name not in known:
-                    self._hashes[f] = start(f)
-        except OSError as e:
-            self.cancel()
+                    self._hashes[f] = hashes.start(f)
+        except OSError as e:  # those started already stop with their session
             raise GPT2PortError(f"hashing the source failed: {e}") from None
-
-    def cancel(self) -> None:
-        """Stop reading (the caller failed; nobody will need the digests)."""
-        for h in self._hashes.values():
-            h.cancel()
 
     def results(self) -> list[dict]:
         digests = {f: h.result() for f, h in self._hashes.items()}

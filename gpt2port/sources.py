@@ -20,6 +20,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.formats import Reader
 from gpt2port.formats.tf_bundle import STATE_FILE, index_for
 from gpt2port.fsio import scratch_directory
+from gpt2port.hashing import Hashes
 from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE
@@ -137,7 +138,8 @@ def source_path(source) -> Path:
     return path if path.exists() else checkpoint.resolve(source)
 
 
-def open_source(path: str | Path) -> Source:
+def open_source(path: str | Path, hashes: Hashes | None = None) -> Source:
+    """The source at `path`; its reader offers what it reads to `hashes` (the caller's session) when given."""
     path = Path(path)
     if path.is_dir():
         weights = find_weights(path)
@@ -148,6 +150,7 @@ def open_source(path: str | Path) -> Source:
     else:
         raise GPT2PortError(f"{path}: no such file or directory")
     reader = open_weights(weights)
+    reader.hashes = hashes
     try:
         tag = reader.metadata.get(FORMAT_KEY)
         if tag is not None and tag not in READABLE:

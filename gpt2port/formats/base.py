@@ -51,6 +51,8 @@ class Reader:
     config_keys: dict[str, str] = {}  # config.json's name -> the name model_config's source uses, where it differs
     # Findings a conversion should report (e.g. a tokenizer that could not be carried over).
     warnings: tuple[str, ...] | list[str] = ()
+    # The session hashing the source for whoever opened it (a conversion), offered every piece read; None: nobody is.
+    hashes: hashing.Hashes | None = None
 
     def inputs(self) -> list[Path]:
         """Every file this reader opened (an output must never replace one)."""
@@ -93,11 +95,13 @@ def refuse_lfs_pointer(path: Path, head: bytes) -> None:
 class TensorStream:
     """One tensor's stored bytes read with pread, piece by piece, into buffers the caller gives: readinto(view)
     until info.nbytes are read, then finish() (a format's whole-tensor checks); close() in every case. Formats with
-    more to check per piece (a checksum) override piece() and finish(). Each piece goes to the source's hash too:
-    lent, where the caller tracks the buffer's loans (read_whole), or else for the hash to read again itself."""
+    more to check per piece (a checksum) override piece() and finish(). With `hashes` (the reader's session), each
+    piece goes to the source's hash too: lent, where the caller tracks the buffer's loans (read_whole), or else for
+    the hash to read again itself."""
 
-    def __init__(self, info: TensorInfo):
+    def __init__(self, info: TensorInfo, hashes: hashing.Hashes | None = None):
         self.info = info
+        self.hashes = hashes
         self.done = 0
         self._fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
@@ -108,10 +112,12 @@ class TensorStream:
         if not n:
             raise GPT2PortError(f"{self.info.file}: ends inside tensor {self.info.name!r} (truncated?)")
         got = memoryview(view)[:n]
-        if loans is None:  # a buffer that is not ours to lend: the hash reads these bytes itself
-            hashing.offer(self._fd, self.info.offset + self.done, n)
-        else:
-            loans.offer(self._fd, self.info.offset + self.done, at, got)
+        if self.hashes is not None:
+            where = self.info.offset + self.done
+            if loans is None:  # a buffer that is not ours to lend: the hash reads these bytes itself
+                self.hashes.offer(self._fd, where, n)
+            else:
+                loans.offer(self.hashes, self._fd, where, at, got)
         self.piece(got)
         self.done += n
         return n

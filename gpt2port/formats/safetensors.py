@@ -154,7 +154,7 @@ class PreadReader(Reader):
         return read_whole(self.stream(name), into, self._loans, READ_PIECE)
 
     def stream(self, name: str) -> TensorStream:
-        return TensorStream(self.tensors[name])
+        return TensorStream(self.tensors[name], self.hashes)
 
 
 class SafetensorsReader(PreadReader):

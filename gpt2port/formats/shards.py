@@ -41,6 +41,8 @@ def shard_names(index_path: Path) -> list[str]:
 class ShardedReader(Reader):
     """Every shard an index names, opened with `open_file` and presented as one source."""
 
+    _hashes = None
+
     def __init__(self, index_path: Path, open_file: Callable[[Path], Reader]):
         self.path = self.index_file = Path(index_path)
         weight_map = read_index(self.path)
@@ -65,6 +67,16 @@ class ShardedReader(Reader):
         absent = [k for k in weight_map if k not in self.tensors]
         if absent:
             raise GPT2PortError(f"{self.path}: keys listed but absent from their shards: {', '.join(absent[:8])}")
+
+    @property
+    def hashes(self):
+        return self._hashes
+
+    @hashes.setter
+    def hashes(self, hashes) -> None:  # each shard's reader offers what it reads to the same session
+        self._hashes = hashes
+        for r in self._readers.values():
+            r.hashes = hashes
 
     def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
         return self._readers[self.tensors[name].file.name].read(name, into)

@@ -275,14 +275,14 @@ class TFBundleReader(Reader):
         return read_whole(self.stream(name), into, self._loans, CHUNK)
 
     def stream(self, name: str) -> TensorStream:
-        return _CheckedStream(self.tensors[name], self._crc[name])
+        return _CheckedStream(self.tensors[name], self._crc[name], self.hashes)
 
 
 class _CheckedStream(TensorStream):
     """A tensor read piece by piece, its crc32c carried across the pieces and compared at finish()."""
 
-    def __init__(self, info: TensorInfo, crc: int | None):
-        super().__init__(info)
+    def __init__(self, info: TensorInfo, crc: int | None, hashes: hashing.Hashes | None):
+        super().__init__(info, hashes)
         self._expected, self._crc = crc, 0
 
     def piece(self, view: memoryview) -> None:

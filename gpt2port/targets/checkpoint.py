@@ -15,7 +15,7 @@ def write(job) -> int:
         meta = checkpoint.derived_manifest(prev, job.dtype, "exports", str(source.root.resolve()))
         return checkpoint.write(job.out, source.config, job.items, lambda: {**meta, "warnings": job.warnings},
                                 source.tokenizer_files, job.force, job.progress, source.read_files())
-    hasher = BackgroundHasher(source.reader.files + source.side_files(), job.known_sha256)
+    hasher = BackgroundHasher(source.reader.files + source.side_files(), job.known_sha256, job.hashes)
 
     def manifest() -> dict:  # called once the weights are written: the hashes are ready by then
         return checkpoint.manifest(job.dtype, source.config, {
@@ -25,9 +25,6 @@ def write(job) -> int:
             **job.facts,
         }, job.warnings)
 
-    try:
-        return checkpoint.write(job.out, source.config, job.items, manifest, source.tokenizer_files, job.force,
-                                job.progress, source.read_files())
-    except BaseException:
-        hasher.cancel()  # a failed conversion needs no digests: stop reading the source now
-        raise
+    # A failure stops the hashes with the session they belong to (convert closes it).
+    return checkpoint.write(job.out, source.config, job.items, manifest, source.tokenizer_files, job.force,
+                            job.progress, source.read_files())

@@ -10,6 +10,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +28,36 @@ FIXTURES = FIXTURES / "tf"
 @pytest.fixture(autouse=True)
 def no_hash_left_running():
     yield
-    assert not hashing._running, "a hash was left running"
+    left = [t.name for t in threading.enumerate() if t.name.startswith("gpt2port-sha256-")]
+    assert not left, f"hashes left running: {left}"
+
+
+@pytest.fixture
+def session():
+    with hashing.Hashes() as hashes:
+        yield hashes
+
+
+def _slow_sha256(monkeypatch, delay: float) -> None:
+    """hashlib.sha256, `delay` seconds slower per update (a hash far behind its readers)."""
+    real = hashlib.sha256
+
+    class SlowSha256:
+        def __init__(self):
+            self._h = real()
+
+        def update(self, data):
+            time.sleep(delay)
+            self._h.update(data)
+
+        def hexdigest(self):
+            return self._h.hexdigest()
+
+    monkeypatch.setattr(hashlib, "sha256", SlowSha256)
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
 
 
 def _file(tmp_path: Path, size: int, seed: int = 0) -> tuple[Path, bytes]:
@@ -38,7 +68,7 @@ def _file(tmp_path: Path, size: int, seed: int = 0) -> tuple[Path, bytes]:
 
 
 @pytest.mark.parametrize("order", ["in order", "shuffled", "overlapping", "with gaps"])
-def test_offered_pieces_in_any_order_give_the_files_digest(order, tmp_path, monkeypatch):
+def test_offered_pieces_in_any_order_give_the_files_digest(order, session, tmp_path, monkeypatch):
     monkeypatch.setattr(hashing, "HASH_CHUNK", 1 << 16)  # several of the hasher's own reads in a small file
     path, data = _file(tmp_path, 3_000_007)
     rng = random.Random(1)
@@ -50,31 +80,31 @@ def test_offered_pieces_in_any_order_give_the_files_digest(order, tmp_path, monk
         pieces = [(max(0, a - 1000), data[max(0, a - 1000) : a + len(p) + 1000]) for a, p in pieces]
     elif order == "with gaps":
         pieces = pieces[::3]
-    h = hashing.start(path)
+    h = session.start(path)
     for offset, piece in pieces:
         h.offer(offset, piece)
     assert h.result() == hashlib.sha256(data).hexdigest()
 
 
-def test_a_full_queue_drops_offers_and_the_hasher_reads_them_itself(tmp_path, monkeypatch):
+def test_a_full_queue_drops_offers_and_the_hasher_reads_them_itself(session, tmp_path, monkeypatch):
     monkeypatch.setattr(hashing, "OFFERED", 2)
     path, data = _file(tmp_path, 5_000_000)
-    h = hashing.start(path)
+    h = session.start(path)
     for a in range(0, len(data), 4096):
         h.offer(a, data[a : a + 4096])
     assert h.result() == hashlib.sha256(data).hexdigest()
 
 
-def test_a_reclaimed_buffer_was_hashed_before_it_is_overwritten(tmp_path):
+def test_a_reclaimed_buffer_was_hashed_before_it_is_overwritten(session, tmp_path):
     """A reader offers views of its own buffer and, after reclaiming a region, overwrites it: the digest is the
     file's; a region not reclaimed may still be on loan."""
     path, data = _file(tmp_path, 2_000_000)
     buffer = np.frombuffer(bytearray(data), dtype=np.uint8)
     loans = hashing.Loans()
     with open(path, "rb") as f:
-        h = hashing.start(path)
+        h = session.start(path)
         for a in range(0, len(data), 65536):
-            loans.offer(f.fileno(), a, a, buffer[a : a + 65536])
+            loans.offer(session, f.fileno(), a, a, buffer[a : a + 65536])
         loans.reclaim(0, 1_000_000)
         assert h.pos >= 1_000_000
         buffer[:1_000_000] = 0
@@ -83,7 +113,7 @@ def test_a_reclaimed_buffer_was_hashed_before_it_is_overwritten(tmp_path):
     assert h.result() == hashlib.sha256(data).hexdigest()
 
 
-def test_a_file_shorter_than_its_size_fails_naming_it(tmp_path, monkeypatch):
+def test_a_file_shorter_than_its_size_fails_naming_it(session, tmp_path, monkeypatch):
     """The file ends before the size it had when the hash started (truncated meanwhile): an error naming it."""
     path, data = _file(tmp_path, 5000)
     real_stat = os.stat
@@ -94,7 +124,7 @@ def test_a_file_shorter_than_its_size_fails_naming_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "stat", stat_as_before)
     with pytest.raises(GPT2PortError, match=str(path)):
-        hashing.start(path).result()
+        session.start(path).result()
 
 
 @pytest.mark.parametrize("fixture", ["tiny", "sharded"])
@@ -135,29 +165,82 @@ def test_a_reader_reusing_its_buffer_waits_for_a_slow_hash(source, tmp_path, mon
     read must wait (hashing.Loans) rather than overwrite bytes not yet hashed."""
     from gpt2port.formats import safetensors, tf_bundle
 
-    real_sha256 = hashlib.sha256
-
-    class SlowSha256:
-        def __init__(self):
-            self._h = real_sha256()
-
-        def update(self, data):
-            time.sleep(0.0002)
-            self._h.update(data)
-
-        def hexdigest(self):
-            return self._h.hexdigest()
-
     src = tmp_path / "src"
     if source == "tensorflow":
         shutil.copytree(FIXTURES / "tiny", src)
     else:
         convert(FIXTURES / "tiny", src, to="hf")
-    expected = {p.name: real_sha256(p.read_bytes()).hexdigest() for p in src.iterdir()}
-    monkeypatch.setattr(hashlib, "sha256", SlowSha256)
+    expected = _digests(src)
+    _slow_sha256(monkeypatch, 0.0002)
     monkeypatch.setattr(tf_bundle, "CHUNK", 256)  # many pieces per tensor...
     monkeypatch.setattr(safetensors, "READ_PIECE", 256)
     monkeypatch.setattr(hashing, "HASH_CHUNK", 256)  # ...and the hasher's own reads as slow as its hashing
     out = convert(src, tmp_path / "ckpt").out
     for f in json.loads((out / "manifest.json").read_text())["source"]["files"]:
+        assert f["sha256"] == expected[f["name"]], f["name"]
+
+
+def test_sessions_keep_their_hashes_apart(tmp_path):
+    """Within a session a second request for a file takes over its hash; another session has its own, which a
+    reader of the first never feeds and closing the first never stops. A reader given no session offers nothing."""
+    from gpt2port.formats.safetensors import SafetensorsReader
+
+    path = tmp_path / "w.safetensors"
+    convert(FIXTURES / "tiny", tmp_path / "hf", to="hf")
+    shutil.copy(tmp_path / "hf" / "model.safetensors", path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    with hashing.Hashes() as first, hashing.Hashes() as second:
+        mine, theirs = first.start(path), second.start(path)
+        assert first.start(path) is mine and mine is not theirs
+        with SafetensorsReader(path) as reader:  # no session: offers nothing, to anyone
+            reader.read(next(iter(reader.tensors)))
+        assert not mine._fed and not theirs._fed
+        with SafetensorsReader(path) as reader:
+            reader.hashes = first
+            reader.read(next(iter(reader.tensors)))
+        assert mine._fed and not theirs._fed
+        first.close()
+        assert theirs.result() == digest
+
+
+def test_a_failed_conversion_does_not_stop_another_ones_hash(tmp_path, monkeypatch):
+    """Two conversions of one source at once: the one that fails stops its own hashes only; the other records the
+    source's sha256."""
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "tiny", src)
+    expected = _digests(src)
+    _slow_sha256(monkeypatch, 0.005)  # the hasher cannot finish a file on its own before a reader offers it pieces
+    monkeypatch.setattr(hashing, "HASH_CHUNK", 256)
+    second_running, first_failed, outcome = threading.Event(), threading.Event(), {}
+
+    class Stop(Exception):
+        pass
+
+    def wait_for_the_failure(done, total):  # the second conversion, its hashes fed, waits for the first to fail
+        second_running.set()
+        first_failed.wait(60)
+
+    def fail(done, total):
+        second_running.wait(60)
+        raise Stop
+
+    def run(name, progress):
+        try:
+            outcome[name] = convert(src, tmp_path / name, progress=progress).out
+        except BaseException as e:  # noqa: BLE001 - looked at below
+            outcome[name] = e
+        finally:
+            if name == "first":
+                first_failed.set()
+
+    threads = [threading.Thread(target=run, args=("second", wait_for_the_failure)),
+               threading.Thread(target=run, args=("first", fail))]
+    threads[0].start()
+    assert second_running.wait(60)
+    threads[1].start()
+    for t in threads:
+        t.join(120)
+    assert isinstance(outcome["first"], Stop)
+    assert isinstance(outcome["second"], Path), outcome["second"]
+    for f in json.loads((outcome["second"] / "manifest.json").read_text())["source"]["files"]:
         assert f["sha256"] == expected[f["name"]], f["name"]
