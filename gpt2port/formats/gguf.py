@@ -1,7 +1,7 @@
 """GGUF, llama.cpp's single-file format: a reader of tensors and metadata key/values, and a streaming writer.
 
 A GGUF file is a header, key/value metadata, tensor infos, then the aligned tensor bytes. Reading: the header is
-walked by formats/gguf_scan.py (bounded by the file's size, and ~20x faster than the `gguf` package's reader), the
+walked by formats/gguf_scan.py (bounded by the file's size, and far faster than the `gguf` package's reader), the
 tensors read with pread. Writing: llama.cpp's own `gguf` package, through its public API only, writes the header,
 metadata and tensor infos; the tensors' bytes then follow at the offsets that header gives, each as it is produced,
 so one tensor is in memory at a time. What the keys and tensors mean for GPT-2 is readers/gguf.py's and
@@ -65,13 +65,6 @@ def _refuse_overlaps(path: Path, tensors) -> None:
                                 f"before those of {a!r} end at {end})")
 
 
-def _text(v):
-    """A metadata value with its strings decoded (UnicodeDecodeError where one is not UTF-8)."""
-    if isinstance(v, bytes):
-        return v.decode("utf-8")
-    return [_text(x) for x in v] if isinstance(v, list) else v
-
-
 class GGUFFile(PreadReader):
     """A GGUF's f32/f16/bf16 tensors (read with pread, as safetensors' are) and its metadata, read on request by
     key. Subclasses open it in two steps, _open() then _list_tensors(), so that they can check the metadata before
@@ -115,31 +108,39 @@ class GGUFFile(PreadReader):
         self.metadata = {}
         self.warnings: list[str] = []
 
-    def _field(self, key: str, required: bool = True):
+    def _string(self, key: str, required: bool = True) -> str | None:
         field = self.header.fields.get(key)
         if field is None:
             if required:
                 raise GPT2PortError(f"{self.path}: GGUF metadata lacks {key!r}")
             return None
+        if field.kind != _V.STRING:
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not a string")
         try:
-            return _text(value(self._map, field))
+            return value(self._map, field).decode("utf-8")
         except UnicodeDecodeError:
-            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is damaged (not a readable value)") from None
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not UTF-8") from None
 
     def _number(self, key: str, real: bool = False):
         """A size or eps from the metadata: one number (GPTConfig judges its value), or a refusal naming the key."""
         field = self.header.fields.get(key)
-        if field is None or field.kind not in (_REALS if real else _INTEGERS):
-            self._field(key)  # names a missing key
+        if field is None:
+            raise GPT2PortError(f"{self.path}: GGUF metadata lacks {key!r}")
+        if field.kind not in (_REALS if real else _INTEGERS):
             raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not {'a number' if real else 'an integer'}")
         return value(self._map, field)
 
-    def _strings(self, key: str) -> list[str]:
+    def _strings(self, key: str, most: int) -> list[str]:
+        """A list of at most `most` strings (checked before any is read: each costs far more memory decoded than
+        its 8 bytes in the file)."""
         field = self.header.fields.get(key)
         if field is None or field.kind != _V.ARRAY or field.item != _V.STRING:
             raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not a list of strings")
+        if field.count > most:
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} lists {field.count:,} strings; at most {most:,} "
+                                f"can belong to this model")
         try:
-            return _text(value(self._map, field))
+            return [s.decode("utf-8") for s in value(self._map, field)]
         except UnicodeDecodeError:
             raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} holds a string that is not UTF-8") from None
 

@@ -2,10 +2,10 @@
 key/values and its tensor infos, as bytes and numbers (what they mean is formats/gguf.py's and its callers').
 
 A count is never believed before the rest of the file could hold it (a header claiming an array of 2**62 items is
-refused at once, as llama.cpp's `gguf` package would loop over it), fixed-size runs are skipped in one step, and an
+refused at once; llama.cpp's `gguf` package would loop over it), fixed-size runs are skipped in one step, and an
 array's items are decoded only when its key is asked for, so the work and memory of opening a file are bounded by
-its size. It imports nothing heavy: this is what `import gguf`'s reader would do, in a fraction of its time (that
-reader slices a numpy memmap per value, ~250k slices for a GPT-2 tokenizer).
+its size. It imports nothing heavy, and takes a fraction of the time of the `gguf` package's reader, which slices
+a numpy memmap once per value (a GPT-2 tokenizer is 100k strings).
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", version u32, tensor count u64, metadata count u64; each metadata
 entry a key (string: u64 length + bytes), a value type u32 and the value (an array: item type u32, count u64, items);

@@ -166,6 +166,17 @@ def test_export_without_tokenizer_is_refused(tiny_ckpt, tmp_path):
     assert not (tmp_path / "g").exists() and not leftovers(tmp_path)
 
 
+def test_the_writer_never_replaces_a_file(tmp_path):
+    """The gguf package opens its output with "wb": write_gguf must refuse a path that exists, not truncate it."""
+    from gpt2port.formats.gguf import write_gguf
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a user's file")
+    plan = [("x.weight", (2, 32), Q.F32, lambda: torch.ones(2, 32))]
+    with pytest.raises(GPT2PortError, match="cannot create"):
+        write_gguf(path, "gpt2", plan, lambda writer: None)
+    assert path.read_bytes() == b"a user's file" and sorted(tmp_path.iterdir()) == [path]
+
 def _uses_gguf(tree: ast.Module) -> bool:
     return any(isinstance(n, ast.Import) and any(a.name.split(".")[0] == "gguf" for a in n.names)
                or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "gguf" for n in ast.walk(tree))

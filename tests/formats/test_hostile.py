@@ -331,23 +331,35 @@ def _renamed(data: bytearray) -> None:
     data[at : at + 19] = b"blk.0.ffn_up.weight"  # a name of the same length
 
 
-GGUF_HEADER_CASES = {  # what llama.cpp's reader also refuses: (metadata added, bytes bent, words the refusal holds)
-    "key twice": ([("gpt2.block_count", hf.U32, 2)], None, ["'gpt2.block_count' appears twice"]),
-    "key not UTF-8": ([(b"gpt2.\xff", hf.U32, 2)], None, ["'s key is not UTF-8"]),
-    "alignment 48": ([("general.alignment", hf.U32, 48)], None, ["'general.alignment' is not a power of two"]),
-    "tensor twice": ([], _renamed, ["tensor 'blk.0.ffn_up.weight' appears twice"]),
-    "unknown tensor type": ([], _retyped, ["'blk.0.ffn_up.weight' has an unknown GGML type (99)"]),
+def _replaced(key: str, kind: int, make):
+    return lambda meta: [(k, kind, make(v)) if k == key else (k, t, v) for k, t, v in meta]
+
+
+def _added(*entries):
+    return lambda meta: meta + list(entries)
+
+
+GGUF_HEADER_CASES = {  # metadata changed, bytes bent (or None), the words the refusal holds
+    "key twice": (_added(("gpt2.block_count", hf.U32, 2)), None, ["'gpt2.block_count' appears twice"]),
+    "key not UTF-8": (_added((b"gpt2.\xff", hf.U32, 2)), None, ["'s key is not UTF-8"]),
+    "alignment 48": (_added(("general.alignment", hf.U32, 48)), None, ["'general.alignment' is not a power of two"]),
+    "tensor twice": (_added(), _renamed, ["tensor 'blk.0.ffn_up.weight' appears twice"]),
+    "unknown tensor type": (_added(), _retyped, ["'blk.0.ffn_up.weight' has an unknown GGML type (99)"]),
+    "architecture not a string": (_replaced("general.architecture", hf.ARRAY, lambda v: (hf.U32, [1, 2])), None,
+                                  ["'general.architecture' is not a string"]),
+    "a token more than rows": (_replaced("tokenizer.ggml.tokens", hf.ARRAY, lambda v: (hf.STRING, [*v[1], "x"])),
+                               None, ["'tokenizer.ggml.tokens' lists", "can belong to this model"]),
 }
 
 
 @pytest.mark.parametrize("case", list(GGUF_HEADER_CASES))
-def test_gguf_headers_llama_cpp_refuses_are_refused_naming_what(tmp_path, gguf_meta, case):
+def test_gguf_metadata_that_cannot_be_a_model_is_refused_naming_what(tmp_path, gguf_meta, case):
     from gpt2port.layouts import GGUF
 
-    extra, bend, words = GGUF_HEADER_CASES[case]
+    meta, bend, words = GGUF_HEADER_CASES[case]
     path = tmp_path / "src" / "model.gguf"
     path.parent.mkdir()
-    hf.write_gguf(path, gguf_meta + extra, tiny_tensors(GGUF))
+    hf.write_gguf(path, meta(gguf_meta), tiny_tensors(GGUF))
     if bend:
         data = bytearray(path.read_bytes())
         bend(data)
