@@ -1,11 +1,12 @@
-"""GGUF, llama.cpp's single-file format, through llama.cpp's own `gguf` package: a reader of tensors and metadata
-key/values, and a streaming writer.
+"""GGUF, llama.cpp's single-file format: a reader of tensors and metadata key/values, and a streaming writer.
 
-A GGUF file is a header, key/value metadata, tensor infos, then the aligned tensor bytes. The writer declares every
-tensor first, writes the header, metadata and infos, then each tensor's bytes as it is produced, so one tensor is in
-memory at a time. What the keys and tensors mean for GPT-2 is readers/gguf.py's and targets/gguf.py's. This module
-is imported only when a .gguf is read or written: `gguf` costs ~0.3 s to import on top of torch, which
-`import gpt2port` and the CLI's --help should not pay.
+A GGUF file is a header, key/value metadata, tensor infos, then the aligned tensor bytes. Reading: the header is
+walked by formats/gguf_scan.py (bounded by the file's size, and far faster than the `gguf` package's reader), the
+tensors read with pread. Writing: llama.cpp's own `gguf` package, through its public API only, writes the header,
+metadata and tensor infos; the tensors' bytes then follow at the offsets that header gives, each as it is produced,
+so one tensor is in memory at a time. What the keys and tensors mean for GPT-2 is readers/gguf.py's and
+targets/gguf.py's. This module is imported only when a .gguf is read or written: `gguf` costs ~0.3 s to import on
+top of torch, which `import gpt2port` and the CLI's --help should not pay.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import numpy as np
 import torch
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
-from gpt2port.formats.gguf_scan import check_structure
+from gpt2port.formats.base import TensorInfo, refuse_lfs_pointer
+from gpt2port.formats.gguf_scan import read_header, value
+from gpt2port.formats.safetensors import PreadReader
 from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
 
@@ -37,19 +39,6 @@ def _nbytes(shape: tuple[int, ...], qtype: Q) -> int:
 
 
 # --- reading ------------------------------------------------------------------------------------------------------
-
-class _PackageReader(gguf.GGUFReader):
-    """gguf.GGUFReader over a plain ndarray view of its memory map. Every slice of an np.memmap runs Python code,
-    and a GPT-2 GGUF's metadata is ~250k small slices (50k tokens, 50k merges): ~40 s, against ~5 s this way."""
-
-    @property
-    def data(self):
-        return self._plain
-
-    @data.setter
-    def data(self, value):
-        self._plain = value.view(np.ndarray)  # the view keeps the map alive
-
 
 _V = gguf.GGUFValueType
 _INTEGERS = {_V.UINT8, _V.INT8, _V.UINT16, _V.INT16, _V.UINT32, _V.INT32, _V.UINT64, _V.INT64}
@@ -76,9 +65,12 @@ def _refuse_overlaps(path: Path, tensors) -> None:
                                 f"before those of {a!r} end at {end})")
 
 
-class GGUFFile(Reader):
-    """A GGUF's f32/f16/bf16 tensors and its metadata, read on request by key. Subclasses open it in two steps,
-    _open() then _list_tensors(), so that they can check the metadata before the tensors are listed."""
+class GGUFFile(PreadReader):
+    """A GGUF's f32/f16/bf16 tensors (read with pread, as safetensors' are) and its metadata, read on request by
+    key. Subclasses open it in two steps, _open() then _list_tensors(), so that they can check the metadata before
+    the tensors are listed."""
+
+    _map = None
 
     def __init__(self, path: Path):
         self._open(path)
@@ -89,72 +81,73 @@ class GGUFFile(Reader):
         self.files = [self.path]
         with open(self.path, "rb") as f:
             refuse_lfs_pointer(self.path, f.read(64))
-            with _whole(f, self.path) as whole:
-                check_structure(self.path, whole)
+            self._map = _whole(f, self.path)  # kept for the metadata values, decoded when asked for
         try:
-            self._gguf = _PackageReader(self.path)
-        except Exception as e:  # the package raises ValueError, KeyError, IndexError... on a damaged file
-            raise GPT2PortError(f"{self.path}: not a readable GGUF file (truncated or corrupt: "
-                                f"{' '.join(str(e).split()) or type(e).__name__})") from None
+            self.header = read_header(self.path, self._map)
+        except BaseException:
+            self.close()
+            raise
 
     def _list_tensors(self) -> None:
-        size = self.path.stat().st_size
-        self.tensors, self._data = {}, {}
-        for t in self._gguf.tensors:
-            if t.tensor_type not in TORCH_TYPES:
-                raise GPT2PortError(f"{self.path}: tensor {t.name!r} is quantized ({t.tensor_type.name}); gpt2port "
+        self.tensors = {}
+        for t in self.header.tensors:
+            try:
+                qtype = Q(t.ggml_type)
+            except ValueError:
+                raise GPT2PortError(f"{self.path}: tensor {t.name!r} has an unknown GGML type ({t.ggml_type})") from None
+            if qtype not in TORCH_TYPES:
+                raise GPT2PortError(f"{self.path}: tensor {t.name!r} is quantized ({qtype.name}); gpt2port "
                                     f"imports F32, F16 and BF16 GGUF files only")
-            if t.data_offset + t.n_bytes > size:
+            shape = tuple(reversed(t.dims))
+            nbytes = _nbytes(shape, qtype)
+            if t.offset + nbytes > self.header.size:
                 raise GPT2PortError(f"{self.path}: truncated: tensor {t.name!r} ends at byte "
-                                    f"{t.data_offset + t.n_bytes}, the file has {size}")
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            self.tensors[t.name] = TensorInfo(t.name, TORCH_TYPES[t.tensor_type], shape, self.path,
-                                              int(t.data_offset), int(t.n_bytes))
-            self._data[t.name] = t.data
+                                    f"{t.offset + nbytes}, the file has {self.header.size}")
+            self.tensors[t.name] = TensorInfo(t.name, TORCH_TYPES[qtype], shape, self.path, t.offset, nbytes)
         _refuse_overlaps(self.path, self.tensors.values())
         self.metadata = {}
         self.warnings: list[str] = []
 
-    def _field(self, key: str, required: bool = True):
-        field = self._gguf.fields.get(key)
+    def _string(self, key: str, required: bool = True) -> str | None:
+        field = self.header.fields.get(key)
         if field is None:
             if required:
                 raise GPT2PortError(f"{self.path}: GGUF metadata lacks {key!r}")
             return None
+        if field.kind != _V.STRING:
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not a string")
         try:
-            return field.contents()
-        except (UnicodeDecodeError, ValueError, IndexError):
-            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is damaged (not a readable value)") from None
+            return value(self._map, field).decode("utf-8")
+        except UnicodeDecodeError:
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not UTF-8") from None
 
     def _number(self, key: str, real: bool = False):
         """A size or eps from the metadata: one number (GPTConfig judges its value), or a refusal naming the key."""
-        field = self._gguf.fields.get(key)
-        kinds = _REALS if real else _INTEGERS
-        if field is None or len(field.types) != 1 or field.types[0] not in kinds:
-            self._field(key)  # names a missing key
+        field = self.header.fields.get(key)
+        if field is None:
+            raise GPT2PortError(f"{self.path}: GGUF metadata lacks {key!r}")
+        if field.kind not in (_REALS if real else _INTEGERS):
             raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not {'a number' if real else 'an integer'}")
-        return field.contents()
+        return value(self._map, field)
 
-    def _strings(self, key: str) -> list[str]:
-        field = self._gguf.fields.get(key)
-        if field is None or field.types != [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]:
+    def _strings(self, key: str, most: int) -> list[str]:
+        """A list of at most `most` strings (checked before any is read: each costs far more memory decoded than
+        its 8 bytes in the file)."""
+        field = self.header.fields.get(key)
+        if field is None or field.kind != _V.ARRAY or field.item != _V.STRING:
             raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} is not a list of strings")
+        if field.count > most:
+            raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} lists {field.count:,} strings; at most {most:,} "
+                                f"can belong to this model")
         try:
-            return field.contents()
+            return [s.decode("utf-8") for s in value(self._map, field)]
         except UnicodeDecodeError:
             raise GPT2PortError(f"{self.path}: GGUF metadata {key!r} holds a string that is not UTF-8") from None
 
-    def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
-        info = self.tensors[name]
-        raw = torch.empty(info.nbytes, dtype=torch.uint8) if into is None else into[: info.nbytes]
-        try:  # a copy out of the package's memory map, so the result outlives the reader
-            raw.numpy()[:] = np.asarray(self._data[name]).reshape(-1).view(np.uint8)
-        except (OSError, ValueError) as e:
-            raise GPT2PortError(f"{self.path}: reading tensor {name!r} failed: {e}") from None
-        return raw.view(info.dtype).reshape(info.shape)
-
     def close(self) -> None:
-        self._data, self._gguf = {}, None  # drop the memory map
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         super().close()
 
 
@@ -164,60 +157,77 @@ def _encode(tensor: torch.Tensor, qtype: Q) -> np.ndarray:
     if qtype == Q.Q8_0:
         return gguf.quants.quantize(tensor.float().contiguous().numpy(), qtype)
     t = tensor.to(TORCH_TYPES[qtype]).contiguous()
-    # numpy has no bfloat16: its bytes go as uint16, which the writer takes for raw_dtype=BF16 as they are.
+    # numpy has no bfloat16: its bytes go as uint16, as the gguf package takes them for BF16.
     return t.view(torch.int16).numpy().view(np.uint16) if qtype == Q.BF16 else t.numpy()
 
 
 def write_gguf(path: Path, arch: str, plan, describe, progress=None) -> int:
-    """Write `plan` [(key, shape, GGML type, produce)] as a GGUF of architecture `arch` at `path`, each produce()
-    called only when its bytes are due; describe(writer) adds the metadata to the package's GGUFWriter before
-    anything is written. Returns the file's size."""
+    """Write `plan` [(key, shape, GGML type, produce)] as a GGUF of architecture `arch` at `path` (which must not
+    exist), each produce() called only when its bytes are due; describe(writer) adds the metadata to the gguf
+    package's GGUFWriter. Returns the file's size."""
     names = {q: name for name, q in ENCODINGS.items()}
     for key, shape, qtype, _ in plan:
         block = gguf.GGML_QUANT_SIZES[qtype][0]
         if shape[-1] % block:
             raise GPT2PortError(f"{path.parent}: {names[qtype]} needs rows whose length divides by {block}; "
                                 f"{key} has rows of {shape[-1]}")
-    writer = gguf.GGUFWriter(path, arch)
+    head = _header(path, arch, plan, describe)
+    layout = read_header(path, head)  # where the header says each tensor's bytes go
+    if [t.name for t in layout.tensors] != [key for key, *_ in plan]:
+        raise RuntimeError(f"{path}: the gguf writer listed the tensors in another order than given")
     try:
         out = open_append(path)
     except OSError as e:
         raise GPT2PortError(f"{path}: cannot create: {os_reason(e)}") from None
     try:
-        describe(writer)
-        for key, shape, qtype, _ in plan:
-            writer.add_tensor_info(key, shape, _numpy_dtype(qtype), _nbytes(shape, qtype), qtype)
-        # The gguf writer writes through whatever file object it holds once described: ours, so that the weights go
-        # out as every large output does (gpt2port/outfile.py). Its own open would also log a plan of the file.
-        writer.fout, writer.state = [out], gguf.WriterState.EMPTY
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
+        out.write(head)
         total, done = sum(_nbytes(s, q) for _, s, q, _ in plan), 0
-        for key, shape, qtype, produce in plan:
-            writer.write_tensor_data(_encode(produce(), qtype).view(_Raw))
-            done += _nbytes(shape, qtype)
+        for entry, (key, shape, qtype, produce) in zip(layout.tensors, plan):
+            out.write(bytes(entry.offset - out.tell()))  # the alignment padding before it
+            data = np.ascontiguousarray(_encode(produce(), qtype))
+            if data.nbytes != _nbytes(shape, qtype):
+                raise RuntimeError(f"{path}: {key} came as {data.nbytes} bytes, {_nbytes(shape, qtype)} declared")
+            out.write(memoryview(data).cast("B"))
+            done += data.nbytes
             if progress:
                 progress(done, total)
+        out.write(bytes(-out.tell() % layout.alignment))  # the last tensor padded too, as the gguf writer pads it
         written = out.tell()
         out.close()
     except OSError as e:
         raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
     finally:
         out.abort()  # after close() above this does nothing; on a failure it stops the writer and closes the file
-        writer.fout = None
-    # Re-parsing the metadata would cost seconds; every byte went through the file object, so its length says all.
+    # Every byte went through the file object, and the header was read back above: the length says the rest.
     if path.stat().st_size != written:
         raise GPT2PortError(f"{path}: post-write check failed: {path.stat().st_size} bytes on disk, {written} written")
     return written
 
 
-class _Raw(np.ndarray):
-    """A tensor's bytes for the gguf writer, which hands each tensor to ndarray.tofile: numpy's tofile wants an OS
-    file, and the writer holds an outfile appender, so the bytes are handed to its write() instead."""
-
-    def tofile(self, fid, *args, **kwargs) -> None:
-        fid.write(memoryview(np.ascontiguousarray(self.view(np.ndarray))).cast("B"))
+def _header(path: Path, arch: str, plan, describe) -> bytes:
+    """The file's header, key/values and tensor infos, as the gguf package's GGUFWriter writes them: written to
+    `path` by the package, read back and removed, so that the weights can then go out as every large output does
+    (gpt2port/outfile.py) after these bytes."""
+    writer = gguf.GGUFWriter(path, arch)
+    describe(writer)
+    for key, shape, qtype, _ in plan:
+        writer.add_tensor_info(key, shape, _numpy_dtype(qtype), _nbytes(shape, qtype), qtype)
+    try:
+        open(path, "xb").close()  # never over a file that exists: the package's own open would truncate it
+    except OSError as e:
+        raise GPT2PortError(f"{path}: cannot create: {os_reason(e)}") from None
+    try:
+        try:
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+        finally:
+            writer.close()
+        return path.read_bytes()
+    except OSError as e:
+        raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def _numpy_dtype(qtype: Q) -> np.dtype:

@@ -24,7 +24,7 @@ class GGUFReader(GGUFFile):
 
     def __init__(self, path: Path):
         self._open(path)
-        arch = self._field(KEYS.General.ARCHITECTURE)  # before the tensors: another model's are not ours to judge
+        arch = self._string(KEYS.General.ARCHITECTURE)  # before the tensors: another model's are not ours to judge
         if arch != ARCH:
             raise GPT2PortError(f"{self.path}: a GGUF of architecture {str(arch)[:60]!r}, not GPT-2 ({ARCH!r})")
         self._list_tensors()
@@ -51,15 +51,16 @@ class GGUFReader(GGUFFile):
 
     def embedded_tokenizer(self) -> tuple[list, list] | None:
         """The embedded tokenizer (see Reader.embedded_tokenizer); None, with a warning, where the file carries none."""
-        model = self._field(KEYS.Tokenizer.MODEL, required=False)
+        model = self._string(KEYS.Tokenizer.MODEL, required=False)
         if model is None:  # the weights are usable; GPT-2's tokenizer can be put beside them (as for every format)
             self.warnings.append(f"{self.path}: no embedded tokenizer (no {KEYS.Tokenizer.MODEL!r} in its "
                                  f"metadata); {NO_TOKENIZER}")
             return None
         if model != "gpt2":  # token ids of another vocabulary: GPT-2's tokenizer would not fit these weights
             raise GPT2PortError(f"{self.path}: embedded tokenizer is {str(model)[:60]!r}, not GPT-2's byte-level BPE")
-        tokens = self._strings(KEYS.Tokenizer.LIST)
-        merges = [tuple(m.split(" ")) for m in self._strings(KEYS.Tokenizer.MERGES)]
+        # a token per row of the embedding, and each merge makes a token: bounds known before the lists are read
+        tokens = self._strings(KEYS.Tokenizer.LIST, most=self.model_config["vocab_size"])
+        merges = [tuple(m.split(" ")) for m in self._strings(KEYS.Tokenizer.MERGES, most=len(tokens))]
         if any(len(m) != 2 for m in merges):
             raise GPT2PortError(f"{self.path}: a tokenizer merge is not an 'a b' pair")
         return tokens, merges

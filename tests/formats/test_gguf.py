@@ -3,6 +3,7 @@ and refusals that leave nothing behind. Read back with llama.cpp's own gguf pack
 
 from __future__ import annotations
 
+import ast
 import shutil
 
 import gguf
@@ -15,7 +16,7 @@ from gpt2port.checkpoint import read_config
 from gpt2port.errors import GPT2PortError
 from gpt2port.targets.gguf import FILE_NAME
 from scripts import hf_fixtures
-from tests.support import leftovers, run_cli
+from tests.support import ROOT, leftovers, run_cli
 
 Q = gguf.GGMLQuantizationType
 PER_BLOCK = ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
@@ -163,3 +164,48 @@ def test_export_without_tokenizer_is_refused(tiny_ckpt, tmp_path):
     with pytest.raises(GPT2PortError, match="no tokenizer files"):
         export(ck, tmp_path / "g", to="gguf")
     assert not (tmp_path / "g").exists() and not leftovers(tmp_path)
+
+
+def test_the_writer_never_replaces_a_file(tmp_path):
+    """The gguf package opens its output with "wb": write_gguf must refuse a path that exists, not truncate it."""
+    from gpt2port.formats.gguf import write_gguf
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a user's file")
+    plan = [("x.weight", (2, 32), Q.F32, lambda: torch.ones(2, 32))]
+    with pytest.raises(GPT2PortError, match="cannot create"):
+        write_gguf(path, "gpt2", plan, lambda writer: None)
+    assert path.read_bytes() == b"a user's file" and sorted(tmp_path.iterdir()) == [path]
+
+def _uses_gguf(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.Import) and any(a.name.split(".")[0] == "gguf" for a in n.names)
+               or isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "gguf" for n in ast.walk(tree))
+
+
+def _own(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def test_only_the_gguf_packages_public_api_is_used():
+    """What a gguf release may change without notice stays out of reach: no subclass of its classes, no attribute
+    set on an object we did not make, no private attribute read (so that pyproject.toml need not cap its version)."""
+    found = []
+    for path in sorted((ROOT / "gpt2port").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        if not _uses_gguf(tree):
+            continue
+        where = lambda n: f"{path.relative_to(ROOT)}:{n.lineno}"  # noqa: E731
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                found += [f"{where(node)} subclasses {ast.unparse(b)}" for b in node.bases
+                          if ast.unparse(b).startswith("gguf.")]
+            elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                        if isinstance(e, ast.Attribute) and not _own(e.value):
+                            found.append(f"{where(node)} sets {ast.unparse(e)}")
+            elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                  and not _own(node.value)):
+                found.append(f"{where(node)} reads {ast.unparse(node)}")
+    assert not found, found

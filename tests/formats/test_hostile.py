@@ -314,6 +314,61 @@ def test_gguf_tensors_at_overlapping_offsets_are_refused(tmp_path, gguf_meta):
     refused("convert", path, "--out", tmp_path / "out", names=[path, "blk.0.attn_norm.bias", "overlap"])
 
 
+def _info_at(data: bytearray, name: str) -> int:
+    """Where tensor `name`'s info continues after its name (at its rank)."""
+    raw = name.encode()
+    return data.index(struct.pack("<Q", len(raw)) + raw) + 8 + len(raw)
+
+
+def _retyped(data: bytearray) -> None:
+    at = _info_at(data, "blk.0.ffn_up.weight")
+    (rank,) = struct.unpack_from("<I", data, at)
+    struct.pack_into("<I", data, at + 4 + 8 * rank, 99)
+
+
+def _renamed(data: bytearray) -> None:
+    at = _info_at(data, "blk.0.ffn_norm.bias") - len("blk.0.ffn_norm.bias")
+    data[at : at + 19] = b"blk.0.ffn_up.weight"  # a name of the same length
+
+
+def _replaced(key: str, kind: int, make):
+    return lambda meta: [(k, kind, make(v)) if k == key else (k, t, v) for k, t, v in meta]
+
+
+def _added(*entries):
+    return lambda meta: meta + list(entries)
+
+
+GGUF_HEADER_CASES = {  # metadata changed, bytes bent (or None), the words the refusal holds
+    "key twice": (_added(("gpt2.block_count", hf.U32, 2)), None, ["'gpt2.block_count' appears twice"]),
+    "key not UTF-8": (_added((b"gpt2.\xff", hf.U32, 2)), None, ["'s key is not UTF-8"]),
+    "alignment 48": (_added(("general.alignment", hf.U32, 48)), None, ["'general.alignment' is not a power of two"]),
+    "tensor twice": (_added(), _renamed, ["tensor 'blk.0.ffn_up.weight' appears twice"]),
+    "unknown tensor type": (_added(), _retyped, ["'blk.0.ffn_up.weight' has an unknown GGML type (99)"]),
+    "architecture not a string": (_replaced("general.architecture", hf.ARRAY, lambda v: (hf.U32, [1, 2])), None,
+                                  ["'general.architecture' is not a string"]),
+    "a token more than rows": (_replaced("tokenizer.ggml.tokens", hf.ARRAY, lambda v: (hf.STRING, [*v[1], "x"])),
+                               None, ["'tokenizer.ggml.tokens' lists", "can belong to this model"]),
+}
+
+
+@pytest.mark.parametrize("case", list(GGUF_HEADER_CASES))
+def test_gguf_metadata_that_cannot_be_a_model_is_refused_naming_what(tmp_path, gguf_meta, case):
+    from gpt2port.layouts import GGUF
+
+    meta, bend, words = GGUF_HEADER_CASES[case]
+    path = tmp_path / "src" / "model.gguf"
+    path.parent.mkdir()
+    hf.write_gguf(path, meta(gguf_meta), tiny_tensors(GGUF))
+    if bend:
+        data = bytearray(path.read_bytes())
+        bend(data)
+        path.write_bytes(data)
+    before = snapshot(tmp_path)
+    refused("convert", path, "--out", tmp_path / "out", names=[path, *words])
+    assert snapshot(tmp_path) == before
+
+
 def test_gguf_without_a_tokenizer_converts_with_a_warning(tmp_path):
     from gpt2port.layouts import GGUF
 
