@@ -34,27 +34,6 @@ def _succeeded(text: str, code: int = 0) -> int:
 LOOP = "Symlink loop from "
 
 
-def _rank_exits_at_once(fn):
-    """Under torchrun (WORLD_SIZE > 1) the process ends as soon as the command is done, whatever its outcome
-    (training.dist.exit_rank says why)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        import os
-
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return fn(*args, **kwargs)
-        from gpt2port.training.dist import exit_rank
-
-        try:
-            fn(*args, **kwargs)
-        except SystemExit as e:
-            exit_rank(e.code)
-        exit_rank(0)
-
-    return wrapper
-
-
 def _handle_errors(fn):
     """Turn every failure into one line on stderr and an exit code (tracebacks only with --debug).
 
@@ -123,6 +102,11 @@ def run() -> None:
     a command has closed its files and put its outputs in place before it returns. (Tests call main() itself.)"""
     try:
         main()
+    except SystemExit as e:
+        training = sys.modules.get("gpt2port.training.dist")
+        if training is not None:  # a rank of torchrun leaves at once (exit_rank says why); else this returns
+            training.exit_rank(e.code)
+        raise
     finally:
         gc.freeze()
 
@@ -377,7 +361,6 @@ def doctor():
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its last saved state.")
 @click.option("--force", is_flag=True, help="Start over in an existing --out.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
-@_rank_exits_at_once
 @_handle_errors
 def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet, **numbers):
     """Fine-tune a converted checkpoint on text; run under torchrun for several processes (DDP, or --fsdp)."""

@@ -135,17 +135,20 @@ def _fill(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
 
 
 def exit_rank(code) -> None:
-    """End this rank's process now with exit status `code` (a SystemExit code), its output flushed, without the
-    interpreter's shutdown.
+    """Under torchrun (WORLD_SIZE > 1): end this rank's process now with exit status `code` (a SystemExit code),
+    its output flushed, without the interpreter's shutdown. A single process returns: its shutdown is ordinary.
 
     Why: gloo's threads (two workers and a socket loop per group) outlive destroy_process_group. gloo has no
     shutdown; they stop only when the last reference to the group goes, and torch keeps references of its own
-    (module defaults, DTensor's caches, more after an FSDP optimizer step). So they ran on through Python's
-    finalization and the C++ static destructors, while the other rank exited and closed its sockets under them;
-    that is how a rank once died with SIGABRT ("terminate called without an active exception"). _exit runs
-    nothing more. Nothing is lost: every file is closed and in place by now, and a run that ended well (finished,
-    or stopped on request) has passed its last barrier on every rank. (A library caller under torchrun owns its
-    process; this is for the command line.)"""
+    (module default arguments, DTensor's caches, more after an FSDP optimizer step). Python's finalization and the
+    C++ static destructors would run beside them while the other rank exits and closes its sockets: code not made
+    for that, where a thread taking the GIL is ended by pthread_exit and a std::thread may be destroyed still
+    running, either of which aborts the process (SIGABRT, "terminate called without an active exception"). _exit
+    runs nothing more. Nothing is lost: every file is closed and in place by now, and a run that ended well
+    (finished, or stopped on request) has passed its last barrier on every rank. (A library caller under torchrun
+    owns its process; this is for the command line.)"""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
     if code is None:
         code = 0
     elif not isinstance(code, int):
