@@ -86,8 +86,8 @@ if rank is not None:
 
 def torchrun(*args) -> None:
     """`torchrun --nproc-per-node 2 -m gpt2port finetune ARGS`, which must succeed, every rank leaving without the
-    interpreter's shutdown: torch's gloo threads outlive the process group, and a rank shutting down under them
-    once died with SIGABRT (training.dist.exit_rank)."""
+    interpreter's shutdown: torch's gloo threads outlive the process group, and a rank shutting down beside them
+    may die with SIGABRT (training.dist.exit_rank)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "gpt2port", "finetune", *args]
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:  # torchrun's own torchelastic_* directories
