@@ -102,6 +102,11 @@ def run() -> None:
     a command has closed its files and put its outputs in place before it returns. (Tests call main() itself.)"""
     try:
         main()
+    except SystemExit as e:
+        training = sys.modules.get("gpt2port.training.dist")
+        if training is not None:  # a rank of torchrun leaves at once (exit_rank says why); else this returns
+            training.exit_rank(e.code)
+        raise
     finally:
         gc.freeze()
 

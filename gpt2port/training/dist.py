@@ -4,12 +4,15 @@ parallelism (DDP) or full sharding (FSDP2's fully_shard), and gives every rank o
 read from the checkpoint's memory map (a sharded rank never holds the whole model).
 
 A single process (no torchrun) is world 1 with no process group: the same code, collectives skipped.
+
+How a rank's process ends: see exit_rank.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -129,3 +132,31 @@ def _fill(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
             start = per * p.device_mesh.get_local_rank()
             src = src[start : start + local.shape[0]]
         local.copy_(src)
+
+
+def exit_rank(code) -> None:
+    """Under torchrun (WORLD_SIZE > 1): end this rank's process now with exit status `code` (a SystemExit code),
+    its output flushed, without the interpreter's shutdown. A single process returns: its shutdown is ordinary.
+
+    Why: gloo's threads (two workers and a socket loop per group) outlive destroy_process_group. gloo has no
+    shutdown; they stop only when the last reference to the group goes, and torch keeps references of its own
+    (module default arguments, DTensor's caches, more after an FSDP optimizer step). Python's finalization and the
+    C++ static destructors would run beside them while the other rank exits and closes its sockets: code not made
+    for that, where a thread taking the GIL is ended by pthread_exit and a std::thread may be destroyed still
+    running, either of which aborts the process (SIGABRT, "terminate called without an active exception"). _exit
+    runs nothing more. Nothing is lost: every file is closed and in place by now, and a run that ended well
+    (finished, or stopped on request) has passed its last barrier on every rank. (A library caller under torchrun
+    owns its process; this is for the command line.)"""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
+            pass
+    os._exit(code)

@@ -75,14 +75,32 @@ def stopped_run(args: list, out: Path, step: int, sig=signal.SIGINT) -> tuple[in
     return proc.returncode, err
 
 
+# Imported by every Python process of the run (torchrun puts PYTHONPATH first on sys.path): a process that goes
+# through interpreter shutdown leaves a file named after its rank.
+SHUTDOWN_PROBE = """import atexit, os, pathlib
+rank = os.environ.get("RANK")
+if rank is not None:
+    atexit.register(pathlib.Path(os.environ["GPT2PORT_TEST_PROBE"], "rank" + rank).touch)
+"""
+
+
 def torchrun(*args) -> None:
-    """`torchrun --nproc-per-node 2 -m gpt2port finetune ARGS`, which must succeed."""
+    """`torchrun --nproc-per-node 2 -m gpt2port finetune ARGS`, which must succeed, every rank leaving without the
+    interpreter's shutdown: torch's gloo threads outlive the process group, and a rank shutting down beside them
+    may die with SIGABRT (training.dist.exit_rank)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "gpt2port", "finetune", *args]
     with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:  # torchrun's own torchelastic_* directories
+        probe = Path(tmp, "probe")
+        probe.mkdir()
+        (probe / "sitecustomize.py").write_text(SHUTDOWN_PROBE)
+        path = os.pathsep.join([str(probe), *filter(None, [os.environ.get("PYTHONPATH")])])
         r = subprocess.run(list(map(str, cmd)), cwd=ROOT, capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp})
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp, "PYTHONPATH": path,
+                                "GPT2PORT_TEST_PROBE": str(probe)})
+        shut_down = sorted(f.name for f in probe.iterdir() if f.name.startswith("rank"))
     assert r.returncode == 0, r.stderr[-20000:]  # every rank's last lines, not only the launcher's
+    assert shut_down == [], shut_down
 
 
 def _safe_rows(log: Path) -> list[dict]:
