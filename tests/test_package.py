@@ -105,12 +105,14 @@ def _meaning_assignments(modules: dict[str, Path]) -> dict[str, set[str]]:
         if not name.startswith("gpt2port.formats.") or name == "gpt2port.formats.base":
             continue
         set_here = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        class_level = {id(s) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for s in c.body}
+        for node in ast.walk(tree):
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
             for t in (e for target in targets for e in (target.elts if isinstance(target, ast.Tuple) else [target])):
-                if isinstance(t, ast.Name) and t.id in MEANING_ATTRIBUTES:
-                    set_here.add(t.id)
+                if isinstance(t, ast.Name) and t.id in MEANING_ATTRIBUTES and id(node) in class_level:
+                    set_here.add(t.id)  # a class attribute (a function's local of the same name is not one)
                 elif isinstance(t, ast.Attribute) and t.attr in MEANING_ATTRIBUTES:
                     set_here.add(t.attr)
         if set_here:
@@ -126,7 +128,8 @@ def test_the_formats_give_no_file_a_model_meaning():
 
 def test_the_meaning_check_sees_an_attribute_set(tmp_path):
     bad = tmp_path / "f.py"
-    bad.write_text("class R:\n    layout = 'x'\n    def __init__(self):\n        self.model_config, n = {}, 1\n")
+    bad.write_text("class R:\n    layout = 'x'\n    def __init__(self):\n        self.model_config, n = {}, 1\n"
+                   "def f():\n    config_file = 1\n")
     assert _meaning_assignments({"gpt2port.formats.f": bad}) == {"gpt2port.formats.f": {"layout", "model_config"}}
 
 
