@@ -28,8 +28,18 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt."""
 
 
+class CtrlC(KeyboardInterrupt):
+    """Ctrl-C in the program. Not KeyboardInterrupt itself: one of that exact class passing through code that exec()
+    runs from a string (dataclasses and namedtuple make their methods so) marks it unhandled for good, and
+    `python -m` then ends the process by SIGINT after it has reported the interruption and exited 130."""
+
+
 def _terminate(signum, frame):
     raise Terminated()
+
+
+def _interrupt(signum, frame):
+    raise CtrlC()
 
 
 @contextlib.contextmanager
@@ -103,12 +113,14 @@ _program: dict = {}
 
 def program_start() -> None:
     """The `gpt2port` program's first act (gpt2port.__main__; never a library import's): SIGTERM as Ctrl-C for the
-    whole run, and both held until the command loads torch (load_heavy)."""
+    whole run (Ctrl-C as CtrlC), and both held until the command loads torch (load_heavy)."""
     if _program:
         return
     try:
         if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _terminate)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupt)
     except ValueError:  # not the main thread: nothing to hold
         return
     _program.update(on=True, startup=Held(second_ends=True))

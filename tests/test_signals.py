@@ -24,13 +24,16 @@ from tests.support import FIXTURES, ROOT
 CKPT = FIXTURES / "v1-checkpoint"  # `info` on it loads torch and prints a table: a whole command, ~2 s
 LAST_LINE = "total "  # of info's table: the output is complete
 
-# The program as `python -m gpt2port` runs it, with the signal sent at a chosen moment: when module `where` is looked
-# up (numpy's lookup is made by torch's C++ start-up); "C:NAME", when the C function NAME first calls Python code
-# (torch's C++ init functions import modules); "exit", from an atexit callback, during the interpreter's shut-down.
+# The program as `python -m gpt2port` runs it (run with -m itself: `python -m` ends differently from `python -c`),
+# with the signal sent at a chosen moment: "exit", from an atexit callback, during the interpreter's shut-down;
+# "C:NAME", when the C function NAME first calls Python code (torch's C++ init functions import modules);
+# "exec@MODULE", in code exec() runs from a string (dataclasses make their methods so) once MODULE is importing;
+# anything else, when that module is looked up (numpy's lookup is made by torch's C++ start-up).
 TRIPPED = textwrap.dedent("""
     import atexit, os, runpy, signal, sys
     where, sig = sys.argv[1], getattr(signal, sys.argv[2])
     def trip():
+        sys.setprofile(None)
         os.kill(os.getpid(), sig)
     class Lookup:
         def find_spec(self, name, path=None, target=None):
@@ -43,12 +46,14 @@ TRIPPED = textwrap.dedent("""
             calls.append((frame, getattr(arg, "__name__", "")))
         elif event in ("c_return", "c_exception") and calls and calls[-1][0] is frame:
             calls.pop()
-        elif event == "call" and calls and calls[-1][0] is frame.f_back and calls[-1][1] == where[2:]:
-            sys.setprofile(None)
+        elif event == "call" and where.startswith("C:"):
+            if calls and calls[-1][0] is frame.f_back and calls[-1][1] == where[2:]:
+                trip()
+        elif event == "call" and frame.f_code.co_filename == "<string>" and where[5:] in sys.modules:
             trip()
     if where == "exit":
         atexit.register(trip)
-    elif where.startswith("C:"):
+    elif where.startswith(("C:", "exec@")):
         sys.setprofile(profile)
     else:
         sys.meta_path.insert(0, Lookup())
@@ -69,14 +74,20 @@ def _as_a_terminal_gives_them(ignore_sigint: bool = False, own_group: bool = Fal
     return pre
 
 
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def _env(*more: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *map(str, more), os.environ.get("PYTHONPATH", "")])}
 
 
-def tripped(where: str, sig: str, ignore_sigint: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", TRIPPED, where, sig, "info", str(CKPT)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env=_env(),
-                          preexec_fn=_as_a_terminal_gives_them(ignore_sigint))
+@pytest.fixture
+def tripped(tmp_path):
+    """tripped(where, sig) -> `gpt2port info` as `python -m` runs it, `sig` sent at the moment `where`."""
+    (tmp_path / "tripped_gpt2port.py").write_text(TRIPPED)
+
+    def run(where: str, sig: str, ignore_sigint: bool = False) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tripped_gpt2port", where, sig, "info", str(CKPT)],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT, env=_env(tmp_path),
+                              preexec_fn=_as_a_terminal_gives_them(ignore_sigint))
+    return run
 
 
 def assert_interrupted(rc: int, out: str, err: str, sig: int) -> None:
@@ -93,24 +104,26 @@ def assert_completed(rc: int, out: str, err: str) -> None:
 
 @pytest.mark.parametrize("where, sig", [("click", "SIGINT"), ("click", "SIGTERM"), ("numpy", "SIGINT"),
                                         ("numpy", "SIGTERM"), ("numpy.dtypes", "SIGINT"), ("C:_c10d_init", "SIGINT"),
-                                        ("C:_multiprocessing_init", "SIGTERM"), ("gpt2port.info", "SIGINT")])
-def test_an_interrupt_while_the_program_loads_ends_it_in_one_line(where, sig):
+                                        ("C:_multiprocessing_init", "SIGTERM"), ("gpt2port.info", "SIGINT"),
+                                        ("exec@gpt2port.info", "SIGINT")])
+def test_an_interrupt_while_the_program_loads_ends_it_in_one_line(tripped, where, sig):
     """click: the command line loading, before the command's handlers (was: a traceback). Inside torch's C++
     start-up: numpy (the Ctrl-C was lost and the command ran to the end), numpy.dtypes (numpy was left half-loaded,
     and its next import failed as an internal error), C:... (the exception reached C++ that cannot pass it on:
-    std::terminate, SIGABRT). gpt2port.info: the command's own modules, torch loaded."""
+    std::terminate, SIGABRT). gpt2port.info: the command's own modules, torch loaded. exec@: a dataclass being
+    made (was: the line, then the process killed by SIGINT rather than exit 130)."""
     r = tripped(where, sig)
     assert_interrupted(r.returncode, r.stdout, r.stderr, getattr(signal, sig))
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_an_interrupt_while_the_interpreter_shuts_down_changes_nothing(sig):
+def test_an_interrupt_while_the_interpreter_shuts_down_changes_nothing(tripped, sig):
     """The work is done and printed: the exit code stays the command's, and nothing is printed after it."""
     r = tripped("exit", sig)
     assert_completed(r.returncode, r.stdout, r.stderr)
 
 
-def test_an_ignored_sigint_stays_ignored():
+def test_an_ignored_sigint_stays_ignored(tripped):
     """nohup and a shell's background job start the program with SIGINT ignored: holding signals must not turn
     that into a caught one."""
     r = tripped("numpy", "SIGINT", ignore_sigint=True)
