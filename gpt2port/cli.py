@@ -14,8 +14,7 @@ import click
 
 from gpt2port.targets import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
-from gpt2port.signals import (EXIT_TERMINATED, Terminated, load_heavy, program_end, program_start,
-                              sigterm_as_interrupt)
+from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
@@ -47,8 +46,7 @@ def _handle_errors(fn):
         ctx = click.get_current_context()
         debug = ctx.find_root().params.get("debug", False)
         try:
-            with sigterm_as_interrupt():
-                load_heavy("torch")  # every command's; a Ctrl-C meanwhile is held till it is loaded (signals.py)
+            with sigterm_as_interrupt(), command("torch"):  # torch loaded with Ctrl-C held (gpt2port.signals)
                 return fn(*args, **kwargs)
         except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise
@@ -76,8 +74,6 @@ def _handle_errors(fn):
             click.echo(f"error: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)
-        finally:
-            program_end()
 
     return wrapper
 
@@ -104,8 +100,7 @@ def run() -> None:
     looking for cycles to collect, and torch's import leaves a few hundred thousand (0.4 s here, after every
     command); freezing them first (gc.freeze) takes them out of that walk. Nothing relies on a collection at exit:
     a command has closed its files and put its outputs in place before it returns. (Tests call main() itself.)
-    SIGINT and SIGTERM are held from the start (gpt2port.__main__ does it before this module loads) until the
-    command has loaded torch, and again from the end of its work (gpt2port.signals)."""
+    Ctrl-C and SIGTERM are held until the command has loaded torch, and from the end of its work (signals.py)."""
     program_start()
     try:
         main()

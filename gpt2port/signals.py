@@ -147,6 +147,17 @@ def load_heavy(*modules: str) -> None:
         held.release()
 
 
+@contextlib.contextmanager
+def command(*heavy: str):
+    """One command of the program: `heavy` loaded first (load_heavy), then the command; once it is over, however it
+    ended, the program's exit hold (program_end)."""
+    try:
+        load_heavy(*heavy)
+        yield
+    finally:
+        program_end()
+
+
 def program_end() -> None:
     """The work is done (or failed) and the program exits with its result: from here a signal is recorded and
     dropped, so a Ctrl-C changes neither the exit code nor makes a traceback out of the interpreter's shut-down; a
