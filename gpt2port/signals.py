@@ -6,11 +6,12 @@ this, SIGTERM's default action ends the process on the spot and leaves its build
 
 Both are held (recorded, not acted on) where an exception cannot be allowed to land. Importing torch is such a
 place: its C++ start-up imports numpy and torch's own Python modules, and a KeyboardInterrupt raised in them either
-reaches C++ that cannot pass it on (pybind11::error_already_set, std::terminate: SIGABRT) or is taken for a failed
-optional import (the Ctrl-C lost, numpy left half-loaded for the next import to fail on). So the `gpt2port`
-program holds them from its first line until the command has loaded torch, then acts on what came, in Python code
-where the command's error handling sees it; and holds them again once the work is done, while the interpreter shuts
-down. A library import (`import gpt2port`) installs nothing.
+reaches C++ that cannot pass it on (pybind11::error_already_set or torch's python_error, thrown where nothing
+catches it: std::terminate, SIGABRT) or is taken for a failed optional import (the Ctrl-C lost, numpy left
+half-loaded for the next import to fail on). So the `gpt2port` program holds them from its first line until the
+command has loaded torch, then acts on what came, in Python code where the command's error handling sees it; and
+holds them again once the work is done, while the interpreter shuts down. A library import (`import gpt2port`)
+installs nothing.
 """
 
 from __future__ import annotations
