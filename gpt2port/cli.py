@@ -14,7 +14,7 @@ import click
 
 from gpt2port.targets import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
-from gpt2port.signals import EXIT_TERMINATED, Terminated, sigterm_as_interrupt
+from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
@@ -46,7 +46,7 @@ def _handle_errors(fn):
         ctx = click.get_current_context()
         debug = ctx.find_root().params.get("debug", False)
         try:
-            with sigterm_as_interrupt():
+            with sigterm_as_interrupt(), command("torch"):  # torch loaded with Ctrl-C held (gpt2port.signals)
                 return fn(*args, **kwargs)
         except (click.exceptions.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise
@@ -99,7 +99,9 @@ def run() -> None:
     """The `gpt2port` program: main(), then a quick exit. The interpreter's exit walks every object still alive
     looking for cycles to collect, and torch's import leaves a few hundred thousand (0.4 s here, after every
     command); freezing them first (gc.freeze) takes them out of that walk. Nothing relies on a collection at exit:
-    a command has closed its files and put its outputs in place before it returns. (Tests call main() itself.)"""
+    a command has closed its files and put its outputs in place before it returns. (Tests call main() itself.)
+    Ctrl-C and SIGTERM are held until the command has loaded torch, and from the end of its work (signals.py)."""
+    program_start()
     try:
         main()
     except SystemExit as e:
@@ -108,6 +110,7 @@ def run() -> None:
             training.exit_rank(e.code)
         raise
     finally:
+        program_end()
         gc.freeze()
 
 

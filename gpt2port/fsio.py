@@ -14,11 +14,11 @@ import json
 import os
 import re
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.signals import deferred
 
 PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
 OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
@@ -137,7 +137,7 @@ def _swap_in(stage: Path, dest: Path, force: bool) -> None:
     there since: without force its checkpoint stays. Renaming a directory onto a non-empty one fails, so even a
     checkpoint that lands between this check and the rename is never overwritten."""
     old = None
-    with _signals_deferred():
+    with deferred():  # SIGINT/SIGTERM held across the two renames, so Ctrl-C cannot land between them
         if dest.exists():
             if not force and dest.is_dir() and any(dest.iterdir()):
                 raise GPT2PortError(f"{dest}: appeared while this run was writing (another run finished first?); "
@@ -200,25 +200,6 @@ def _pid_alive(pid: str) -> bool:
     except PermissionError:
         return True
     return True
-
-
-@contextlib.contextmanager
-def _signals_deferred():
-    """Hold SIGINT/SIGTERM across the two renames so Ctrl-C cannot land between them."""
-    caught = []
-    handlers = {}
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            handlers[sig] = signal.signal(sig, lambda s, f: caught.append(s))
-    except ValueError:  # not the main thread: signals cannot be caught here anyway
-        handlers = {}
-    try:
-        yield
-    finally:
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
-        for sig in caught:
-            os.kill(os.getpid(), sig)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,21 +1,46 @@
-"""SIGTERM handled as Ctrl-C is: raised as an exception (Terminated, a KeyboardInterrupt) where the program is, so
+"""SIGINT and SIGTERM in gpt2port.
+
+SIGTERM is handled as Ctrl-C is: raised as an exception (Terminated, a KeyboardInterrupt) where the program is, so
 every clean-up that Ctrl-C runs (a half-built output removed, a replaced one restored) runs for it too. Without
-this, SIGTERM's default action ends the process on the spot and leaves its build directory behind."""
+this, SIGTERM's default action ends the process on the spot and leaves its build directory behind.
+
+Both are held (recorded, not acted on) where an exception cannot be allowed to land. Importing torch is such a
+place: its C++ start-up imports numpy and torch's own Python modules, and a KeyboardInterrupt raised in them either
+reaches C++ that cannot pass it on (pybind11::error_already_set or torch's python_error, thrown where nothing
+catches it: std::terminate, SIGABRT) or is taken for a failed optional import (the Ctrl-C lost, numpy left
+half-loaded for the next import to fail on). So the `gpt2port` program holds them from its first line until the
+command has loaded torch, then acts on what came, in Python code where the command's error handling sees it; and
+holds them again once the work is done, while the interpreter shuts down. A library import (`import gpt2port`)
+installs nothing.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib
 import signal
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
+HELD = (signal.SIGINT, signal.SIGTERM)
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt."""
 
 
+class CtrlC(KeyboardInterrupt):
+    """Ctrl-C in the program. Not KeyboardInterrupt itself: one of that exact class passing through code that exec()
+    runs from a string (dataclasses and namedtuple make their methods so) marks it unhandled for good, and
+    `python -m` then ends the process by SIGINT after it has reported the interruption and exited 130."""
+
+
 def _terminate(signum, frame):
     raise Terminated()
+
+
+def _interrupt(signum, frame):
+    raise CtrlC()
 
 
 @contextlib.contextmanager
@@ -33,3 +58,114 @@ def sigterm_as_interrupt():
     finally:
         if previous == signal.SIG_DFL:
             signal.signal(signal.SIGTERM, previous)
+
+
+class Held:
+    """From creation until release(), SIGINT and SIGTERM are recorded instead of acted on. A signal the caller made
+    us ignore (nohup, a background job) stays ignored; outside the main thread nothing is held (Python catches
+    signals there only). With `second_ends`, a second signal of a kind takes its default action at once: the way
+    out should what runs meanwhile hang."""
+
+    def __init__(self, second_ends: bool = False):
+        self.caught: list[int] = []
+        self.second_ends = second_ends
+        self.previous: dict = {}
+        try:
+            for sig in HELD:
+                if signal.getsignal(sig) not in (signal.SIG_IGN, None):  # None: a handler set outside Python
+                    self.previous[sig] = signal.signal(sig, self._record)
+        except ValueError:  # not the main thread
+            pass
+
+    def _record(self, signum, frame):
+        if self.second_ends and signum in self.caught:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        self.caught.append(signum)
+
+    def release(self, act: bool = True) -> None:
+        """Put the handlers back; with `act`, hand them what came, in order: a Python handler is called here, so
+        its exception (KeyboardInterrupt, Terminated) is raised by this call; SIG_DFL's action is taken."""
+        previous, self.previous = self.previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        caught, self.caught = self.caught, []
+        for sig in caught if act else ():
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                handler(sig, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(sig)
+
+
+@contextlib.contextmanager
+def deferred():
+    """SIGINT and SIGTERM held while inside, and acted on when it is left."""
+    held = Held()
+    try:
+        yield
+    finally:
+        held.release()
+
+
+# The `gpt2port` program's state: "on" once started; its holds, "startup" until torch is loaded, "exit" once done.
+_program: dict = {}
+
+
+def program_start() -> None:
+    """The `gpt2port` program's first act (gpt2port.__main__; never a library import's): SIGTERM as Ctrl-C for the
+    whole run (Ctrl-C as CtrlC), and both held until the command loads torch (load_heavy)."""
+    if _program:
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _terminate)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _interrupt)
+    except ValueError:  # not the main thread: nothing to hold
+        return
+    _program.update(on=True, startup=Held(second_ends=True))
+    atexit.register(_ignore_from_now)  # the first registered, so the last to run
+
+
+def _ignore_from_now() -> None:
+    """After the last exit callback: the interpreter then puts every handler it set back to SIG_DFL (a signal would
+    end the process, its output complete, as killed by it) but leaves an ignored signal ignored."""
+    for sig in _program["exit"].previous if "exit" in _program else ():
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def load_heavy(*modules: str) -> None:
+    """Import `modules` with SIGINT and SIGTERM held (the program's start-up hold, else one of its own), then act on
+    what came meanwhile: raised here, where the caller's except clauses see it."""
+    held = _program.pop("startup", None) or Held(second_ends=True)
+    try:
+        for name in modules:
+            if held.caught:  # interrupted already: say so now, not after a long import
+                break
+            importlib.import_module(name)
+    finally:
+        held.release()
+
+
+@contextlib.contextmanager
+def command(*heavy: str):
+    """One command of the program: `heavy` loaded first (load_heavy), then the command; once it is over, however it
+    ended, the program's exit hold (program_end)."""
+    try:
+        load_heavy(*heavy)
+        yield
+    finally:
+        program_end()
+
+
+def program_end() -> None:
+    """The work is done (or failed) and the program exits with its result: from here a signal is recorded and
+    dropped, so a Ctrl-C changes neither the exit code nor makes a traceback out of the interpreter's shut-down; a
+    second one ends the process at once, should the exit hang. Does nothing outside the program."""
+    if not _program or "exit" in _program:  # not the program, or already ending
+        return
+    startup = _program.pop("startup", None)
+    if startup is not None:  # --help, a usage error: no command ran
+        startup.release(act=False)
+    _program["exit"] = Held(second_ends=True)
