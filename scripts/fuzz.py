@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from scripts import ROOT
 from scripts.fuzz_mutate import MUTATORS
 
 GB = 1 << 30
@@ -101,9 +102,9 @@ def _rss() -> int:
 
 class Worker:
     def __init__(self):
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "CUDA_VISIBLE_DEVICES": ""}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
         self.proc = subprocess.Popen([sys.executable, "-m", "scripts.fuzz", "--worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).parents[1])
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
     def run(self, args: list[str], cwd: Path, memory: int, timeout: float) -> dict:
         out, err = cwd.parent / f".{cwd.name}-stdout", cwd.parent / f".{cwd.name}-stderr"

@@ -316,3 +316,15 @@ def test_one_registry_names_the_targets_the_cli_offers_and_conversion_writes():
     for name, target in REGISTRY.items():
         assert name in LAYOUTS and callable(target.writer()), name
         assert set(target.encodings) <= set(options["dtype"].type.choices), name
+
+
+def test_the_scripts_find_the_repository_root_in_one_place():
+    """Scripts start children as `python -m scripts...` from the repository root: scripts.ROOT, the one copy of where
+    that is (a copy computed per file went stale when the benchmarks moved into scripts/bench/, and the int8
+    round of scripts.bench.generate could no longer start its child)."""
+    import scripts
+
+    assert scripts.ROOT == ROOT.resolve()
+    computed = [str(p.relative_to(ROOT)) for p in (ROOT / "scripts").rglob("*.py")
+                if p.name != "__init__.py" and re.search(r"Path\(__file__\)(\.resolve\(\))?\.parents?\b", p.read_text())]
+    assert computed == [], f"use scripts.ROOT: {computed}"

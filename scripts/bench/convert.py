@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the children run as `python -m scripts...` from here
+from scripts import ROOT  # the children run as `python -m scripts...` from here
 
 
 # --- steps, each run in its own process so its peak RSS is its own -------------------------------------------------

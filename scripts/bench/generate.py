@@ -67,7 +67,7 @@ from gpt2port.fast import OFF, Settings
 from gpt2port.fast.kernels import accelerated
 from gpt2port.fast.speed import matvec_bandwidth, timed, weight_bytes_per_token
 from gpt2port.generate import steps
-from scripts import hf_fixtures
+from scripts import ROOT, hf_fixtures
 from scripts.bench import llama_contender
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
@@ -275,7 +275,7 @@ def quantized_rounds_fresh(size: str, ckpt: Path, root: Path, prompt: torch.Tens
     ids = ",".join(str(t) for t in prompt[0].tolist())
     child = subprocess.run([sys.executable, "-m", "scripts.bench.generate", "--threads", str(torch.get_num_threads()),
                             "--quantized-child", size, str(ckpt), str(root), str(repeats), ids],
-                           stdout=subprocess.PIPE, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+                           stdout=subprocess.PIPE, text=True, check=True, cwd=ROOT)
     got = json.loads(child.stdout.strip().splitlines()[-1])
     rates.update(got["rates"])
     tokens.update(got["tokens"])

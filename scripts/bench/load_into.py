@@ -30,9 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from scripts import ROOT
 from scripts.bench.convert import _vm_hwm_kib, warm
-
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [[464, 3290, 373, 1043]]
 
 

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the hf_fixtures child runs as `python -m scripts.hf_fixtures` from here
+from scripts import ROOT  # the hf_fixtures child runs as `python -m scripts.hf_fixtures` from here
 SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 GPT2PORT = [sys.executable, "-m", "gpt2port"]
 
