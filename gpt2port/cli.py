@@ -17,6 +17,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
+EXPORT_CHOICE = click.Choice([*DTYPE_CHOICE.choices, *sorted({e for t in ENCODINGS.values() for e in t})])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
@@ -157,8 +158,8 @@ def info(ckpt, as_json):
 @click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
               help="Layout: gpt2port's own, Hugging Face's (loads with GPT2LMHeadModel.from_pretrained), "
                    "llm.c's (gpt2_124M.bin + gpt2_tokenizer.bin; fp32 or bf16), or llama.cpp's GGUF (model.gguf).")
-@click.option("--dtype", type=click.Choice([*DTYPE_CHOICE.choices, *sorted({e for t in ENCODINGS.values() for e in t})]),
-              default=None, help="Output dtype (default: the checkpoint's); q8_0 for --to gguf only.")
+@click.option("--dtype", type=EXPORT_CHOICE, default=None,
+              help="Output dtype (default: the checkpoint's); q8_0 for --to gguf only.")
 @click.option("--gguf-output-tensor", is_flag=True,
               help="GGUF: also write the tied head as output.weight (for llama.cpp builds that require it).")
 @click.option("--force", is_flag=True, help="Replace an existing directory at --out.")
@@ -224,13 +225,15 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
 @click.option("--reference", type=click.Path(path_type=str), default=None,
               help="HF checkpoint to compare with (default: the source recorded in the checkpoint's manifest).")
 @click.option("--dtype", type=COMPUTE_CHOICE, default=None,
-              help="Compute dtype for ours and HF (default: the checkpoint's); int8: ours quantized at load, HF in fp32.")
+              help="Compute dtype for ours and HF (default: the checkpoint's); int8: ours quantized at load, "
+                   "HF in fp32.")
 @click.option("--tokens", type=click.IntRange(min=2), default=None,
               help="Length of the random-id inputs (default: the full context, e.g. 1024); shorter is faster.")
 @click.option("--no-hf", "no_hf", is_flag=True, help="Skip transformers; judge against the float64 reference alone.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout (schema gpt2port.verify/1).")
 @click.option("--grads", is_flag=True,
-              help="Also compare the loss and every parameter's gradient with transformers' (fp32, needs transformers).")
+              help="Also compare the loss and every parameter's gradient with transformers' "
+                   "(fp32, needs transformers).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the verdict line.")
 @_handle_errors
 def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):

@@ -80,10 +80,10 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     llm.c model file or a GGUF file) into the directory `out`, in layout `to` (one of targets.REGISTRY: "gpt2port",
     "hf" for GPT2LMHeadModel.from_pretrained, "llmc", "gguf").
 
-    dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (Target.encodings). provenance: extra
-    facts for the manifest (the Hub repo and commit a download came from). known_sha256: file name -> sha256 already established (a verified download), so it is
-    not hashed again. progress(done_bytes, total_bytes) is called after each tensor. options: switches of the target
-    layout's writer (Target.options).
+    dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (Target.encodings).
+    provenance: extra facts for the manifest (the Hub repo and commit a download came from). known_sha256: file
+    name -> sha256 already established (a verified download), so it is not hashed again. progress(done_bytes,
+    total_bytes) is called after each tensor. options: switches of the target layout's writer (Target.options).
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -219,8 +219,8 @@ def _check_head_is_tied(source: Source, head: str, wte: torch.Tensor) -> None:
     lm_head = source.reader.read(head)
     if lm_head.shape != wte.shape or not torch.equal(lm_head, wte):
         raise GPT2PortError(f"{source.reader.tensors[head].file}: {head!r} differs from "
-                            f"{source.layout.key_for(canonical.EMBEDDING)}; GPT-2 ties the head to the token embedding, "
-                            f"so converting would change the model")
+                            f"{source.layout.key_for(canonical.EMBEDDING)}; GPT-2 ties the head to the token "
+                            f"embedding, so converting would change the model")
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -63,7 +63,8 @@ class DirectAppend:
         self._full: queue.Queue = queue.Queue()
         self._error: OSError | None = None
         self._chunk, self._fill, self._size, self._offset = self._free.get(), 0, 0, 0
-        self._threads = [threading.Thread(target=self._run, name="gpt2port-writer", daemon=True) for _ in range(WRITERS)]
+        self._threads = [threading.Thread(target=self._run, name="gpt2port-writer", daemon=True)
+                         for _ in range(WRITERS)]
         for t in self._threads:
             t.start()
 

@@ -154,7 +154,8 @@ def open_source(path: str | Path, hashes: Hashes | None = None) -> Source:
     try:
         tag = reader.metadata.get(FORMAT_KEY)
         if tag is not None and tag not in READABLE:
-            raise GPT2PortError(f"{weights}: written in gpt2port layout {tag!r}; this version reads {', '.join(READABLE)}")
+            raise GPT2PortError(f"{weights}: written in gpt2port layout {tag!r}; "
+                                f"this version reads {', '.join(READABLE)}")
         layout = GPT2PORT if tag is not None else get_layout(reader.layout) if reader.layout else \
             recognise({k: t.shape for k, t in reader.tensors.items()})
         config, config_path = _config(reader, layout, weights.parent)

@@ -10,6 +10,7 @@ from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo
 
 # The weights files of a Hugging Face repo, in order of preference: safetensors cannot run code and streams; .bin
 # is the fallback for older repos. Download, conversion and verification all choose by this one list.
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 __all__ = ["FLOAT_DTYPES", "Reader", "TensorInfo", "WEIGHT_FILES"]

@@ -94,7 +94,8 @@ class GGUFFile(PreadReader):
             try:
                 qtype = Q(t.ggml_type)
             except ValueError:
-                raise GPT2PortError(f"{self.path}: tensor {t.name!r} has an unknown GGML type ({t.ggml_type})") from None
+                unknown = f"{self.path}: tensor {t.name!r} has an unknown GGML type ({t.ggml_type})"
+                raise GPT2PortError(unknown) from None
             if qtype not in TORCH_TYPES:
                 raise GPT2PortError(f"{self.path}: tensor {t.name!r} is quantized ({qtype.name}); gpt2port "
                                     f"imports F32, F16 and BF16 GGUF files only")

@@ -111,7 +111,8 @@ def _entry(path: Path, name: str, info, data_start: int) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), path, data_start + offsets[0], nbytes)
 
 
-def encode_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+def encode_header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                  metadata: dict[str, str]) -> tuple[bytes, list[int]]:
     """The length-prefixed JSON header for tensors laid out back to back in `entries` order.
 
     Returns the header bytes (padded with spaces to a multiple of 8, as the reference writer does) and each

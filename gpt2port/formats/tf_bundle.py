@@ -253,8 +253,8 @@ class TFBundleReader(Reader):
                 raise GPT2PortError(f"{where}: {name!r} is stored in slices (a partitioned variable); not supported")
             dtype = DTYPES.get(entry.get(1, 0))
             if dtype not in FLOAT_DTYPES:
-                raise GPT2PortError(f"{where}: {name!r} is {DTYPE_NAMES.get(entry.get(1, 0), 'type ' + str(entry.get(1)))}"
-                                    f"; GPT-2's variables are all floating point")
+                kind = DTYPE_NAMES.get(entry.get(1, 0), f"type {entry.get(1)}")
+                raise GPT2PortError(f"{where}: {name!r} is {kind}; GPT-2's variables are all floating point")
             shard, offset, size = entry.get(3, 0), entry.get(4, 0), entry.get(5, 0)
             expected = dtype.itemsize * _numel(shape)
             if shard < shards and size == expected and offset + size > sizes[shard]:

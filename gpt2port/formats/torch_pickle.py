@@ -75,8 +75,8 @@ def _refuse_unbacked(file: Path, name: str, t: torch.Tensor) -> None:
     a view with stride 0 whose 1 stored number stands for 2**36 of them, and converting either would allocate what
     its shape claims (hundreds of GB) from a file of a few bytes."""
     if t.layout != torch.strided or t.is_meta:
-        raise GPT2PortError(f"{file}: tensor {name!r} is {'a meta' if t.is_meta else str(t.layout).removeprefix('torch.')}"
-                            f" tensor; weights are dense tensors")
+        kind = "a meta" if t.is_meta else str(t.layout).removeprefix("torch.")
+        raise GPT2PortError(f"{file}: tensor {name!r} is {kind} tensor; weights are dense tensors")
     stored = t.untyped_storage().nbytes()
     if t.numel() * t.element_size() > stored:
         raise GPT2PortError(f"{file}: tensor {name!r} of shape {list(t.shape)} claims {t.numel() * t.element_size():,} "

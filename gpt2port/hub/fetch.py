@@ -241,7 +241,8 @@ class Fetcher:
         with byte_progress("checking sha256", self.quiet) as progress:
             for name in names:
                 remote = self.remote[name]
-                sha256, git_sha1 = hash_file(self.paths[name], lambda n: progress and progress(done + n, total), git=True)
+                sha256, git_sha1 = hash_file(self.paths[name], lambda n: progress and progress(done + n, total),
+                                             git=True)
                 done += self.paths[name].stat().st_size
                 digests[name] = sha256
                 if remote.sha256 is not None and sha256 != remote.sha256:

@@ -32,7 +32,7 @@ def _gguf_reader(path: Path) -> Reader:
 # How a weights file is read, by the end of its name. The index row opens each shard through this same table.
 READERS = {
     ".safetensors": SafetensorsReader,
-    ".bin": lambda path: open_bin(path, ModelPickleReader, LlmcReader),  # a pickle, or llm.c's model file (by its magic)
+    ".bin": lambda path: open_bin(path, ModelPickleReader, LlmcReader),  # a pickle, or llm.c's file (by its magic)
     ".pt": ModelPickleReader,
     ".pth": ModelPickleReader,
     INDEX_SUFFIX: lambda path: ShardedReader(path, open_weights),

@@ -13,7 +13,8 @@ from gpt2port.layouts.openai_tf import OPENAI_TF
 
 HPARAMS_FILE = "hparams.json"
 # OpenAI's hparams.json names -> config.json's
-HPARAMS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "n_vocab": "vocab_size", "n_ctx": "n_positions"}
+HPARAMS = {"n_layer": "n_layer", "n_head": "n_head", "n_embd": "n_embd", "n_vocab": "vocab_size",
+           "n_ctx": "n_positions"}
 
 
 def read_hparams(directory: Path) -> dict | None:

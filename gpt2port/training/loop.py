@@ -99,7 +99,8 @@ def _read_rows(path: Path, done: int) -> list[dict]:
     logged later steps, which will run again)."""
     if not path.is_file():
         return []
-    rows = [jsonio.loads(line, f"{path}:{n}") for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    lines = enumerate(path.read_text().splitlines(), 1)
+    rows = [jsonio.loads(line, f"{path}:{n}") for n, line in lines if line.strip()]
     return [r for r in rows if r["step"] <= done]
 
 

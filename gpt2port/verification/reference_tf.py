@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.formats import WEIGHT_FILES
 from gpt2port.formats.tf_bundle import TFBundleReader, checkpoint_in, index_for
 from gpt2port.readers.openai_tf import read_hparams
 
@@ -22,8 +23,7 @@ _LEAF = {"w": "weight", "g": "weight", "b": "bias"}
 
 def is_tf(path: Path) -> bool:
     if path.is_dir():
-        return not any((path / n).exists() for n in ("model.safetensors", "pytorch_model.bin",
-                                                     "model.safetensors.index.json")) and checkpoint_in(path) is not None
+        return not any((path / n).exists() for n in WEIGHT_FILES) and checkpoint_in(path) is not None
     return path.name.endswith(".index") or index_for(path) is not None
 
 
