@@ -257,7 +257,6 @@ _WRITTEN = re.compile(r"""(model\.safetensors|config\.json|manifest\.json|model\
     |train_log\.jsonl|loss\.svg|loss\.png|tokens|train_state|\.train_state\.(partial|old)|\.checkpoint
     |\..+(\.partial|\.replaced)-\d+)""", re.X)
 _TAG_LIMIT = 64 << 20  # bytes: far above any manifest or meta.json gpt2port writes
-_LLMC_MAGICS = (20240326, 20240327, 20240328)  # llm.c's model, debug-state and tokenizer files (formats/llmc.py)
 
 
 def check_replaceable(dest: Path) -> None:
@@ -292,13 +291,12 @@ def _marked(dest: Path, names: list[str]) -> bool:
 
 def _old_export(dest: Path, names: list[str]) -> bool:
     """An export by a version that wrote no manifest, told by its files: an hf export's config.json (gpt2port adds
-    "dtype", transformers always writes "transformers_version"), llm.c files by their magic, or a GGUF that
-    gpt2port named "GPT-2"."""
+    "dtype", transformers always writes "transformers_version"), or a GGUF that gpt2port named "GPT-2". llm.c's
+    files are not among them: gpt2port writes them byte for byte as llm.c's own train_gpt2.py does, so a directory
+    of them may be the user's; it is refused, naming the files."""
     if names == ["model.gguf"]:
         head = _head(dest / "model.gguf", 4096)
         return head.startswith(b"GGUF") and b"general.name\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00GPT-2" in head
-    if names and all(n.startswith("gpt2_") and n.endswith(".bin") for n in names):
-        return all(int.from_bytes(_head(dest / n, 4), "little") in _LLMC_MAGICS for n in names)
     config = _json_object(dest / "config.json") or {}
     return "model.safetensors" in names and config.get("model_type") == "gpt2" and "dtype" in config \
         and "transformers_version" not in config
