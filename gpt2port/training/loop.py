@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +57,8 @@ class Stopped(Exception):
 @contextlib.contextmanager
 def stop_requests():
     """SIGINT and SIGTERM set a flag the loop reads after each step (so a save is never cut in half); a second
-    Ctrl-C interrupts at once (the last complete save is still on disk)."""
+    Ctrl-C interrupts at once (the last complete save is still on disk). A signal the caller ignores (nohup, a
+    background job) stays ignored; outside the main thread (a library caller's) nothing is installed."""
     flag = {"set": False}
     previous = {}
 
@@ -65,8 +67,10 @@ def stop_requests():
             raise KeyboardInterrupt
         flag["set"] = True
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, handler)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) != signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, handler)
     try:
         yield flag
     finally:

@@ -179,6 +179,21 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_run(straight, tiny_ckpt, cor
     assert (out / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
 
 
+def test_an_ignored_sigint_leaves_the_run_alone(straight, tiny_ckpt, corpus, tmp_path):
+    """Started with SIGINT ignored (nohup, `cmd &` in a script), the run ignores it: a Ctrl-C meant for the shell
+    in front must not stop a background run."""
+    out = tmp_path / "run"
+    args = run_args(tiny_ckpt, corpus, out)
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2port", "finetune", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    wait_for_step(out, 4, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert numbers(out) == numbers(straight)
+
+
 def test_a_killed_run_resumes_from_its_last_save(straight, tiny_ckpt, corpus, tmp_path):
     out = tmp_path / "run"
     args = run_args(tiny_ckpt, corpus, out)
