@@ -22,7 +22,7 @@ from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
-from gpt2port.fsio import copy_file, refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import copy_file, real, refuse_overlap, staged_directory, write_json
 from gpt2port.hashing import BackgroundHasher, Hashes
 from gpt2port.layouts import canonical
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE, metadata_for
@@ -306,7 +306,7 @@ def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Pat
     tokenizer_files = [tok_dir / n for n in TOKENIZER_FILES if (tok_dir / n).is_file()] if tok_dir else []
     parent_weights = Path(origin) / WEIGHTS if origin is not None else None
     if origin is not None and (Path(origin) / MANIFEST).is_file():
-        prov = derived_manifest(read_manifest(Path(origin)), out_dtype, "saves", str(Path(origin).resolve()))
+        prov = derived_manifest(read_manifest(Path(origin)), out_dtype, "saves", str(real(origin)))
     else:
         prov = manifest(out_dtype, config, {"path": None, "kind": kind})
     (prov["saves"][-1] if "saves" in prov else prov["source"]).update(record or {})
@@ -317,7 +317,7 @@ def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Pat
         return prov
     # Saving over the checkpoint a model was loaded from (with force) is safe: its tensors map a file that stays
     # readable until the new one is in place. Inside or around it is not.
-    if origin is not None and out.resolve() != Path(origin).resolve():
+    if origin is not None and real(out) != real(origin):
         refuse_overlap(out, Path(origin), "the checkpoint the model was loaded from")
     order = _stored_order(origin, shapes)
     items = [(name, out_dtype, shapes[name], (lambda t=state[name]: t.detach().cpu())) for name in order]

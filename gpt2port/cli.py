@@ -32,9 +32,6 @@ def _succeeded(text: str, code: int = 0) -> int:
     return code
 
 
-LOOP = "Symlink loop from "
-
-
 def _handle_errors(fn):
     """Turn every failure into one line on stderr and an exit code (tracebacks only with --debug).
 
@@ -66,12 +63,9 @@ def _handle_errors(fn):
             what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             click.echo(f"error: {what}; no partial output was left", err=True)
             sys.exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
-        except Exception as e:  # noqa: BLE001 - the last line of defence of the one-line promise
+        except Exception as e:  # the last line of defence of the one-line promise
             if debug:
                 raise
-            if isinstance(e, RuntimeError) and str(e).startswith(LOOP):  # pathlib before 3.13: the user's path
-                click.echo(f"error: {str(e)[len(LOOP):].strip(chr(39))}: a symbolic link loop", err=True)
-                sys.exit(EXIT_FAILURE)
             click.echo(f"error: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)
@@ -98,9 +92,10 @@ def main(debug: bool) -> None:
 
 def run() -> None:
     """The `gpt2port` program: main(), then a quick exit. The interpreter's exit walks every object still alive
-    looking for cycles to collect, and torch's import leaves a few hundred thousand (0.4 s here, after every
-    command); freezing them first (gc.freeze) takes them out of that walk. Nothing relies on a collection at exit:
-    a command has closed its files and put its outputs in place before it returns. (Tests call main() itself.)
+    looking for cycles to collect, and torch's import leaves a few hundred thousand (a pause after every
+    command: docs/performance.md); freezing them first (gc.freeze) takes them out of that walk. Nothing relies on
+    a collection at exit: a command has closed its files and put its outputs in place before it returns. (Tests
+    call main() itself.)
     Ctrl-C and SIGTERM are held until the command has loaded torch, and from the end of its work (signals.py)."""
     program_start()
     try:
@@ -386,7 +381,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
         if isinstance(e, Interrupted):
             if main_rank:
                 click.echo(f"interrupted: {e}", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+            sys.exit(128 + e.signum if e.signum else EXIT_INTERRUPTED)  # 130 Ctrl-C, 143 SIGTERM
         if not main_rank:
             sys.exit(EXIT_FAILURE)
         raise

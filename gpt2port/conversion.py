@@ -148,8 +148,8 @@ def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str],
         parts.setdefault(r.target, []).append(r)
     writes = target.plan_write(config)
     plain = _plain(source, parts, writes, out_dtype, head) if streamed else set()
-    # One read buffer for the tensors read whole, as large as the largest of them: at 1.5B the token embedding
-    # (321 MB) streams instead, and faulting in fresh memory is slow on some machines (0.3-0.6 s for those pages).
+    # One read buffer for the tensors read whole, as large as the largest of them (at 1.5B the token embedding
+    # streams instead): faulting in fresh memory for every tensor is slow on some machines (docs/performance.md).
     buffer = torch.empty(max((reader.tensors[r.key].nbytes for name, rs in parts.items() if name not in plain
                               for r in rs), default=0), dtype=torch.uint8)
 

@@ -63,7 +63,7 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
     if dest.is_symlink():
         # checkpoints/gpt2 -> /big/disk/gpt2: the checkpoint lives at the target, so build and replace it there
         # (renaming the link itself aside would leave the link behind as a leftover and the target orphaned).
-        dest = Path(os.path.realpath(dest))
+        dest = real(dest)
     parent = dest.parent
     created = missing_parents(parent)  # removed again on failure: a failed run leaves no trace, not even those
     try:
@@ -218,6 +218,17 @@ def os_reason(e: OSError) -> str:
 
 # --- where things live -----------------------------------------------------------------------------------------
 
+def real(path) -> Path:
+    """`path` absolute, every symbolic link followed; a path not there (yet) as far as it exists. A link loop is
+    raised as the OSError (ELOOP) naming it: Path.resolve before Python 3.13 raised a RuntimeError for it instead."""
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise
+        return Path(os.path.realpath(path))
+
+
 def hf_cache_dir() -> Path:
     """The Hugging Face hub cache, found as huggingface_hub finds it (HF_HUB_CACHE, else HF_HOME/hub, else
     ~/.cache/huggingface/hub), read when asked rather than at import."""
@@ -225,12 +236,12 @@ def hf_cache_dir() -> Path:
     if not cache:
         home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
         cache = os.path.join(home, "hub")
-    return Path(cache).expanduser().resolve()
+    return real(Path(cache).expanduser())
 
 
 def is_inside(path: Path, other: Path) -> bool:
     """Whether `path` is `other` or lies under it (both resolved)."""
-    path, other = Path(path).resolve(), Path(other).resolve()
+    path, other = real(path), real(other)
     return path == other or other in path.parents
 
 
@@ -324,9 +335,9 @@ def refuse_replacing_reads(out: Path, reads) -> None:
     """An output must not be, nor hold, any file the run reads, by real path: a weights file reached through a
     symlink, or a TensorFlow `checkpoint` naming another directory, may live in the very directory --force would
     replace."""
-    target = Path(os.path.realpath(out))
+    target = real(out)
     for f in reads:
-        real = Path(os.path.realpath(f))
-        if real == target or target in real.parents:
-            via = "" if real == Path(f).absolute() else f" (really {real})"
+        really = real(f)
+        if really == target or target in really.parents:
+            via = "" if really == Path(f).absolute() else f" (really {really})"
             raise GPT2PortError(f"{out}: output would replace {f}{via}, which this run reads; choose another --out")

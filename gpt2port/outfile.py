@@ -5,10 +5,9 @@ do nothing. Enough of a file object for a library that writes through one (the g
 
 Why O_DIRECT: a converter writes gigabytes it will not read back. Buffered, every byte is first copied into the
 page cache by the kernel, under the dirty-page throttling and reclaim of a machine whose cache is already full, and
-that copy was the largest single cost of a conversion measured here: at 1.5B a third of all CPU time, in the kernel
-(README, performance). Direct writes hand page-aligned buffers to the device: on the same machine `dd` of 3.2 GB took
-2.1 s and 0.4 s of CPU direct, against 3.8 s and 3.0 s buffered with an fsync. The cost is one user-space copy into
-an aligned chunk (the data arrive in pieces of any size) and a file padded to a block, then truncated to its size.
+that copy was the largest single cost of a conversion (docs/performance.md has the figures). Direct writes hand
+page-aligned buffers to the device, with no such copy. The cost is one user-space copy into an aligned chunk (the
+data arrive in pieces of any size) and a file padded to a block, then truncated to its size.
 
 Writer threads do the write calls (two, each writing whole chunks at their offsets), so the caller fills one chunk
 while the device takes the others; a caller may also copy straight into the chunk being filled (space(), commit()).

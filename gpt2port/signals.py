@@ -12,6 +12,10 @@ half-loaded for the next import to fail on). So the `gpt2port` program holds the
 command has loaded torch, then acts on what came, in Python code where the command's error handling sees it; and
 holds them again once the work is done, while the interpreter shuts down. A library import (`import gpt2port`)
 installs nothing.
+
+The training loop asks for both as stop requests (stop_requests): held the same way, read by the loop between
+steps, and a second signal of a kind acts at once. Under torchrun every rank is this same program: each holds its
+own, and the loop's ranks agree to stop at the same step.
 """
 
 from __future__ import annotations
@@ -63,12 +67,13 @@ def sigterm_as_interrupt():
 class Held:
     """From creation until release(), SIGINT and SIGTERM are recorded instead of acted on. A signal the caller made
     us ignore (nohup, a background job) stays ignored; outside the main thread nothing is held (Python catches
-    signals there only). With `second_ends`, a second signal of a kind takes its default action at once: the way
-    out should what runs meanwhile hang."""
+    signals there only). A second signal of a kind, with `second="ends"`, takes its default action at once (the way
+    out should what runs meanwhile hang); with `second="acts"`, goes to the handler that was in place (Ctrl-C then
+    raises where the program is); else it is recorded too."""
 
-    def __init__(self, second_ends: bool = False):
+    def __init__(self, second: str | None = None):
         self.caught: list[int] = []
-        self.second_ends = second_ends
+        self.second = second
         self.previous: dict = {}
         try:
             for sig in HELD:
@@ -78,9 +83,14 @@ class Held:
             pass
 
     def _record(self, signum, frame):
-        if self.second_ends and signum in self.caught:
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
+        if self.second and signum in self.caught:
+            handler = self.previous.pop(signum) if self.second == "acts" else signal.SIG_DFL
+            signal.signal(signum, handler)
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
+            return
         self.caught.append(signum)
 
     def release(self, act: bool = True) -> None:
@@ -96,6 +106,18 @@ class Held:
                 handler(sig, None)
             elif handler == signal.SIG_DFL:
                 signal.raise_signal(sig)
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """SIGINT and SIGTERM recorded as requests to stop (`held.caught`, in order), for a loop to act on where it is
+    safe (between steps); a second of a kind acts at once (Ctrl-C raises). Left: the handlers put back, and a
+    request the loop did not act on (the work ended first) dropped."""
+    held = Held(second="acts")
+    try:
+        yield held
+    finally:
+        held.release(act=False)
 
 
 @contextlib.contextmanager
@@ -124,7 +146,7 @@ def program_start() -> None:
             signal.signal(signal.SIGINT, _interrupt)
     except ValueError:  # not the main thread: nothing to hold
         return
-    _program.update(on=True, startup=Held(second_ends=True))
+    _program.update(on=True, startup=Held(second="ends"))
     atexit.register(_ignore_from_now)  # the first registered, so the last to run
 
 
@@ -138,7 +160,7 @@ def _ignore_from_now() -> None:
 def load_heavy(*modules: str) -> None:
     """Import `modules` with SIGINT and SIGTERM held (the program's start-up hold, else one of its own), then act on
     what came meanwhile: raised here, where the caller's except clauses see it."""
-    held = _program.pop("startup", None) or Held(second_ends=True)
+    held = _program.pop("startup", None) or Held(second="ends")
     try:
         for name in modules:
             if held.caught:  # interrupted already: say so now, not after a long import
@@ -168,4 +190,4 @@ def program_end() -> None:
     startup = _program.pop("startup", None)
     if startup is not None:  # --help, a usage error: no command ran
         startup.release(act=False)
-    _program["exit"] = Held(second_ends=True)
+    _program["exit"] = Held(second="ends")

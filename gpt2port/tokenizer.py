@@ -29,6 +29,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
+from gpt2port.fsio import real
 
 ENDOFTEXT = "<|endoftext|>"
 ENDOFTEXT_ID = 50256  # GPT-2's id for it
@@ -105,7 +106,7 @@ def _tokenizer_key(directory: Path) -> tuple:
         if not files[0].is_file():
             raise GPT2PortError(f"{directory}: no GPT-2 tokenizer files (needs vocab.json + merges.txt, "
                                 f"encoder.json + vocab.bpe, or tokenizer.json)")
-    files = [f.resolve() for f in files]
+    files = [real(f) for f in files]
     return tuple(files), tuple((f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
 

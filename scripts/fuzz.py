@@ -47,11 +47,11 @@ def worker() -> None:
     import traceback
 
     import gpt2port.cli
-    import gpt2port.conversion  # noqa: F401 - everything a command imports lazily, imported once here
-    import gpt2port.readers.gguf  # noqa: F401
-    import gpt2port.targets.gguf  # noqa: F401
-    import gpt2port.readers.openai_tf  # noqa: F401
-    import gpt2port.info  # noqa: F401
+    import gpt2port.conversion  # everything a command imports lazily, imported once here
+    import gpt2port.readers.gguf
+    import gpt2port.targets.gguf
+    import gpt2port.readers.openai_tf
+    import gpt2port.info
 
     channel = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:

@@ -259,6 +259,73 @@ def test_no_torchscript_in_the_package():
     assert not users, users
 
 
+def _message_matches(tree: ast.AST) -> list[int]:
+    """Lines where an except clause decides by its exception's text: `in`/`==` on str(e) (or a name bound from it),
+    or str(e).startswith/endswith/find, re.search/match(..., str(e))."""
+    hits = []
+    for handler in (n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler) and n.name):
+        texts = {handler.name}  # names holding the exception or its text
+
+        def is_text(node) -> bool:
+            for sub in ast.walk(node):
+                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.func.id in ("str", "repr")
+                        and sub.args and isinstance(sub.args[0], ast.Name) and sub.args[0].id in texts):
+                    return True
+                if isinstance(sub, ast.Name) and sub.id in texts - {handler.name}:
+                    return True
+            return False
+        for node in ast.walk(handler):
+            if isinstance(node, ast.Assign) and is_text(node.value):
+                texts |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(handler):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn, ast.Eq, ast.NotEq))
+                                                     for op in node.ops):
+                if any(is_text(x) for x in [node.left, *node.comparators]):
+                    hits.append(node.lineno)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name = node.func.attr
+                if name in ("startswith", "endswith", "find", "index") and is_text(node.func.value):
+                    hits.append(node.lineno)
+                elif name in ("search", "match", "fullmatch", "findall") and any(is_text(a) for a in node.args):
+                    hits.append(node.lineno)
+    return hits
+
+
+def test_no_decision_on_an_exception_s_message_text():
+    """An except clause tells failures apart by their type (or a structured attribute), never by their text: a
+    library rewording its message silently changes gpt2port's behaviour."""
+    hits = {name: lines for name, path in _modules().items()
+            if (lines := _message_matches(ast.parse(path.read_text())))}
+    assert not hits, hits
+
+
+def test_the_message_check_sees_a_match():
+    code = ("try:\n    f()\nexcept RuntimeError as e:\n    text = str(e)\n    if 'mmap' in text:\n        pass\n"
+            "    if str(e).startswith('Symlink'):\n        pass\n")
+    assert _message_matches(ast.parse(code)) == [5, 7]
+
+
+def test_no_unreachable_assertions_in_the_package():
+    """Code the reader is told cannot run is restructured until it does not exist (an AssertionError reaching a
+    user reads as an internal error)."""
+    def raises_assertion(node) -> bool:
+        exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+        return isinstance(exc, ast.Name) and exc.id == "AssertionError"
+    hits = [name for name, path in _modules().items()
+            if any(isinstance(n, ast.Raise) and n.exc is not None and raises_assertion(n)
+                   for n in ast.walk(ast.parse(path.read_text())))]
+    assert not hits, hits
+
+
+def test_one_module_sets_signal_handlers():
+    """SIGINT and SIGTERM are handled in one place (gpt2port.signals) for the commands, the training loop and every
+    torchrun rank; a second handler elsewhere would disagree with it on what a second Ctrl-C or an ignored signal
+    means."""
+    setters = [name for name, path in _modules().items()
+               if re.search(r"\bsignal\.(signal|raise_signal|setitimer|pthread_sigmask)\(", path.read_text())]
+    assert setters == ["gpt2port.signals"], setters
+
+
 def test_no_module_level_switches_in_the_speed_code():
     """Settings are passed explicitly (gpt2port.fast.Settings): no ENABLED / SCRIPTED / USE_* globals to flip."""
     switch = re.compile(r"^(ENABLED|SCRIPTED|USE_ONEDNN|ATTEND_ONE|SMOOTHING|DIRECT|last_path)\b", re.M)

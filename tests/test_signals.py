@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpt2port.signals import Held, deferred
+from gpt2port.signals import Held, deferred, stop_requests
 from tests.support import FIXTURES, ROOT
 
 CKPT = FIXTURES / "v1-checkpoint"  # `info` on it loads torch and prints a table: a whole command, ~2 s
@@ -220,5 +220,43 @@ def test_held_leaves_an_ignored_signal_ignored():
             assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def _deliver(sig: int) -> None:
+    os.kill(os.getpid(), sig)
+    time.sleep(0.01)  # delivered and handled before the next line
+
+
+def test_a_stop_request_is_recorded_and_a_second_ctrl_c_raises(sigint_as_a_terminal_gives_it):
+    """The training loop's requests (one mechanism with the program's holds): the first SIGINT and SIGTERM are
+    read between steps; a second Ctrl-C raises at once; on leaving, the handlers are back and nothing is replayed."""
+    term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with stop_requests() as stop:
+                _deliver(signal.SIGTERM)
+                _deliver(signal.SIGINT)
+                assert stop.caught == [signal.SIGTERM, signal.SIGINT]
+                _deliver(signal.SIGINT)
+                pytest.fail("a second Ctrl-C did not interrupt")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        with stop_requests() as stop:
+            _deliver(signal.SIGINT)
+        assert stop.caught == []  # dropped: not replayed on leaving
+    finally:
+        signal.signal(signal.SIGTERM, term)
+
+
+def test_a_stop_request_leaves_an_ignored_sigint_ignored():
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stop_requests() as stop:
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            _deliver(signal.SIGINT)
+            _deliver(signal.SIGINT)
+            assert stop.caught == []
     finally:
         signal.signal(signal.SIGINT, before)

@@ -55,7 +55,7 @@ class Prefetcher:
 
     def __iter__(self) -> Iterator[tuple[str, Iterator[memoryview]]]:
         # torch's own worker threads would compete with this pipeline's two for the same cores, and they spin
-        # between operations: at 1.5B on 2 cores a conversion took 17 s with them, 13 s without. Restored after.
+        # between operations (a conversion measured slower with them: docs/performance.md). Restored after.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         self._thread.start()
@@ -117,7 +117,7 @@ class Prefetcher:
                 self._ready.put(_END)
                 if self._stop.is_set():
                     return
-        except BaseException as e:  # handed to the caller's thread, which raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, which raises it
             self._ready.put(e)
 
     def _take(self) -> torch.Tensor | None:

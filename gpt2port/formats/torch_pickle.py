@@ -7,7 +7,6 @@ plain containers and refuses everything else. There is no fallback to a full unp
 from __future__ import annotations
 
 import pickle
-import re
 import warnings
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import torch
 
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import LFS_POINTER_PREFIX, Reader, TensorInfo, refuse_lfs_pointer
+
+ZIP_MAGIC = b"PK\x03\x04"  # a zip file's first local header: how torch.load itself tells its two formats apart
 
 
 class PickleReader(Reader):
@@ -45,22 +46,19 @@ class PickleReader(Reader):
 def load_state_dict(file: Path) -> dict[str, torch.Tensor]:
     """torch.load with weights_only=True: tensors and plain containers only, so a hostile pickle cannot run code."""
     with open(file, "rb") as f:
-        refuse_lfs_pointer(file, f.read(len(LFS_POINTER_PREFIX)))
+        head = f.read(len(LFS_POINTER_PREFIX))
+    refuse_lfs_pointer(file, head)
+    zipped = head.startswith(ZIP_MAGIC)  # torch.save's zip format maps; the legacy one (a bare pickle) cannot
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols on stderr; the error says it all
             warnings.simplefilter("ignore")
-            try:
-                sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):  # legacy (pre-zip) format cannot be mapped; load it normally
-                    raise
-                sd = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+            sd = torch.load(file, map_location="cpu", weights_only=True, mmap=zipped)
+    except pickle.UnpicklingError:
         # torch's own message invites the user to retry with weights_only=False: exactly what must not be done
-        # with a file that asks for arbitrary globals. Keep only the refused instruction.
-        found = re.search(r"WeightsUnpickler error:\s*(.+?)(?: was not an allowed global|\n|$)", str(e))
-        detail = found.group(1).strip() if found else "not plain tensors"
-        raise GPT2PortError(f"{file}: refused: not plain tensors ({detail}); gpt2port loads .bin files with "
+        # with a file that asks for arbitrary globals. Name what it asks for instead.
+        refused = _unsafe_globals(file) if zipped else []
+        detail = f" (it asks for {', '.join(refused)})" if refused else ""
+        raise GPT2PortError(f"{file}: refused: not plain tensors{detail}; gpt2port loads .bin files with "
                             f"torch.load(weights_only=True), which never runs code from a pickle") from None
     except Exception as e:  # noqa: BLE001 - torch raises many types for bad pickles; all mean "unreadable"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -85,6 +83,14 @@ def _refuse_unbacked(file: Path, name: str, t: torch.Tensor) -> None:
 
 def _flat(sd) -> bool:
     return isinstance(sd, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items())
+
+
+def _unsafe_globals(file: Path) -> list[str]:
+    """The globals a refused zip-format pickle asks for, read without running it (torch's static scan)."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception:  # noqa: BLE001 - only the detail of a refusal already decided; the refusal stands without it
+        return []
 
 
 def _unwrap(sd: dict, file: Path) -> tuple[dict[str, torch.Tensor], dict | None]:

@@ -15,16 +15,13 @@ SIDE_FILES = (CONFIG, *TOKENIZER_FILES)
 
 def resolve_name(name: str) -> tuple[str, Path]:
     """(Hub repo id, default output directory) for a model NAME/alias or a repo id like distilbert/distilgpt2."""
-    if is_known_name(name):
-        canonical = canonical_name(name)
-        return HUB_REPOS[canonical], default_dir(canonical)
-    if "/" in name:
+    if "/" in name and not is_known_name(name):
         return name.strip("/"), root() / name.rstrip("/").rsplit("/", 1)[-1]
     try:
-        canonical_name(name)
+        canonical = canonical_name(name)
     except GPT2PortError as e:
         raise GPT2PortError(f"{e}; or give a Hub repo id such as distilbert/distilgpt2") from None
-    raise AssertionError("unreachable")
+    return HUB_REPOS[canonical], default_dir(canonical)
 
 
 def select_files(available: set[str]) -> tuple[list[str], str]:

@@ -22,7 +22,7 @@ import torch
 
 from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import missing_parents, remove_if_empty, sweep_leftovers, write_json
+from gpt2port.fsio import missing_parents, real, remove_if_empty, sweep_leftovers, write_json
 from gpt2port.progress import StatusLine
 from gpt2port.signals import sigterm_as_interrupt
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
@@ -47,7 +47,7 @@ def prepare(data: str | Path, tokenizer_dir: Path, cache_dir: Path, *, block_siz
     """The token cache of `data` in cache_dir: reused when made from the same files (path, size, mtime) with the
     same tokenizer and split, else built aside and renamed into place (a failure or Ctrl-C leaves nothing)."""
     files = documents(data)
-    sources = [{"path": str(f.resolve()), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
+    sources = [{"path": str(real(f)), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
     recipe = {"format": FORMAT, "sources": sources, "tokenizer": _fingerprint(Path(tokenizer_dir)),
               "val_fraction": val_fraction, "block_size": block_size}
     cache_dir = Path(cache_dir)

@@ -33,7 +33,12 @@ KEPT = ("steps", "batch_size", "block_size", "lr", "min_lr", "warmup", "weight_d
 
 
 class Interrupted(GPT2PortError):
-    """The run stopped on request (Ctrl-C, SIGTERM) with its state saved."""
+    """The run stopped on request (Ctrl-C, SIGTERM: `signum`, None where another rank was asked) with its state
+    saved."""
+
+    def __init__(self, message: str, signum: int | None = None):
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclasses.dataclass
@@ -140,7 +145,7 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     except Stopped as e:
         progress.close()
         raise Interrupted(f"{out}: stopped after step {e.step} of {s.steps}; the training state is saved "
-                            f"(continue with --resume)") from None
+                          f"(continue with --resume)", e.signum) from None
     finally:
         log.close()
     progress.close()

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import torch
 
 from gpt2port import jsonio
+from gpt2port.signals import stop_requests
 from gpt2port.training import data as tokens
 from gpt2port.training.dist import Runtime
 from gpt2port.training.optim import lr_at, set_lr
@@ -47,35 +46,12 @@ class Plan:
 
 
 class Stopped(Exception):
-    """Training stopped on request after `step` steps; its state was saved."""
+    """Training stopped on request after `step` steps; its state was saved. `signum`: the signal that asked (None
+    where another rank was asked)."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, signum: int | None = None):
         super().__init__(f"stopped after step {step}")
-        self.step = step
-
-
-@contextlib.contextmanager
-def stop_requests():
-    """SIGINT and SIGTERM set a flag the loop reads after each step (so a save is never cut in half); a second
-    Ctrl-C interrupts at once (the last complete save is still on disk). A signal the caller ignores (nohup, a
-    background job) stays ignored; outside the main thread (a library caller's) nothing is installed."""
-    flag = {"set": False}
-    previous = {}
-
-    def handler(signum, frame):
-        if flag["set"] and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        flag["set"] = True
-
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(sig) != signal.SIG_IGN:
-                previous[sig] = signal.signal(sig, handler)
-    try:
-        yield flag
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
+        self.step, self.signum = step, signum
 
 
 class Log:
@@ -197,11 +173,11 @@ class Trainer:
                 done = step + 1
                 if p.eval_every and (done % p.eval_every == 0 or done == p.steps):
                     self._eval_row(done)
-                stopping = rt.any(stop["set"])
+                stopping = rt.any(bool(stop.caught))
                 if done < p.steps and (stopping or (p.save_every and done % p.save_every == 0)):
                     save(done)
                 if stopping and done < p.steps:
-                    raise Stopped(done)
+                    raise Stopped(done, stop.caught[0] if stop.caught else None)
 
     def _eval_row(self, done: int) -> None:
         row = {"step": done, "eval_loss": self.evaluate()}

@@ -124,7 +124,7 @@ def trace(model: nn.Module, ids: torch.Tensor) -> Trace:
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), evaluating(model), all_meta(model) as meta:
             call_logits(model, ids.to("meta") if meta else ids)
-    except Exception as e:  # the order is then the registration order; roles.py says so
+    except Exception as e:  # noqa: BLE001 - user code; the order is then the registration order (roles.py)
         t.order.clear()
         t.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     finally:

@@ -1,6 +1,6 @@
 """What load_into recorded for each model it filled (its LoadReport: the settled layout and the load's history),
 kept beside the model for as long as the model lives; read by verify_model's view of the class and by save_from.
-A module of its own so that readers need not import the loader."""
+A module of its own so that verify's view of a class (stages.py) reads it without importing the loader."""
 
 from __future__ import annotations
 

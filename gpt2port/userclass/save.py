@@ -24,7 +24,7 @@ from torch import nn
 from gpt2port import checkpoint
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import real, refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import merge
 from gpt2port.userclass.facts import ACTIVATIONS, eps_hints, measure
@@ -138,7 +138,7 @@ def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = Fa
     tok_from = (Path(report.source) if Path(report.source).is_dir() else Path(report.source).parent) \
         if report is not None else None
     out = Path(out)
-    if origin is not None and out.resolve() != origin.resolve():
+    if origin is not None and real(out) != real(origin):
         refuse_overlap(out, origin, "the checkpoint the model was loaded from")
     record = {"class": lay.model_name, "activation": cfg.activation,
               "zero_biases": [z.replace("{}", "{i}") for z in zeros]}

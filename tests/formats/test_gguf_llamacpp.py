@@ -4,7 +4,7 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-from scripts.check_gguf_llamacpp import check  # noqa: E402
+from scripts.check_gguf_llamacpp import check
 
 
 def test_llama_cpp_tokenizes_and_computes_as_gpt2port(tiny_ckpt, tmp_path):

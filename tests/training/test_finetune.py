@@ -179,6 +179,15 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_run(straight, tiny_ckpt, cor
     assert (out / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
 
 
+def test_sigterm_stops_the_run_as_ctrl_c_does_and_says_so_in_its_exit_code(tiny_ckpt, corpus, tmp_path):
+    """A scheduler's SIGTERM: the step finishes, the state is saved, and the exit code is SIGTERM's (143)."""
+    out = tmp_path / "run"
+    code, err = stopped_run(run_args(tiny_ckpt, corpus, out), out, 3, signal.SIGTERM)
+    assert code == 143, err
+    assert "stopped after step" in err and "--resume" in err
+    assert json.loads((out / "train_state" / "meta.json").read_text())["step"] >= 3
+
+
 def test_an_ignored_sigint_leaves_the_run_alone(straight, tiny_ckpt, corpus, tmp_path):
     """Started with SIGINT ignored (nohup, `cmd &` in a script), the run ignores it: a Ctrl-C meant for the shell
     in front must not stop a background run."""
