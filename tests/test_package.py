@@ -317,6 +317,17 @@ def test_no_unreachable_assertions_in_the_package():
     assert not hits, hits
 
 
+def test_every_broad_except_says_why():
+    """ruff's BLE rule is on (pyproject): an except clause that swallows everything is excused only with the
+    reason beside it (`# noqa: BLE001 - why`), so the marker is never a bare silencer."""
+    marker = re.compile("noqa: " + r"BLE001(?!\s*-+\s*\S)")  # spelt in two so that this line is no marker
+    bare = [f"{path.relative_to(ROOT)}:{n}" for part in ("gpt2port", "scripts", "tests")
+            for path in sorted((ROOT / part).rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) if marker.search(line)]
+    assert not bare, bare
+    assert "BLE" in (ROOT / "pyproject.toml").read_text().split("[tool.ruff.lint]")[1].split("\n[")[0]
+
+
 def test_one_module_sets_signal_handlers():
     """SIGINT and SIGTERM are handled in one place (gpt2port.signals) for the commands, the training loop and every
     torchrun rank; a second handler elsewhere would disagree with it on what a second Ctrl-C or an ignored signal

@@ -106,7 +106,7 @@ class Fetcher:
                                                        None if s.lfs else s.blob_id)
                                for s in info.siblings or [] if "/" not in s.rfilename}
                 return
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - out of reach: the cache serves; else one line
                 if not _is_connection_error(e):
                     raise GPT2PortError(self._hub_error(e)) from None
                 self.offline = True

@@ -230,6 +230,29 @@ def test_torchrun_two_processes_train_as_one(mode, straight, tiny_ckpt, corpus, 
         torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-4)
 
 
+def test_a_torchrun_run_stopped_by_its_launcher_stops_every_rank_at_one_step(straight, tiny_ckpt, corpus, tmp_path):
+    """SIGTERM to torchrun (a scheduler's preemption): torchrun passes it on to each rank, every rank stops after
+    the same step through the one mechanism (signals.stop_requests), the state is saved, and --resume on one process
+    gives the uninterrupted run's numbers."""
+    out = tmp_path / "run"
+    args = run_args(tiny_ckpt, corpus, out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "gpt2port", "finetune", *map(str, args)]
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp},
+                                **interruptible(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        wait_for_step(out, 6, proc, timeout=300)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    assert "stopped after step" in err and "--resume" in err, err[-5000:]
+    saved = json.loads((out / "train_state" / "meta.json").read_text())["step"]
+    assert 6 <= saved < 20, err[-5000:]
+    r = run_cli("finetune", *args, "--resume")
+    assert r.exit_code == 0, r.output
+    for (s1, a), (s2, b) in zip(numbers(straight), numbers(out), strict=True):
+        assert s1 == s2 and abs(a - b) <= 1e-4 * abs(a)
+
+
 def test_a_resumed_run_keeps_its_settings(straight, tiny_ckpt, corpus, tmp_path):
     out = tmp_path / "run"
     args = run_args(tiny_ckpt, corpus, out)
