@@ -7,6 +7,10 @@ Two measures, each for both readers:
   convert  gpt2port.convert(SRC, OUT) with the ".safetensors" row of readers.READERS as it is, or replaced by a
            reader whose read() is the library's get_tensor (the rest of the conversion unchanged: the same
            writer, the same source hash, which then reads the file itself)                      wall, peak RSS
+  reference  what the float64 reference (verification/reference.py) does with each tensor, get_tensor then a float64
+           copy, through the library both ways: the mmap backend opened afresh for each tensor (so that no page
+           stays mapped), or one pread handle for the file (--measures reference; READER is then
+           "safe_open-mmap" or "safe_open-pread")                                                   wall, peak RSS
 The machine's load average is printed with each figure: on a shared machine compare rounds, not single runs.
 
     python -m scripts.bench.safetensors_read [--size gpt2] [--workdir /tmp/gpt2port-bench-st] [--rounds 3]
@@ -26,6 +30,7 @@ from pathlib import Path
 from scripts import ROOT
 
 READERS = ("gpt2port", "safe_open-pread")
+REFERENCE = ("safe_open-mmap", "safe_open-pread")
 
 
 def library_reader(path: Path):
@@ -70,6 +75,20 @@ def child(measure: str, reader: str, src: Path, out: Path) -> dict:
             with safe_open(str(path), framework="pt", backend="pread") as f:
                 for name in f.offset_keys():
                     total += f.get_tensor(name).numel()
+    elif measure == "reference":
+        from safetensors import safe_open
+
+        path = str(src / "model.safetensors")
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+        if reader == "safe_open-mmap":
+            for key in keys:
+                with safe_open(path, framework="pt") as f:
+                    f.get_tensor(key).to(torch.float64, copy=True)
+        else:
+            with safe_open(path, framework="pt", backend="pread") as f:
+                for key in keys:
+                    f.get_tensor(key).to(torch.float64, copy=True)
     else:
         from gpt2port import convert, readers
 
@@ -136,7 +155,7 @@ def main() -> None:
     try:
         for _ in range(args.rounds):
             for measure in args.measures.split(","):
-                for reader in READERS:
+                for reader in (REFERENCE if measure == "reference" else READERS):
                     out = work / f"out-{reader}"
                     shutil.rmtree(out, ignore_errors=True)
                     os.sync()  # no run pays for the previous one's write-back
@@ -150,7 +169,7 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     for measure in args.measures.split(","):
-        for reader in READERS:
+        for reader in (REFERENCE if measure == "reference" else READERS):
             mine = [r for r in rows if r["measure"] == measure and r["reader"] == reader]
             print(f"best {measure:8} {reader:16} {min(r['inner_s'] for r in mine):7.2f} s  "
                   f"{min(r['peak_rss_gb'] for r in mine):.2f} GB")
