@@ -40,7 +40,7 @@ DTYPE_NAMES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16", 6
 
 
 def _crc32c(pieces, crc: int = 0) -> int:
-    import google_crc32c  # the C implementation: checking a 6 GB checkpoint takes seconds, not hours
+    import google_crc32c  # the C implementation: a CRC in Python over gigabytes would take far longer than the read
 
     for piece in pieces:  # bytes, or buffers it need not release (see _CheckedStream)
         crc = google_crc32c.extend(crc, piece)

@@ -29,7 +29,7 @@ from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
 from gpt2port.training.text import documents, pieces
 
 FORMAT = "gpt2port-tokens/1"
-BATCH = 16  # pieces handed to the tokenizer's threads at once: at most ~16 MB of text, a second or two of work
+BATCH = 16  # pieces handed to the tokenizer's threads at once: at most ~16 MB of text, so a Ctrl-C waits one batch
 
 __all__ = ["documents", "prepare", "TokenCache", "sample_offsets", "eval_offsets", "windows"]
 
