@@ -21,7 +21,7 @@ from gpt2port.layouts.transforms import IDENTITY, TRANSPOSE, AddDim, Chain
 from gpt2port.userclass.block import (Picker, block_template, for_block, norm_assignments, scale_only_norm,
                                       scale_only_reason)
 from gpt2port.userclass.layout import Assignment, CropRows, Modules, Note, UserLayout
-from gpt2port.userclass.facts import ACTIVATIONS, divisors_first, eps_hints, head_hints, measure
+from gpt2port.userclass.facts import ACTIVATIONS, Missed, divisors_first, eps_hints, head_hints, measure
 from gpt2port.userclass.names import says_position
 from gpt2port.userclass.observe import Trace, Unit, aliases, probe_ids, trace, units
 
@@ -257,9 +257,9 @@ FACTS = ("n_head", "activation", "layer_norm_epsilon")
 
 
 def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | None = None):
-    """(layout, the choices still open, why the facts could not be measured or None): the class read as the GPT-2
-    it is, without a checkpoint. Its head count, activation and LayerNorm eps (and every choice inside a block) are
-    measured (facts.measure); `given` (n_head, activation, layer_norm_epsilon) are tried first, and a measurement
+    """(layout, the choices still open, facts.Missed where the facts could not be measured, else None): the class
+    read as the GPT-2 it is, without a checkpoint. Its head count, activation and LayerNorm eps (and every choice
+    inside a block) are measured (facts.measure); `given` (n_head, activation, layer_norm_epsilon) are tried first, and a measurement
     that contradicts one is a reason."""
     given = {k: v for k, v in (given or {}).items() if k in FACTS}
     lay, pk, tr = read_class(model, config)
@@ -278,8 +278,8 @@ def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | 
         return infer(model, cfg, tr, opts)[0]
 
     found = measure(model, lay, heads, list(dict.fromkeys(acts)), list(dict.fromkeys(eps)), build, combos)
-    if isinstance(found, str):
-        lay.notes.append(f"not measured: {found}")
+    if isinstance(found, Missed):
+        lay.notes.append(f"not measured: {found.why}")
         return lay, pk, found
     wrong = [f"{k}={given[k]!r} was given, but block 0 computes GPT-2's block with {k}={v!r}"
              for k, v in (("n_head", found.n_head), ("activation", found.activation),

@@ -27,7 +27,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import merge
-from gpt2port.userclass.facts import ACTIVATIONS, eps_hints, measure
+from gpt2port.userclass.facts import ACTIVATIONS, Found, Missed, eps_hints, measure
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.load import loaded
 from gpt2port.userclass.observe import probe_ids
@@ -212,11 +212,12 @@ def _own(model: nn.Module, config) -> tuple[UserLayout, list[str]]:
 
         own = read_class(model, None, run=False)[0].config
         whole = dataclasses.replace(own, **{k: v for k, v in given.items() if k not in FACTS})
-    lay, _, why = own_layout(model, whole, given)
-    if lay.reasons or why is None:
+    lay, _, missed = own_layout(model, whole, given)
+    if lay.reasons or missed is None:
         return lay, []
-    if "closest" in why:
-        lay.reasons.append(why)
+    why = missed.why
+    if missed.closest is not None:  # it runs, and is no GPT-2 block: say what load_into would say of it
+        lay.reasons.append(diagnosis(model, missed.closest) or why)
         return lay, []
     # not measurable (block 0 does not run apart): the class's statements and `config` must say it all
     name = lay.model_name
@@ -239,7 +240,27 @@ def _loaded_layout(model: nn.Module, report) -> tuple[UserLayout, list[str]]:
     the class) measured on a copy of block 0."""
     lay = dataclasses.replace(report.layout)
     found = measure(model, lay, [lay.config.n_head], list(ACTIVATIONS), eps_hints(model, lay))
-    if isinstance(found, str):
+    if isinstance(found, Missed):
         return lay, []
     lay.config = dataclasses.replace(lay.config, activation=found.activation, layer_norm_epsilon=found.eps)
     return lay, []
+
+
+def diagnosis(model: nn.Module, closest: Found) -> str | None:
+    """What load_into's proof names for this class (the first stage that differs, and the known mistake that
+    explains it), on the class's own weights read with the closest head count, against GPT-2 itself (tanh GELU,
+    eps 1e-5): one diagnosis for both paths. None where that reading computes GPT-2 after all."""
+    from gpt2port.userclass.proof import prove as load_proof
+    from gpt2port.verification.reference import Float64GPT2
+    from gpt2port.verification.reference_canonical import CanonicalFiles
+
+    lay = dataclasses.replace(closest.layout)
+    lay.config = dataclasses.replace(lay.config, n_head=closest.n_head, activation="gelu_new",
+                                     layer_norm_epsilon=GPTConfig().layer_norm_epsilon)
+    try:
+        cfg, state, _ = canonical_state(model, lay)
+    except GPT2PortError:
+        return None
+    ref = Float64GPT2(lay.model_name, files=CanonicalFiles(state, cfg.to_hf_config(), lay.model_name))
+    proof = load_proof(model, lay, ref)
+    return None if proof["passed"] else f"{proof['first_divergence']} (on a {proof['tokens']}-token input)"

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.userclass.facts import stated_eps
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.observe import call_logits, first_tensor
 from gpt2port.verification.stages import Stages
@@ -34,6 +35,7 @@ class ModelStages(Stages):
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         self.n_params = sum(p.numel() for p in model.parameters())
+        self.stated_eps = tuple(stated_eps(model, layout))  # the diagnosis names these where fp32 cannot tell eps apart
 
     def _sub(self, name: str | None) -> nn.Module | None:
         return self.model.get_submodule(name) if name else None

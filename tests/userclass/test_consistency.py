@@ -1,0 +1,183 @@
+"""Issue 39, findings 5-7: a book-style class (tests/userclass/book.py) saves at its own precision; save_from and
+load_into give the same diagnosis; eps named as measured; meta-built and float64 classes get one answer along the
+whole path; check's reference and factory errors. Issue 40: one activation table; what load_into did is a record
+on the model, not a module-global registry. All on weights at trained-like scales (tests/realistic.py)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import gpt2port
+from gpt2port import GPT2PortError
+from gpt2port.checkpoint import load_state
+from scripts import hf_fixtures
+from tests.realistic import realistic_hf_model
+from tests.userclass import book
+from tests.userclass.test_save_from import as_if_trained, ids, in_transformers, rel
+
+TINY = hf_fixtures.TINY
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def real_hf(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("real-hf")
+    hf_fixtures.write_repo(realistic_hf_model(TINY, seed=0), repo, "hub", "fp32")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def real_ckpt(tmp_path_factory, real_hf):
+    out = tmp_path_factory.mktemp("real") / "tiny"
+    gpt2port.convert(real_hf, out)
+    return out
+
+
+def build(sizes=TINY, **more):
+    return book.GPTModel(book.config(sizes, **more)).eval()
+
+
+# --- finding 5: tolerance by the class's own precision ---------------------------------------------------------------
+
+@pytest.mark.parametrize("width", [32, 64])
+def test_the_book_class_trained_from_scratch_saves_and_is_itself_in_transformers(width, tmp_path):
+    """Its GELU's sqrt(2/pi) is a float32 tensor even inside facts.py's float64 probe: that is the class's own
+    rounding (1.1e-9 relative at width 64), not another function."""
+    model = as_if_trained(build(dict(TINY, n_embd=width)))
+    out = gpt2port.save_from(model, tmp_path / "book")
+    cfg = json.loads((out / "config.json").read_text())["model"]
+    assert cfg["n_head"] == TINY["n_head"] and cfg["activation"] == "gelu_new"
+    assert out.report.max_rel < REL
+    hf, _ = in_transformers(out, tmp_path)
+    with torch.no_grad():
+        assert rel(hf(ids()).logits, model(ids())) < REL
+
+
+def test_the_book_class_loaded_and_saved_is_itself_in_transformers(tmp_path, real_ckpt):
+    model = build()
+    gpt2port.load_into(model, real_ckpt)
+    out = gpt2port.save_from(model, tmp_path / "book")
+    hf, _ = in_transformers(out, tmp_path)
+    with torch.no_grad():
+        assert rel(hf(ids()).logits, model(ids())) < REL
+
+
+# --- finding 6: one answer along the path ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mistake", ["unscaled", "mask2", "post_ln"])
+def test_save_from_names_what_load_into_names(mistake, real_ckpt, tmp_path):
+    """A GELU class whose fault is in attention or the norms' place: save_from's refusal is load_into's diagnosis,
+    never a "closest" activation."""
+    loaded = build(options=(mistake,))
+    with pytest.raises(GPT2PortError) as at_load:
+        gpt2port.load_into(loaded, real_ckpt)
+    said = at_load.value.reasons[0].split(" on a ")[0]
+    trained = as_if_trained(build(options=(mistake,)))
+    with pytest.raises(GPT2PortError) as at_save:
+        gpt2port.save_from(trained, tmp_path / "out")
+    text = str(at_save.value)
+    assert "ReLU" not in text and "SiLU" not in text, text
+    assert said.split(":")[0] in text, (said, text)  # the stage: "block 0"
+    mistake = said.split("explained by: ")[1].split(" (rel")[0] if "explained by: " in said else \
+        "no known mistake explains it"
+    assert mistake in text, (said, text)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_eps_is_named_as_measured(real_ckpt, tmp_path):
+    """LayerNorm eps 1e-12 (BERT's) is named 1e-12, at load and at save, not another value fp32 cannot tell from it."""
+    model = build(eps=1e-12)
+    with pytest.raises(GPT2PortError) as e:
+        gpt2port.load_into(model, real_ckpt)
+    assert "eps 1e-12" in str(e.value) and "eps 1e-08" not in str(e.value), str(e.value)
+    out = gpt2port.save_from(as_if_trained(build(eps=1e-12)), tmp_path / "eps")
+    assert json.loads((out / "config.json").read_text())["model"]["layer_norm_epsilon"] == 1e-12
+
+
+def test_a_meta_built_class_is_told_to_use_init_empty(real_ckpt):
+    """A class built under torch.device("meta") whose mask buffer is an additive -inf mask: its values are gone, and
+    what cannot be rebuilt is said with the remedy, init_empty()."""
+    class Additive(book.MultiHeadAttention):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            n = self.mask.shape[0]
+            self.register_buffer("mask", torch.full((n, n), float("-inf")).triu(1))
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = (m(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+                       for m in (self.W_query, self.W_key, self.W_value))
+            w = torch.softmax(q @ k.transpose(2, 3) / self.head_dim ** 0.5 + self.mask[:n, :n], dim=-1)
+            return self.out_proj((w @ v).transpose(1, 2).reshape(b, n, self.d_out))
+
+    def make():
+        model = build()
+        for blk in model.trf_blocks:
+            old = blk.att
+            blk.att = Additive(TINY["n_embd"], TINY["n_embd"], TINY["n_positions"], 0.0, TINY["n_head"], True)
+            del old
+        return model
+
+    with torch.device("meta"):
+        meta = make()
+    with pytest.raises(GPT2PortError) as e:
+        gpt2port.load_into(meta, real_ckpt)
+    assert "init_empty()" in str(e.value), str(e.value)
+    with gpt2port.init_empty():
+        empty = make()
+    assert "logits equal" in gpt2port.load_into(empty, real_ckpt).proven
+
+
+def test_a_float64_class_is_verified_and_saved_as_fp32_said_once(real_ckpt, real_hf, tmp_path):
+    model = build().double()
+    report = gpt2port.load_into(model, real_ckpt)
+    assert "logits equal" in report.proven
+    assert gpt2port.verify_model(model, real_hf, hf=False, tokens=16).passed
+    out = gpt2port.save_from(model, tmp_path / "f64")
+    _, _, state = load_state(out)
+    assert {t.dtype for t in state.values()} == {torch.float32}
+    said = [n for n in out.report.notes if "float64" in n]
+    assert len(said) == 1 and "fp32" in said[0], out.report.notes
+    with torch.no_grad():
+        assert rel(gpt2port.GPT.from_pretrained(out)(ids()), model(ids()).float()) < REL
+
+
+# --- issue 40: what load_into did is a visible record; one activation table -----------------------------------------
+
+def test_what_load_into_did_is_a_record_on_the_model(real_ckpt, tmp_path):
+    """The record travels with the model (a copy is saved as the original is) and can be handed over explicitly;
+    no module-global registry makes two identical calls behave differently."""
+    model = build()
+    report = gpt2port.load_into(model, real_ckpt)
+    assert model.gpt2port_load is report
+    twin = copy.deepcopy(model)
+    a = gpt2port.save_from(model, tmp_path / "a")
+    b = gpt2port.save_from(twin, tmp_path / "b")
+    assert json.loads((a / "manifest.json").read_text())["source"] == \
+        json.loads((b / "manifest.json").read_text())["source"]
+    fresh = copy.deepcopy(model)
+    del fresh.gpt2port_load
+    c = gpt2port.save_from(fresh, tmp_path / "c", report=report)
+    assert json.loads((c / "manifest.json").read_text())["source"] == \
+        json.loads((a / "manifest.json").read_text())["source"]
+
+
+def test_the_mlp_activation_is_one_table(tmp_path, real_ckpt):
+    """config, conversion, load_into, save_from and the float64 reference read one table."""
+    from gpt2port import activations, config
+    from gpt2port.targets import REGISTRY
+    from gpt2port.verification import reference
+
+    table = activations.TABLE
+    assert set(config.ACTIVATIONS) == set(table)
+    assert set(reference.ACTIVATIONS) == set(table)
+    for name, act in table.items():
+        for target in REGISTRY:
+            assert activations.expressible(name, REGISTRY[target]) == (act.tanh_gelu or not REGISTRY[target].tanh_gelu)
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+    for name, act in table.items():  # the model's function and the reference's formula agree
+        assert torch.allclose(act.fn(x), reference.ACTIVATIONS[name](x), atol=1e-12), name
