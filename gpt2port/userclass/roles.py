@@ -259,8 +259,8 @@ FACTS = ("n_head", "activation", "layer_norm_epsilon")
 def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | None = None):
     """(layout, the choices still open, facts.Missed where the facts could not be measured, else None): the class
     read as the GPT-2 it is, without a checkpoint. Its head count, activation and LayerNorm eps (and every choice
-    inside a block) are measured (facts.measure); `given` (n_head, activation, layer_norm_epsilon) are tried first, and a measurement
-    that contradicts one is a reason."""
+    inside a block) are measured (facts.measure); `given` (n_head, activation, layer_norm_epsilon) are tried
+    first, and a measurement that contradicts one is a reason."""
     given = {k: v for k, v in (given or {}).items() if k in FACTS}
     lay, pk, tr = read_class(model, config)
     if lay.reasons or not lay.modules.blocks:
