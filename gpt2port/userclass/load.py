@@ -25,7 +25,7 @@ from gpt2port.userclass.activation import ERF, GPT2, TOLERANCE, measure
 from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.observe import BUILT_EMPTY, probe_ids, trace
 from gpt2port.userclass.proof import against_gpt2, prove, reference
-from gpt2port.userclass.registry import loaded, record  # noqa: F401 - loaded: save.py reads it from here
+from gpt2port.userclass.record import record
 from gpt2port.userclass.roles import context, infer, read_class
 from gpt2port.userclass.settle import bias_cost, reference_gpt, settle
 from gpt2port.verification import history
@@ -136,7 +136,15 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
                 cpk.choices[MASK] = list(MASK_FILLS)
             return _retarget(cand, untied_source), cpk
 
-        lay = settle(model, lay, candidates, build, ref, kept, config, fill)
+        try:
+            lay = settle(model, lay, candidates, build, ref, kept, config, fill)
+        except GPT2PortError as e:
+            if not masks:
+                raise
+            raise GPT2PortError(f"{e}; its buffers ({', '.join(list(masks)[:2])}{' ...' if len(masks) > 2 else ''}) "
+                                f"were built on the meta device, without values, and no causal mask rebuilt in "
+                                f"them computes GPT-2: build the class under gpt2port.init_empty() (parameters on "
+                                f"meta, buffers real)") from e
     lay.notes += [n for n in act_notes if n not in lay.notes]
     notes = list(lay.notes)
     if tie and not lay.tied:
@@ -153,7 +161,7 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     proof = _prove(model, lay, path, config, zeroed, erf)
     report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0, proof,
                         _history(model, lay, path, config, zeroed, erf))
-    record(model, report)  # its settled layout and history serve verify_model and save_from later
+    record(model, report)  # model.gpt2port_load: its settled layout and history serve verify_model and save_from
     return report
 
 

@@ -29,7 +29,7 @@ from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import merge
 from gpt2port.userclass.facts import ACTIVATIONS, Found, Missed, eps_hints, measure
 from gpt2port.userclass.layout import UserLayout
-from gpt2port.userclass.load import loaded
+from gpt2port.userclass.record import loaded
 from gpt2port.userclass.observe import probe_ids
 from gpt2port.userclass.roles import FACTS, as_config, context, own_layout
 from gpt2port.userclass.settle import run
@@ -106,18 +106,21 @@ class SaveReport:
                          [f"note: {n}" for n in self.notes])
 
 
-def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = False, config=None) -> Saved:
+def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = False, config=None,
+              report=None) -> Saved:
     """Write a user's class (e.g. after fine-tuning, or trained from scratch) as a gpt2port checkpoint at `out`;
     `gpt2port export --to hf` then gives transformers a checkpoint that computes the same. A model filled by
     load_into is read the way it was loaded (and carries that checkpoint's tokenizer and provenance); another is
     read as the GPT-2 it is, its head count, activation and LayerNorm eps measured by running a copy of its first
     block. config: what cannot be measured, as a dict ({"n_head": 12, "activation": "gelu"}), a GPTConfig, a size
-    name or a checkpoint path. Returns the path; its `.report` says what was proven (also in manifest.json)."""
+    name or a checkpoint path. report: the LoadReport of the load that filled it (default: the one load_into
+    recorded on the model, `model.gpt2port_load`). Returns the path; its `.report` says what was proven (also in
+    manifest.json)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if any(p.is_meta for p in model.parameters()):
         raise GPT2PortError(f"{type(model).__name__}: its parameters are on the meta device (no values): load "
                             f"weights into it first")
-    report = loaded(model)
+    report = loaded(model, report)
     lay, notes = (_loaded_layout(model, report) if report is not None else _own(model, config))
     if lay.reasons:
         raise GPT2PortError(f"{lay.model_name}: cannot be saved as GPT-2: {lay.reasons[0]}")
@@ -126,6 +129,10 @@ def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = Fa
         raise GPT2PortError(f"{lay.model_name}: {undecided[0]}; load it with gpt2port.load_into first, which settles "
                             f"this by running it")
     cfg, state, zeros = canonical_state(model, lay)
+    if dtype is None and state[canonical.EMBEDDING].dtype == torch.float64:
+        dtype = torch.float32
+        notes.append("the class computes in float64; its weights are written as fp32 (a GPT-2 checkpoint holds fp32, "
+                     "fp16 or bf16), and the proof below is of that fp32 checkpoint against the class")
     notes = [d for d in lay.decided if d.startswith("n_head=")] + notes
     if zeros:
         notes.append(f"the class has no {', '.join(z.replace('{}', '{i}') for z in zeros)}: saved as zeros (GPT-2 "

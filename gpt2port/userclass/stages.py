@@ -126,12 +126,13 @@ class ModelStages(Stages):
         return x @ wte.t()  # a head written inline as the tied embedding's transpose
 
 
-def stages_for(model: nn.Module, reference=None) -> ModelStages:
-    """A user's class as Stages: read the way load_into filled it, or else as the GPT-2 at `reference` is shaped."""
-    from gpt2port.userclass.registry import loaded
+def stages_for(model: nn.Module, reference=None, report=None) -> ModelStages:
+    """A user's class as Stages: read the way load_into filled it (its LoadReport: `report`, or the one recorded on
+    the model), or else as the GPT-2 at `reference` is shaped."""
+    from gpt2port.userclass.record import loaded
     from gpt2port.userclass.roles import layout_of
 
-    report = loaded(model)
+    report = loaded(model, report)
     given = None if hasattr(reference, "forward") else reference
     lay = report.layout if report is not None else layout_of(model, given)
     if lay.reasons:
