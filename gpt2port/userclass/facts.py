@@ -19,15 +19,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from gpt2port.activations import words
 from gpt2port.config import GPTConfig
 from gpt2port.layouts import canonical
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.names import HEAD_COUNT_ATTRS
 from gpt2port.userclass.observe import evaluating, first_tensor
 
-# gpt2port's (and transformers' GPT-2 config's) names for the activations a class may compute, GPT-2's first
-ACTIVATIONS = {"gelu_new": "the tanh-approximated GELU (GPT-2's)", "gelu": "the exact (erf) GELU",
-               "relu": "ReLU", "silu": "SiLU"}
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}  # a candidate computes the class's block within this (relative)
 # ... or within the class's own precision: a float64 class may hold float32 constants (2^-24 ~ 6e-8 each)
 CLASS_TOL = {torch.float64: 1e-7, torch.float32: 1e-5, torch.float16: 3e-2}
@@ -194,13 +192,13 @@ def measure(model: nn.Module, lay: UserLayout, heads: list[int], activations: li
         cand = build(opts) if build is not None else lay
         if cand.reasons:
             continue
-        got, tol = None, None
+        got, own = None, class_tolerance(model.get_submodule(cand.modules.block(0)))  # before the probe's swap
         for dtype in (torch.float64, torch.float32):
             try:
                 with _probe_weights(model, cand, state, dtype) as block:
                     if block is None:
                         break
-                    tol = max(TOL[dtype], class_tolerance(model.get_submodule(cand.modules.block(0))))
+                    tol = max(TOL[dtype], own)
                     got = first_tensor(block(x.to(dtype)))
                     got = got.detach().to(torch.float64) if got is not None else None
             except Exception as e:  # noqa: BLE001 - user code: float64 may not suit it; float32 is tried next
@@ -230,5 +228,5 @@ def measure(model: nn.Module, lay: UserLayout, heads: list[int], activations: li
     if best[1] is None:
         return Missed(why, None)
     h, act, e, opts, cand = best[1]
-    return Missed(f"block 0 computes none of GPT-2's blocks (closest: n_head={h}, {ACTIVATIONS[act]}, eps {e:g}, off "
+    return Missed(f"block 0 computes none of GPT-2's blocks (closest: n_head={h}, {words(act)}, eps {e:g}, off "
                   f"by {best[0]:.2g} relative; {tried} tried)", Found(h, act, e, opts, cand, best[0], tried))

@@ -21,7 +21,7 @@ from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import GPT2PORT, canonical
 from gpt2port.sources import open_source, source_path
-from gpt2port.userclass.activation import ERF, GPT2, TOLERANCE, measure
+from gpt2port.userclass.activation import ERF, GPT2, identify, said
 from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.observe import BUILT_EMPTY, probe_ids, trace
 from gpt2port.userclass.proof import against_gpt2, prove, reference
@@ -37,7 +37,7 @@ class LoadRefused(GPT2PortError):
     """The class cannot hold GPT-2 as it is (or, loaded, does not compute it); `reasons` has one line each."""
 
     def __init__(self, model_name: str, reasons: list[str], what: str = "cannot hold these GPT-2 weights"):
-        self.reasons = reasons
+        self.reasons, self.what = reasons, what
         super().__init__(f"{model_name} {what}:\n" + "\n".join(f"  {r}" for r in reasons))
 
 
@@ -156,7 +156,7 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     if drop_biases and lay.missing_biases:
         notes.append("GPT-2's biases dropped on request (drop_biases=True): " + ", ".join(lay.missing_biases))
     cost = bias_cost(model, ref, config, lay) if drop_biases and lay.missing_biases else None
-    erf = any(ERF in n for n in act_notes)
+    erf = any(said(ERF) in n for n in act_notes)
     zeroed = {t.format(i) for t in lay.missing_bias_targets for i in range(config.n_layer)} if drop_biases else set()
     proof = _prove(model, lay, path, config, zeroed, erf)
     report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0, proof,
@@ -240,20 +240,16 @@ def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
 def _activation(model: nn.Module, lay: UserLayout, notes: list[str]) -> list[str]:
     """A refusal for an MLP whose activation is not GELU; a note for the exact GELU in place of GPT-2's tanh one.
     Measured on probe weights (activation.py), never on the values the class happens to hold."""
-    errors = measure(model, lay)
-    if errors is None:
-        return []  # the proof at the end of the load judges the class as a whole
-    best = min(errors, key=errors.get)
-    if errors[GPT2] <= TOLERANCE:
-        return []
+    m = identify(model, lay)
+    if m is None or m.name == GPT2:
+        return []  # None: the proof at the end of the load judges the class as a whole
     where = f"{lay.modules.block(0)}.{lay.modules.mlp}"
-    if best == ERF and errors[best] <= TOLERANCE:
-        notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
-                         f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
+    if m.name == ERF:
+        notes.append(f"{where}: the activation measures as {said(ERF)}; GPT-2's is the tanh "
+                     f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
         return []
-    said = f"measures as {best} (to {errors[best]:.1g})" if errors[best] <= TOLERANCE else \
-        f"matches no known activation (closest: {best}, off by {errors[best]:.2g})"
-    return [f"{where}: the activation between the MLP's layers {said}; GPT-2 uses the tanh-approximated GELU"]
+    exact = f" (to {m.err:.1g})" if m.words.startswith("measures as") else ""
+    return [f"{where}: the activation between the MLP's layers {m.words}{exact}; GPT-2 uses {said(GPT2)}"]
 
 
 def _head_reasons(lay: UserLayout, untied_source: bool, tie) -> list[str]:

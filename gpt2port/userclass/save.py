@@ -27,7 +27,9 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import merge
-from gpt2port.userclass.facts import ACTIVATIONS, Found, Missed, eps_hints, measure
+from gpt2port.activations import DISTINCT, TABLE, words
+from gpt2port.userclass.activation import identify
+from gpt2port.userclass.facts import Found, Missed, eps_hints, measure
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.record import loaded
 from gpt2port.userclass.observe import probe_ids
@@ -138,7 +140,7 @@ def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = Fa
         notes.append(f"the class has no {', '.join(z.replace('{}', '{i}') for z in zeros)}: saved as zeros (GPT-2 "
                      f"with these biases at zero computes exactly this class)")
     if cfg.activation != "gelu_new":
-        notes.append(f"activation: {ACTIVATIONS[cfg.activation]}, recorded in config.json (activation "
+        notes.append(f"activation: {words(cfg.activation)}, recorded in config.json (activation "
                      f"{cfg.activation!r}; exported to transformers as activation_function {cfg.activation!r})")
     origin = Path(report.source) if report is not None else None
     origin = origin if origin is not None and checkpoint.is_checkpoint(origin) else None
@@ -204,8 +206,8 @@ def _given(config) -> tuple[GPTConfig | None, dict]:
         odd = sorted(set(config) - known)
         if odd:
             raise GPT2PortError(f"config: unknown key {odd[0]!r} (GPTConfig's fields: {', '.join(sorted(known))})")
-        if config.get("activation", "gelu_new") not in ACTIVATIONS:
-            raise GPT2PortError(f"config: activation {config['activation']!r}: one of {', '.join(ACTIVATIONS)}")
+        if config.get("activation", "gelu_new") not in TABLE:
+            raise GPT2PortError(f"config: activation {config['activation']!r}: one of {', '.join(TABLE)}")
         return None, dict(config)
     whole = as_config(config)
     return whole, ({k: getattr(whole, k) for k in FACTS} if whole is not None else {})
@@ -244,10 +246,14 @@ def _own(model: nn.Module, config) -> tuple[UserLayout, list[str]]:
 
 def _loaded_layout(model: nn.Module, report) -> tuple[UserLayout, list[str]]:
     """A class filled by load_into: its layout as loaded; the activation (which GPT-2's checkpoint does not say for
-    the class) measured on a copy of block 0."""
+    the class) measured as load_into measured it, and with the eps, checked on block 0."""
     lay = dataclasses.replace(report.layout)
-    found = measure(model, lay, [lay.config.n_head], list(ACTIVATIONS), eps_hints(model, lay))
+    measured = identify(model, lay)
+    acts = [measured.name] if measured is not None and measured.name else DISTINCT
+    found = measure(model, lay, [lay.config.n_head], acts, eps_hints(model, lay))
     if isinstance(found, Missed):
+        if measured is not None and measured.name:
+            lay.config = dataclasses.replace(lay.config, activation=measured.name)
         return lay, []
     lay.config = dataclasses.replace(lay.config, activation=found.activation, layer_norm_epsilon=found.eps)
     return lay, []

@@ -15,26 +15,11 @@ import gpt2port
 from gpt2port import GPT2PortError
 from gpt2port.checkpoint import load_state
 from scripts import hf_fixtures
-from tests.realistic import realistic_hf_model
 from tests.userclass import book
 from tests.userclass.test_save_from import as_if_trained, ids, in_transformers, rel
 
 TINY = hf_fixtures.TINY
 REL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def real_hf(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("real-hf")
-    hf_fixtures.write_repo(realistic_hf_model(TINY, seed=0), repo, "hub", "fp32")
-    return repo
-
-
-@pytest.fixture(scope="module")
-def real_ckpt(tmp_path_factory, real_hf):
-    out = tmp_path_factory.mktemp("real") / "tiny"
-    gpt2port.convert(real_hf, out)
-    return out
 
 
 def build(sizes=TINY, **more):
@@ -181,3 +166,91 @@ def test_the_mlp_activation_is_one_table(tmp_path, real_ckpt):
     x = torch.linspace(-4, 4, 101, dtype=torch.float64)
     for name, act in table.items():  # the model's function and the reference's formula agree
         assert torch.allclose(act.fn(x), reference.ACTIVATIONS[name](x), atol=1e-12), name
+
+
+# --- finding 7 and issue 38 item 8: check -----------------------------------------------------------------------------
+
+CHECK_FILE = '''
+import torch
+from torch import nn
+from tests.userclass import book
+
+
+def make_model(cfg):
+    return book.GPTModel(book.config({"vocab_size": cfg.vocab_size, "n_positions": cfg.n_positions,
+                                      "n_embd": cfg.n_embd, "n_head": cfg.n_head, "n_layer": cfg.n_layer}))
+
+
+def make_with_tokenizer(cfg, tokenizer):
+    return make_model(cfg)
+
+
+class Empty(nn.Module):
+    def forward(self, idx):
+        return idx
+
+
+def make_empty():
+    return Empty()
+'''
+
+
+@pytest.fixture
+def check_file(tmp_path):
+    path = tmp_path / "mygpt.py"
+    path.write_text(CHECK_FILE)
+    return path
+
+
+@pytest.mark.parametrize("which", ["hf", "checkpoint whose source is gone"])
+def test_check_defaults_its_reference_to_ckpt(which, check_file, real_hf, tmp_path, monkeypatch):
+    from tests.support import run_cli
+
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    ckpt = real_hf
+    if which != "hf":
+        import shutil
+
+        gone = tmp_path / "gone"
+        shutil.copytree(real_hf, gone)
+        ckpt = tmp_path / "ckpt"
+        gpt2port.convert(gone, ckpt)
+        shutil.rmtree(gone)
+    r = run_cli("check", f"{check_file}:make_model", ckpt, "--tokens", "8", "--no-hf")
+    assert r.exit_code == 0, r.output
+    assert "PASS" in r.stdout.splitlines()[-1]
+
+
+def test_check_names_a_factory_signature_as_the_users_error(check_file, real_ckpt):
+    from tests.support import run_cli
+
+    r = run_cli("check", f"{check_file}:make_with_tokenizer", real_ckpt, "--no-hf")
+    assert r.exit_code == 1 and "internal error" not in r.stderr, r.stderr
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and f"{check_file.name}:12: make_with_tokenizer" in line[0] and "'tokenizer'" in line[0]
+
+
+def test_check_refuses_a_model_without_parameters_on_stderr(check_file, real_ckpt):
+    from tests.support import run_cli
+
+    r = run_cli("check", f"{check_file}:make_empty", real_ckpt, "--no-hf")
+    assert r.exit_code == 1
+    assert "error:" in r.stderr and "no parameters" in r.stderr and "no parameters" not in r.stdout
+
+
+def test_check_refuses_a_class_on_stderr_after_its_table(real_ckpt, tmp_path):
+    """A class that cannot hold GPT-2 (a ReLU MLP): the table on stdout, the reasons on stderr after `error:`."""
+    from tests.support import run_cli
+
+    path = tmp_path / "relu.py"
+    path.write_text(CHECK_FILE + "\n\ndef make_relu(cfg):\n    m = make_model(cfg)\n    for b in m.trf_blocks:\n"
+                    "        b.ff.layers[1] = nn.ReLU()\n    return m\n")
+    r = run_cli("check", f"{path}:make_relu", real_ckpt, "--no-hf")
+    assert r.exit_code == 1
+    assert "tok_emb.weight" in r.stdout and "measures as ReLU" in r.stderr and r.stderr.startswith("error:"), r.stderr
+
+
+def test_check_help_says_the_file_is_run():
+    from tests.support import run_cli
+
+    assert "imported and run" in " ".join(run_cli("check", "--help").output.split())
