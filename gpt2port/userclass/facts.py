@@ -29,7 +29,7 @@ from gpt2port.userclass.observe import evaluating, first_tensor
 TOL = {torch.float64: 1e-9, torch.float32: 1e-5}  # a candidate computes the class's block within this (relative)
 # ... or within the class's own precision: a float64 class may hold float32 constants (2^-24 ~ 6e-8 each)
 CLASS_TOL = {torch.float64: 1e-7, torch.float32: 1e-5, torch.float16: 3e-2}
-EPS_SEEN = (1e-5, 1e-6, 1e-12, 1e-8, 1e-3)  # LayerNorm eps found in the wild, tried after the class's own
+EPS_SEEN = (1e-5, 1e-6, 1e-12, 1e-8, 1e-3)  # LayerNorm eps found in the wild, tried where the class states none
 PROBE_TOKENS = 8
 
 
@@ -187,7 +187,8 @@ def measure(model: nn.Module, lay: UserLayout, heads: list[int], activations: li
     C = lay.config.n_embd
     x = torch.randn(1, PROBE_TOKENS, C, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     best, tried, why = (math.inf, None), 0, "block 0 could not be run apart from the model"
-    eps = list(dict.fromkeys(list(eps) + list(EPS_SEEN)))
+    if not stated_eps(model, lay):  # a norm that keeps no eps (F.layer_norm inline): those seen in the wild too
+        eps = list(dict.fromkeys(list(eps) + list(EPS_SEEN)))
     for opts in combos or [{}]:
         cand = build(opts) if build is not None else lay
         if cand.reasons:
@@ -219,7 +220,8 @@ def measure(model: nn.Module, lay: UserLayout, heads: list[int], activations: li
                     rels[act, e] = float((_reference(cfg, state, torch.float64)(x) - got).abs().max()) / scale
                     tried += 1
             low = min(rels.values())
-            if low <= tol:  # the first stated reading within twice the best: fp64 cannot tell 1e-8 from 1e-12 apart
+            if low <= tol:  # the first reading (stated ones come first) within twice the best: rounding cannot tell
+                # some apart (eps 1e-8 and 1e-12), and then what the class states is what it computes
                 act, e = next(k for k, r in rels.items() if r <= max(2 * low, low + 1e-12))
                 return Found(h, act, e, opts, cand, rels[act, e], tried)
             if low < best[0]:

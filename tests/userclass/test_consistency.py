@@ -42,6 +42,16 @@ def test_the_book_class_trained_from_scratch_saves_and_is_itself_in_transformers
         assert rel(hf(ids()).logits, model(ids())) < REL
 
 
+@pytest.mark.heavy
+def test_the_book_class_at_124m_trained_from_scratch_saves_as_itself(tmp_path):
+    model = as_if_trained(build(dict(n_layer=12, n_head=12, n_embd=768, n_positions=1024, vocab_size=50257)))
+    out = gpt2port.save_from(model, tmp_path / "book124")
+    assert out.report.max_rel < 1e-4
+    hf, _ = in_transformers(out, tmp_path)
+    with torch.no_grad():
+        assert rel(hf(ids(T=16)).logits, model(ids(T=16))) < 1e-4
+
+
 def test_the_book_class_loaded_and_saved_is_itself_in_transformers(tmp_path, real_ckpt):
     model = build()
     gpt2port.load_into(model, real_ckpt)
