@@ -255,7 +255,8 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):
 @click.argument("factory", metavar="FILE.py:FACTORY")
 @click.argument("ckpt", default="gpt2")
 @click.option("--reference", default=None, type=click.Path(path_type=str),
-              help="Hugging Face directory to verify against (default: CKPT's recorded source, or CKPT itself).")
+              help="Hugging Face directory or checkpoint to verify against (default: CKPT's recorded source where "
+                   "it still exists, else CKPT itself).")
 @click.option("--tokens", type=click.IntRange(min=2), default=64, show_default=True,
               help="Length of the random-token inputs of the check.")
 @click.option("--no-hf", is_flag=True, help="Skip transformers (float64 reference only).")
@@ -267,6 +268,8 @@ def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):
 @_handle_errors
 def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, tie):
     """Build your own GPT class with FACTORY from FILE.py, load CKPT (default: gpt2) into it, and verify it.
+
+    FILE.py is imported and run as Python (its top-level code executes), so check only files you trust.
 
     Prints how each of its parameters was read as GPT-2, then the verdict: whether its logits match GPT-2's, and if
     not, the first stage that differs and the known mistake that explains it. FACTORY gets a config answering to

@@ -11,28 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from gpt2port import jsonio
+from gpt2port.activations import TABLE
 from gpt2port.errors import GPT2PortError
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-# The activations the model implements, by their HF `activation_function` name: a config is valid iff its name is
-# here. GPT-2's own is the tanh approximation ("gelu_new"): exact-erf GELU differs by up to ~1e-3 and breaks logit
-# parity. The others appear in fine-tuned or re-implemented checkpoints.
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_new": _gelu_tanh,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
+# The activations the model implements, by their HF `activation_function` name (activations.py's table): a config is
+# valid iff its name is there.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {name: a.fn for name, a in TABLE.items()}
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from gpt2port import checkpoint
+from gpt2port.activations import expressible
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
@@ -99,7 +100,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     with Hashes() as hashes, open_source(src, hashes) as source:
         refuse_overlap(out, source.root)
         refuse_hf_cache(out)
-        if REGISTRY[to].tanh_gelu and source.config.activation not in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        if not expressible(source.config.activation, REGISTRY[to]):
             raise GPT2PortError(f"{source.where}: its MLP's activation is {source.config.activation!r}; {to} files "
                                 f"always compute GPT-2's tanh GELU, so this export would be another model (--to hf "
                                 f"keeps the activation)")

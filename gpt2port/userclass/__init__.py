@@ -4,8 +4,8 @@ class itself (layout_of), its stages for verify (ModelStages), and its weights b
 
 Modules: names (the words for GPT-2's parts), observe (the module tree, tied parameters, a traced forward), layout
 (the table), block and roles (reading a class as GPT-2), activation (the MLP's, measured on probe weights), settle
-(ambiguity decided by numbers), stages, proof (every load's closing check against verify's float64 GPT-2), registry
-(what each load recorded), load, save, verify (verify_model for any class).
+(ambiguity decided by numbers), stages, proof (every load's closing check against verify's float64 GPT-2), record
+(what each load did, kept on the model as model.gpt2port_load), load, save, verify (verify_model for any class).
 """
 
 from gpt2port.userclass.load import LoadRefused, LoadReport, load_into

@@ -13,20 +13,18 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from dataclasses import dataclass
+
+from gpt2port.activations import DISTINCT, TABLE
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.observe import evaluating, first_tensor
 from gpt2port.verification.reference import ACTIVATIONS as FORMULAS  # the float64 reference's own, by HF name
 
-GPT2 = "tanh-approximated GELU"
-ERF = "exact (erf) GELU"
-ACTIVATIONS = {
-    GPT2: FORMULAS["gelu_new"],
-    ERF: FORMULAS["gelu"],
-    "ReLU": FORMULAS["relu"],
-    "ReLU²": lambda x: FORMULAS["relu"](x).square(),
-    "SiLU": FORMULAS["silu"],
-    "no activation": lambda x: x,
-}
+GPT2, ERF = "gelu_new", "gelu"
+# every activation a config can hold (activations.py's table), and two that none can, by what they are called
+ACTIVATIONS = {**{name: FORMULAS[name] for name in DISTINCT},
+               "ReLU²": lambda x: FORMULAS["relu"](x).square(),
+               "no activation": lambda x: x}
 SPAN = 4.0  # the probe's pre-activations lie in [-SPAN, SPAN]
 TOLERANCE = 2e-5  # absolute, on values of at most SPAN (SPAN² for ReLU²): far below the GELUs' 4.7e-4 gap
 
@@ -57,6 +55,31 @@ def measure(model: nn.Module, lay: UserLayout) -> dict[str, float] | None:
     if not bool(torch.isfinite(y).all()):
         return None
     return {name: float((f(points) - y).abs().max()) for name, f in ACTIVATIONS.items()}
+
+
+def said(name: str) -> str:
+    return TABLE[name].words if name in TABLE else name
+
+
+@dataclass
+class Measured:
+    """What block 0's MLP computes: `name`, the table's name (None where no config can hold it), in `words`."""
+    name: str | None
+    words: str
+    err: float
+
+
+def identify(model: nn.Module, lay: UserLayout) -> Measured | None:
+    """The one measurement of a class's activation, for load_into and save_from alike; None where the MLP cannot
+    be run apart (the proof of the whole class judges it then)."""
+    errors = measure(model, lay)
+    if errors is None:
+        return None
+    best = min(errors, key=errors.get)
+    if errors[best] <= TOLERANCE:
+        return Measured(best if best in TABLE else None, f"measures as {said(best)}", errors[best])
+    return Measured(None, f"matches no known activation (closest: {said(best)}, off by {errors[best]:.2g})",
+                    errors[best])
 
 
 def _probe_weights(module: nn.Module, prefix: str, lay: UserLayout):

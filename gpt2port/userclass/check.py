@@ -178,18 +178,38 @@ def build(factory, config: GPTConfig, size_name: str | None) -> nn.Module:
     except (TypeError, ValueError):
         params = [None]
     if not params:
-        out = factory()
+        args, kwargs = (), {}
     elif len(params) == 1 and params[0] is not None and params[0].name in ("name", "size", "model_type") and size_name:
-        out = factory(size_name)
+        args, kwargs = (size_name,), {}
     elif all(p is not None and p.name in cfg for p in params):  # GPT(vocab_size, context_length, d_model, ...)
-        out = factory(**{p.name: cfg[p.name] for p in params})
+        args, kwargs = (), {p.name: cfg[p.name] for p in params}
     else:
-        out = factory(cfg)
+        args, kwargs = (cfg,), {}
+    _fits(factory, args, kwargs)
+    out = factory(*args, **kwargs)
     if isinstance(out, (tuple, list)):
         out = next((x for x in out if isinstance(x, nn.Module)), None)
     if not isinstance(out, nn.Module):
         raise GPT2PortError(f"{getattr(factory, '__name__', factory)} returned {type(out).__name__}, not an nn.Module")
     return out
+
+
+def _fits(factory, args: tuple, kwargs: dict) -> None:
+    """Refuse, as the user's error at their def line, a factory whose signature check cannot fill."""
+    try:
+        inspect.signature(factory).bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(factory, "__name__", str(factory))
+        try:
+            code = factory.__init__ if inspect.isclass(factory) else factory
+            where = f"{_short(inspect.getsourcefile(code))}:{inspect.getsourcelines(code)[1]}: "
+        except (TypeError, OSError):
+            where = ""
+        raise UserCodeError(f"{where}{name}: {e} (check calls the factory with one config, with GPT-2's sizes by "
+                            f"their names when every parameter is one, or with nothing; give its other parameters "
+                            f"defaults)") from None
+    except ValueError:  # no signature to read (a builtin): calling it will tell
+        pass
 
 
 # what load_into's keyword arguments are called on check's command line
@@ -243,7 +263,8 @@ def _where(e: BaseException, root: Path) -> str:
 
 
 def _run(spec, ckpt, reference, tokens, hf, say, drop_biases, crop_positions, tie, progress, step) -> bool:
-    from gpt2port.checkpoint import is_checkpoint, read_manifest
+    from gpt2port.checkpoint import read_manifest
+    from gpt2port.verification.reference_canonical import is_gpt2port_checkpoint
     from gpt2port.sources import open_source, source_path
     from gpt2port.userclass.load import LoadRefused, load_into
     from gpt2port.userclass.roles import layout_of
@@ -254,6 +275,9 @@ def _run(spec, ckpt, reference, tokens, hf, say, drop_biases, crop_positions, ti
         config = src.config
     step(f"building the model with {spec}")
     model = build(load_factory(spec), config, ckpt if is_known_name(str(ckpt)) else None)
+    if not any(True for _ in model.parameters()):
+        raise GPT2PortError(f"{spec}: returned {type(model).__name__}, a model with no parameters: there is nothing "
+                            f"to load GPT-2 into")
     step(f"loading {path} into {type(model).__name__}")
     try:
         report = load_into(model, path, tie=tie, crop_positions=crop_positions, drop_biases=drop_biases)
@@ -261,19 +285,14 @@ def _run(spec, ckpt, reference, tokens, hf, say, drop_biases, crop_positions, ti
         table = str(layout_of(model, config)).splitlines()
         say("\n".join(line for line in table if not line.startswith("cannot hold GPT-2: ")))
         reasons = list(dict.fromkeys(e.reasons))
-        say(f"{type(model).__name__} cannot hold these GPT-2 weights ({len(reasons)} reason"
-            f"{'s' if len(reasons) > 1 else ''}):")
-        say("\n".join(f"  {cli_words(r)}" for r in reasons))
-        return False
+        many = "s" if len(reasons) > 1 else ""
+        raise GPT2PortError(f"{type(model).__name__} {e.what} ({len(reasons)} reason{many}): "
+                            + "; ".join(cli_words(r) for r in reasons)) from None
     say(cli_words(str(report)))
     if reference is None:
-        if is_checkpoint(path):
-            reference = read_manifest(path).get("source", {}).get("path")
-            if not reference or not Path(reference).exists():
-                raise GPT2PortError(f"{path}: its source (the reference verify compares against) is not recorded or "
-                                    f"gone; pass --reference with the Hugging Face directory it came from")
-        else:
-            reference = path
+        recorded = read_manifest(path).get("source", {}).get("path") if is_gpt2port_checkpoint(path) else None
+        # verify's reference reads a gpt2port checkpoint's own weights as well as an HF directory: CKPT itself
+        reference = recorded if recorded and Path(recorded).exists() else path
     step(f"verifying {type(model).__name__} against {reference}" + (" and transformers" if hf else ""))
     verdict = verify_model(model, reference, tokens=tokens, hf=hf, progress=progress)
     step("done")

@@ -21,11 +21,11 @@ from gpt2port.conversion import canonical_items
 from gpt2port.errors import GPT2PortError
 from gpt2port.layouts import GPT2PORT, canonical
 from gpt2port.sources import open_source, source_path
-from gpt2port.userclass.activation import ERF, GPT2, TOLERANCE, measure
+from gpt2port.userclass.activation import ERF, GPT2, identify, said
 from gpt2port.userclass.layout import Assignment, UserLayout
 from gpt2port.userclass.observe import BUILT_EMPTY, probe_ids, trace
 from gpt2port.userclass.proof import against_gpt2, prove, reference
-from gpt2port.userclass.registry import loaded, record  # noqa: F401 - loaded: save.py reads it from here
+from gpt2port.userclass.record import record
 from gpt2port.userclass.roles import context, infer, read_class
 from gpt2port.userclass.settle import bias_cost, reference_gpt, settle
 from gpt2port.verification import history
@@ -37,7 +37,7 @@ class LoadRefused(GPT2PortError):
     """The class cannot hold GPT-2 as it is (or, loaded, does not compute it); `reasons` has one line each."""
 
     def __init__(self, model_name: str, reasons: list[str], what: str = "cannot hold these GPT-2 weights"):
-        self.reasons = reasons
+        self.reasons, self.what = reasons, what
         super().__init__(f"{model_name} {what}:\n" + "\n".join(f"  {r}" for r in reasons))
 
 
@@ -136,7 +136,15 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
                 cpk.choices[MASK] = list(MASK_FILLS)
             return _retarget(cand, untied_source), cpk
 
-        lay = settle(model, lay, candidates, build, ref, kept, config, fill)
+        try:
+            lay = settle(model, lay, candidates, build, ref, kept, config, fill)
+        except GPT2PortError as e:
+            if not masks:
+                raise
+            raise GPT2PortError(f"{e}; its buffers ({', '.join(list(masks)[:2])}{' ...' if len(masks) > 2 else ''}) "
+                                f"were built on the meta device, without values, and no causal mask rebuilt in "
+                                f"them computes GPT-2: build the class under gpt2port.init_empty() (parameters on "
+                                f"meta, buffers real)") from e
     lay.notes += [n for n in act_notes if n not in lay.notes]
     notes = list(lay.notes)
     if tie and not lay.tied:
@@ -148,12 +156,12 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
     if drop_biases and lay.missing_biases:
         notes.append("GPT-2's biases dropped on request (drop_biases=True): " + ", ".join(lay.missing_biases))
     cost = bias_cost(model, ref, config, lay) if drop_biases and lay.missing_biases else None
-    erf = any(ERF in n for n in act_notes)
+    erf = any(said(ERF) in n for n in act_notes)
     zeroed = {t.format(i) for t in lay.missing_bias_targets for i in range(config.n_layer)} if drop_biases else set()
     proof = _prove(model, lay, path, config, zeroed, erf)
     report = LoadReport(str(path), lay, config, notes, cost, time.perf_counter() - t0, proof,
                         _history(model, lay, path, config, zeroed, erf))
-    record(model, report)  # its settled layout and history serve verify_model and save_from later
+    record(model, report)  # model.gpt2port_load: its settled layout and history serve verify_model and save_from
     return report
 
 
@@ -232,20 +240,16 @@ def _retarget(lay: UserLayout, untied_source: bool) -> UserLayout:
 def _activation(model: nn.Module, lay: UserLayout, notes: list[str]) -> list[str]:
     """A refusal for an MLP whose activation is not GELU; a note for the exact GELU in place of GPT-2's tanh one.
     Measured on probe weights (activation.py), never on the values the class happens to hold."""
-    errors = measure(model, lay)
-    if errors is None:
-        return []  # the proof at the end of the load judges the class as a whole
-    best = min(errors, key=errors.get)
-    if errors[GPT2] <= TOLERANCE:
-        return []
+    m = identify(model, lay)
+    if m is None or m.name == GPT2:
+        return []  # None: the proof at the end of the load judges the class as a whole
     where = f"{lay.modules.block(0)}.{lay.modules.mlp}"
-    if best == ERF and errors[best] <= TOLERANCE:
-        notes.append(f"{where}: the activation measures as the exact (erf) GELU; GPT-2's is the tanh "
-                         f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
+    if m.name == ERF:
+        notes.append(f"{where}: the activation measures as {said(ERF)}; GPT-2's is the tanh "
+                     f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
         return []
-    said = f"measures as {best} (to {errors[best]:.1g})" if errors[best] <= TOLERANCE else \
-        f"matches no known activation (closest: {best}, off by {errors[best]:.2g})"
-    return [f"{where}: the activation between the MLP's layers {said}; GPT-2 uses the tanh-approximated GELU"]
+    exact = f" (to {m.err:.1g})" if m.words.startswith("measures as") else ""
+    return [f"{where}: the activation between the MLP's layers {m.words}{exact}; GPT-2 uses {said(GPT2)}"]
 
 
 def _head_reasons(lay: UserLayout, untied_source: bool, tie) -> list[str]:

@@ -21,7 +21,9 @@ from gpt2port.layouts.transforms import IDENTITY, TRANSPOSE, AddDim, Chain
 from gpt2port.userclass.block import (Picker, block_template, for_block, norm_assignments, scale_only_norm,
                                       scale_only_reason)
 from gpt2port.userclass.layout import Assignment, CropRows, Modules, Note, UserLayout
-from gpt2port.userclass.facts import ACTIVATIONS, divisors_first, eps_hints, head_hints, measure
+from gpt2port.activations import DISTINCT, words
+from gpt2port.userclass.activation import identify
+from gpt2port.userclass.facts import Missed, divisors_first, eps_hints, head_hints, measure
 from gpt2port.userclass.names import says_position
 from gpt2port.userclass.observe import Trace, Unit, aliases, probe_ids, trace, units
 
@@ -257,10 +259,10 @@ FACTS = ("n_head", "activation", "layer_norm_epsilon")
 
 
 def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | None = None):
-    """(layout, the choices still open, why the facts could not be measured or None): the class read as the GPT-2
-    it is, without a checkpoint. Its head count, activation and LayerNorm eps (and every choice inside a block) are
-    measured (facts.measure); `given` (n_head, activation, layer_norm_epsilon) are tried first, and a measurement
-    that contradicts one is a reason."""
+    """(layout, the choices still open, facts.Missed where the facts could not be measured, else None): the class
+    read as the GPT-2 it is, without a checkpoint. Its head count, activation and LayerNorm eps (and every choice
+    inside a block) are measured (facts.measure); `given` (n_head, activation, layer_norm_epsilon) are tried
+    first, and a measurement that contradicts one is a reason."""
     given = {k: v for k, v in (given or {}).items() if k in FACTS}
     lay, pk, tr = read_class(model, config)
     if lay.reasons or not lay.modules.blocks:
@@ -268,7 +270,9 @@ def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | 
     C = lay.config.n_embd
     stated = [] if "n_head" in lay.unknown else [lay.config.n_head]
     heads = divisors_first(([given["n_head"]] if "n_head" in given else []) + stated, C)
-    acts = ([given["activation"]] if "activation" in given else []) + list(ACTIVATIONS)
+    measured = identify(model, lay)  # the MLP alone, as load_into measures it: its activation is tried first
+    acts = ([given["activation"]] if "activation" in given else []) + \
+        ([measured.name] if measured is not None and measured.name else []) + DISTINCT
     eps = ([given["layer_norm_epsilon"]] if "layer_norm_epsilon" in given else []) + eps_hints(model, lay)
     inside = {n: labels for n, labels in pk.choices.items() if not n.startswith("final norm")}
     combos = [dict(zip(inside, c)) for c in itertools.product(*(range(len(v)) for v in inside.values()))][:96]
@@ -278,8 +282,8 @@ def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | 
         return infer(model, cfg, tr, opts)[0]
 
     found = measure(model, lay, heads, list(dict.fromkeys(acts)), list(dict.fromkeys(eps)), build, combos)
-    if isinstance(found, str):
-        lay.notes.append(f"not measured: {found}")
+    if isinstance(found, Missed):
+        lay.notes.append(f"not measured: {found.why}")
         return lay, pk, found
     wrong = [f"{k}={given[k]!r} was given, but block 0 computes GPT-2's block with {k}={v!r}"
              for k, v in (("n_head", found.n_head), ("activation", found.activation),
@@ -289,7 +293,7 @@ def own_layout(model: nn.Module, config: GPTConfig | None = None, given: dict | 
                                      layer_norm_epsilon=found.eps)
     new.unknown, new.reasons = [], new.reasons + wrong
     to = "exactly" if found.rel == 0 else f"to {found.rel:.1g}"
-    new.decided.append(f"n_head={found.n_head}, {ACTIVATIONS[found.activation]}, LayerNorm eps {found.eps:g}: "
+    new.decided.append(f"n_head={found.n_head}, {words(found.activation)}, LayerNorm eps {found.eps:g}: "
                        f"measured (block 0, run with weights at a trained GPT-2's scales, computes gpt2port's block "
                        f"{to})")
     new.decided += [f"{n}: {inside[n][i]} (measured on block 0)" for n, i in found.options.items()]

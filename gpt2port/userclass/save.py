@@ -27,9 +27,11 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import real, refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import merge
-from gpt2port.userclass.facts import ACTIVATIONS, eps_hints, measure
+from gpt2port.activations import DISTINCT, TABLE, words
+from gpt2port.userclass.activation import identify
+from gpt2port.userclass.facts import Found, Missed, eps_hints, measure
 from gpt2port.userclass.layout import UserLayout
-from gpt2port.userclass.load import loaded
+from gpt2port.userclass.record import loaded
 from gpt2port.userclass.observe import probe_ids
 from gpt2port.userclass.roles import FACTS, as_config, context, own_layout
 from gpt2port.userclass.settle import run
@@ -106,18 +108,21 @@ class SaveReport:
                          [f"note: {n}" for n in self.notes])
 
 
-def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = False, config=None) -> Saved:
+def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = False, config=None,
+              report=None) -> Saved:
     """Write a user's class (e.g. after fine-tuning, or trained from scratch) as a gpt2port checkpoint at `out`;
     `gpt2port export --to hf` then gives transformers a checkpoint that computes the same. A model filled by
     load_into is read the way it was loaded (and carries that checkpoint's tokenizer and provenance); another is
     read as the GPT-2 it is, its head count, activation and LayerNorm eps measured by running a copy of its first
     block. config: what cannot be measured, as a dict ({"n_head": 12, "activation": "gelu"}), a GPTConfig, a size
-    name or a checkpoint path. Returns the path; its `.report` says what was proven (also in manifest.json)."""
+    name or a checkpoint path. report: the LoadReport of the load that filled it (default: the one load_into
+    recorded on the model, `model.gpt2port_load`). Returns the path; its `.report` says what was proven (also in
+    manifest.json)."""
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if any(p.is_meta for p in model.parameters()):
         raise GPT2PortError(f"{type(model).__name__}: its parameters are on the meta device (no values): load "
                             f"weights into it first")
-    report = loaded(model)
+    report = loaded(model, report)
     lay, notes = (_loaded_layout(model, report) if report is not None else _own(model, config))
     if lay.reasons:
         raise GPT2PortError(f"{lay.model_name}: cannot be saved as GPT-2: {lay.reasons[0]}")
@@ -126,12 +131,16 @@ def save_from(model: nn.Module, out: str | Path, *, dtype=None, force: bool = Fa
         raise GPT2PortError(f"{lay.model_name}: {undecided[0]}; load it with gpt2port.load_into first, which settles "
                             f"this by running it")
     cfg, state, zeros = canonical_state(model, lay)
+    if dtype is None and state[canonical.EMBEDDING].dtype == torch.float64:
+        dtype = torch.float32
+        notes.append("the class computes in float64; its weights are written as fp32 (a GPT-2 checkpoint holds fp32, "
+                     "fp16 or bf16), and the proof below is of that fp32 checkpoint against the class")
     notes = [d for d in lay.decided if d.startswith("n_head=")] + notes
     if zeros:
         notes.append(f"the class has no {', '.join(z.replace('{}', '{i}') for z in zeros)}: saved as zeros (GPT-2 "
                      f"with these biases at zero computes exactly this class)")
     if cfg.activation != "gelu_new":
-        notes.append(f"activation: {ACTIVATIONS[cfg.activation]}, recorded in config.json (activation "
+        notes.append(f"activation: {words(cfg.activation)}, recorded in config.json (activation "
                      f"{cfg.activation!r}; exported to transformers as activation_function {cfg.activation!r})")
     origin = Path(report.source) if report is not None else None
     origin = origin if origin is not None and checkpoint.is_checkpoint(origin) else None
@@ -197,8 +206,8 @@ def _given(config) -> tuple[GPTConfig | None, dict]:
         odd = sorted(set(config) - known)
         if odd:
             raise GPT2PortError(f"config: unknown key {odd[0]!r} (GPTConfig's fields: {', '.join(sorted(known))})")
-        if config.get("activation", "gelu_new") not in ACTIVATIONS:
-            raise GPT2PortError(f"config: activation {config['activation']!r}: one of {', '.join(ACTIVATIONS)}")
+        if config.get("activation", "gelu_new") not in TABLE:
+            raise GPT2PortError(f"config: activation {config['activation']!r}: one of {', '.join(TABLE)}")
         return None, dict(config)
     whole = as_config(config)
     return whole, ({k: getattr(whole, k) for k in FACTS} if whole is not None else {})
@@ -212,11 +221,12 @@ def _own(model: nn.Module, config) -> tuple[UserLayout, list[str]]:
 
         own = read_class(model, None, run=False)[0].config
         whole = dataclasses.replace(own, **{k: v for k, v in given.items() if k not in FACTS})
-    lay, _, why = own_layout(model, whole, given)
-    if lay.reasons or why is None:
+    lay, _, missed = own_layout(model, whole, given)
+    if lay.reasons or missed is None:
         return lay, []
-    if "closest" in why:
-        lay.reasons.append(why)
+    why = missed.why
+    if missed.closest is not None:  # it runs, and is no GPT-2 block: say what load_into would say of it
+        lay.reasons.append(diagnosis(model, missed.closest) or why)
         return lay, []
     # not measurable (block 0 does not run apart): the class's statements and `config` must say it all
     name = lay.model_name
@@ -236,10 +246,34 @@ def _own(model: nn.Module, config) -> tuple[UserLayout, list[str]]:
 
 def _loaded_layout(model: nn.Module, report) -> tuple[UserLayout, list[str]]:
     """A class filled by load_into: its layout as loaded; the activation (which GPT-2's checkpoint does not say for
-    the class) measured on a copy of block 0."""
+    the class) measured as load_into measured it, and with the eps, checked on block 0."""
     lay = dataclasses.replace(report.layout)
-    found = measure(model, lay, [lay.config.n_head], list(ACTIVATIONS), eps_hints(model, lay))
-    if isinstance(found, str):
+    measured = identify(model, lay)
+    acts = [measured.name] if measured is not None and measured.name else DISTINCT
+    found = measure(model, lay, [lay.config.n_head], acts, eps_hints(model, lay))
+    if isinstance(found, Missed):
+        if measured is not None and measured.name:
+            lay.config = dataclasses.replace(lay.config, activation=measured.name)
         return lay, []
     lay.config = dataclasses.replace(lay.config, activation=found.activation, layer_norm_epsilon=found.eps)
     return lay, []
+
+
+def diagnosis(model: nn.Module, closest: Found) -> str | None:
+    """What load_into's proof names for this class (the first stage that differs, and the known mistake that
+    explains it), on the class's own weights read with the closest head count, against GPT-2 itself (tanh GELU,
+    eps 1e-5): one diagnosis for both paths. None where that reading computes GPT-2 after all."""
+    from gpt2port.userclass.proof import prove as load_proof
+    from gpt2port.verification.reference import Float64GPT2
+    from gpt2port.verification.reference_canonical import CanonicalFiles
+
+    lay = dataclasses.replace(closest.layout)
+    lay.config = dataclasses.replace(lay.config, n_head=closest.n_head, activation="gelu_new",
+                                     layer_norm_epsilon=GPTConfig().layer_norm_epsilon)
+    try:
+        cfg, state, _ = canonical_state(model, lay)
+    except GPT2PortError:
+        return None
+    ref = Float64GPT2(lay.model_name, files=CanonicalFiles(state, cfg.to_hf_config(), lay.model_name))
+    proof = load_proof(model, lay, ref)
+    return None if proof["passed"] else f"{proof['first_divergence']} (on a {proof['tokens']}-token input)"

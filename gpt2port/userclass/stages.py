@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.userclass.facts import stated_eps
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.observe import call_logits, first_tensor
 from gpt2port.verification.stages import Stages
@@ -34,6 +35,7 @@ class ModelStages(Stages):
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         self.n_params = sum(p.numel() for p in model.parameters())
+        self.stated_eps = tuple(stated_eps(model, layout))  # the diagnosis names these where fp32 cannot tell eps apart
 
     def _sub(self, name: str | None) -> nn.Module | None:
         return self.model.get_submodule(name) if name else None
@@ -124,12 +126,13 @@ class ModelStages(Stages):
         return x @ wte.t()  # a head written inline as the tied embedding's transpose
 
 
-def stages_for(model: nn.Module, reference=None) -> ModelStages:
-    """A user's class as Stages: read the way load_into filled it, or else as the GPT-2 at `reference` is shaped."""
-    from gpt2port.userclass.registry import loaded
+def stages_for(model: nn.Module, reference=None, report=None) -> ModelStages:
+    """A user's class as Stages: read the way load_into filled it (its LoadReport: `report`, or the one recorded on
+    the model), or else as the GPT-2 at `reference` is shaped."""
+    from gpt2port.userclass.record import loaded
     from gpt2port.userclass.roles import layout_of
 
-    report = loaded(model)
+    report = loaded(model, report)
     given = None if hasattr(reference, "forward") else reference
     lay = report.layout if report is not None else layout_of(model, given)
     if lay.reasons:

@@ -59,7 +59,7 @@ def _positions_from_1(ref: Float64GPT2, w, x, layer, ids):
     return w["wte"][ids].to(torch.float64) + wpe[1:ids.shape[-1] + 1]
 
 
-def _suspects() -> list[Suspect]:
+def _suspects(stated_eps=()) -> list[Suspect]:
     eps_advice = "set the LayerNorm's eps to 1e-5, as GPT-2 (nn.LayerNorm(C, eps=1e-5))"
     var_advice = "use the biased variance in LayerNorm: x.var(dim=-1, keepdim=True, unbiased=False)"
     out = [
@@ -84,8 +84,19 @@ def _suspects() -> list[Suspect]:
     for part, ln, wrap in (("attention", "ln_1", _attention), ("mlp", "ln_2", _mlp), ("final_norm", "ln_f", _final)):
         out.append(Suspect("LayerNorm with unbiased variance", part, var_advice, wrap(_ln(ln, unbiased=True))))
         out += [Suspect(f"LayerNorm eps {eps:g} instead of GPT-2's 1e-5", part, eps_advice, wrap(_ln(ln, eps=eps)))
-                for eps in LN_EPS]
+                for eps in _eps_tried(stated_eps)]
     return out
+
+
+def _eps_tried(stated) -> list[float]:
+    """The eps the model states (its LayerNorms' own eps) first, then those seen in the wild."""
+    return list(dict.fromkeys([e for e in stated if e != 1e-5] + list(LN_EPS)))
+
+
+def _eps_named(stated) -> set[str]:
+    """The names of the eps suspects the model itself states: where fp32 cannot tell two eps apart (1e-8 and
+    1e-12 both explain a stage to its tolerance), the one the model states is named, as measured."""
+    return {f"LayerNorm eps {e:g} instead of GPT-2's 1e-5" for e in stated if e != 1e-5}
 
 
 SUSPECTS = _suspects()
@@ -142,12 +153,13 @@ def describe_non_finite(names: list[str], whose: str) -> str:
 
 @torch.no_grad()
 def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: float, ids: list,
-             rerun_in_eval: Callable[[], list] | None = None, events=()) -> dict:
+             rerun_in_eval: Callable[[], list] | None = None, events=(), stated_eps=()) -> dict:
     """The known mistake that explains the first differing stage, measured.
 
     xs: the reference's input of that stage per input (ids for the embeddings); ours: the model's output on them;
     rerun_in_eval: the model's outputs again with the model in eval mode, when it was training; events: the model's
-    recorded history (history.py), consulted first: what it says the model computes is re-run and measured."""
+    recorded history (history.py), consulted first: what it says the model computes is re-run and measured;
+    stated_eps: the eps its LayerNorms state, named where they explain the stage as well as another eps does."""
     refs = st.values["out"] if part == "embeddings" else st.values.get({"attention": "attn", "mlp": "mlp",
                                                                          "final_norm": "out"}[part])
     before = _error(list(zip(ours, refs)))
@@ -175,17 +187,22 @@ def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: 
     # measured on every input, and only those measurements can explain the stage.
     small = min(range(len(xs)), key=lambda k: xs[k].numel())
     screened = []
-    for s in (s for s in SUSPECTS if s.part == part):
+    stated = _eps_named(stated_eps)
+    for s in (s for s in (_suspects(stated_eps) if stated_eps else SUSPECTS) if s.part == part):
         alt = s.run(ref, st.weights, xs[small], st.layer, ids[small])
         screened.append((_error([(ours[small], alt)]), s))
     screened.sort(key=lambda t: t[0])
     for k, (rel, s) in enumerate(screened):
-        if k < 2:
+        full = k < 2 or s.name in stated
+        if full:
             alt = [s.run(ref, st.weights, x, st.layer, i) for x, i in zip(xs, ids)]
             rel = _error(list(zip(ours, alt)))
-        tried.append((s.name, s.advice, rel, "against the reference making that mistake", k < 2))
+        tried.append((s.name, s.advice, rel, "against the reference making that mistake", full))
     tried.sort(key=lambda t: t[2])
     best = min((t for t in tried if t[4]), key=lambda t: t[2], default=None)
+    own = next((t for t in tried if t[4] and t[0] in stated and t[2] <= tol), None)
+    if own is not None and best is not None and best[2] <= tol and "LayerNorm eps" in best[0]:
+        best = own
     explained = best is not None and best[2] <= tol
     tuned = next((h for h in events if h["event"] == history.FINETUNED), None)
     if not explained and tuned is not None:  # nothing measured explains it; what the weights went through does

@@ -40,7 +40,7 @@ class Localizer:
                 return [run(x.to(dt) if x.is_floating_point() else x) for x in xs]
         rerun = in_eval if module is not None and module.training else None
         self.diagnosis = diagnose(self.ref, st, part, xs, outs, self.tol, [i.ids for i in self.inputs], rerun,
-                                  getattr(self.ours, "history", ()))
+                                  getattr(self.ours, "history", ()), getattr(self.ours, "stated_eps", ()))
 
     def _store(self, stage: str, block, part, max_abs: float, rel: float) -> None:
         self.stages.append({"stage": stage, "block": block, "part": part, "max_abs": max_abs, "rel": rel,

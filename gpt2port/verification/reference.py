@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from gpt2port import jsonio
+from gpt2port.activations import TABLE
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import WEIGHT_FILES
 from gpt2port.formats.shards import INDEX_SUFFIX, shard_names
@@ -62,16 +63,15 @@ def _gelu_erf(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+# its own formulas (written out, in float64), under the names of activations.py's table
+_FORMULAS = {
     "gelu_new": _gelu_tanh,
-    "gelu_pytorch_tanh": _gelu_tanh,
-    "gelu_fast": _gelu_tanh,
     "gelu": _gelu_erf,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "relu": lambda x: x.clamp_min(0.0),
     "silu": lambda x: x * torch.sigmoid(x),
-    "swish": lambda x: x * torch.sigmoid(x),
 }
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    name: _FORMULAS[a.same_as or name] for name, a in TABLE.items()}
 
 
 @dataclass(frozen=True)

@@ -375,9 +375,9 @@ def test_a_bias_free_class_is_refused_once_per_reason_and_loads_with_drop_biases
     path.write_text(BIAS_FREE_FILE)
     r = run_cli("check", f"{path}:GPT", tiny_ckpt, "--no-hf")
     assert r.exit_code == 1
-    refusal = r.output[r.output.index("cannot hold these GPT-2 weights"):].splitlines()
-    assert "(1 reason)" in refusal[0] and len(refusal) == 2, r.output
-    assert "ln_f, h.0.ln_1, h.0.ln_2" in refusal[1] and "pass --drop-biases" in refusal[1]
+    refusal = r.stderr[r.stderr.index("cannot hold these GPT-2 weights"):].splitlines()  # after `error:`
+    assert "(1 reason)" in refusal[0] and len(refusal) == 1 and r.output.count("no bias, but") == 1, r.output
+    assert "ln_f, h.0.ln_1, h.0.ln_2" in refusal[0] and "pass --drop-biases" in refusal[0]
     assert "RMSNorm" not in r.output and "drop_biases=True" not in r.output
     assert "cannot hold GPT-2:" not in r.output  # the table does not say the reasons a second time
     r = run_cli("check", f"{path}:GPT", tiny_ckpt, "--no-hf", "--drop-biases", "--tokens", "16")

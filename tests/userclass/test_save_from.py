@@ -22,22 +22,11 @@ import gpt2port
 from gpt2port import GPT, GPT2PortError
 from gpt2port.checkpoint import load_state
 from scripts import hf_fixtures
-from tests.realistic import realistic_hf_model
 from tests.support import leftovers
 from tests.userclasses import BIASLESS, FAITHFUL, NANOGPT_ERF, Case
 
 TINY = hf_fixtures.TINY
 REL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def real_ckpt(tmp_path_factory):
-    """The tiny GPT-2 at realistic activation scales, converted."""
-    repo = tmp_path_factory.mktemp("real-hf")
-    hf_fixtures.write_repo(realistic_hf_model(TINY, seed=0), repo, "hub", "fp32")
-    out = tmp_path_factory.mktemp("real") / "tiny"
-    gpt2port.convert(repo, out)
-    return out
 
 
 def ids(T=20, seed=0):
