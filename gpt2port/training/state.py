@@ -54,7 +54,7 @@ def save(out: Path, rt, model, optimizer, meta: dict) -> None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     rt.barrier()
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(model))
     _dcp(dcp.save, {"model": msd, "optim": osd}, partial)
     rng = {"cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
@@ -77,16 +77,26 @@ def load(state_dir: Path, rt, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(model))
     state = {"model": msd, "optim": osd}
     _dcp(dcp.load, state, state_dir)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(model))
     rng_file = state_dir / f"rng-{rt.rank}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and rt.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], rt.device)
+
+
+def _options(model):
+    """A model with frozen parameters (a LoRA run) saves and restores only those it trains: the frozen base is
+    rebuilt from the checkpoint, and every key asked for must still be in the saved state (dcp.load checks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
 
 def remove(out: Path) -> None:
