@@ -366,14 +366,6 @@ def doctor():
 @click.option("--dropout", type=float, default=0.0, show_default=True)
 @click.option("--val-fraction", type=float, default=0.05, show_default=True, help="Share of tokens held out.")
 @lora.lora_options
-@click.option("--lora", type=int, default=None, metavar="RANK", help="LoRA of this rank: the base frozen, low-rank "
-              "adapters trained; the run also leaves adapter/ (peft's format) beside the merged checkpoint.")
-@click.option("--lora-alpha", type=float, default=None, help="LoRA scaling is alpha / rank (default alpha: the rank).")
-@click.option("--lora-targets", default="qkv", show_default=True,
-              help="Comma-separated, of qkv, attn_proj, fc, mlp_proj: the matrices of each block that get adapters.")
-@click.option("--lora-split-qkv", is_flag=True, help="q, k and v each their own A and B (one shared A otherwise, "
-              "as peft's c_attn adapter).")
-@click.option("--lora-dropout", type=float, default=0.0, show_default=True, help="Dropout on the adapters' input.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available; torchrun: one GPU "
               "per process).")
 @click.option("--fsdp", is_flag=True, help="Under torchrun: shard parameters, gradients and optimizer state over "

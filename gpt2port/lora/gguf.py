@@ -10,7 +10,6 @@ alpha_pattern, rsLoRA, gpt2port's split q|k|v at rank 3r) has the difference fol
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import gguf
@@ -34,8 +33,7 @@ def export_adapter(adapter, out, dtype: str | None = None, force: bool = False) 
         raise GPT2PortError(f"--dtype {label}: an adapter GGUF is written in fp32 or fp16")
     deltas, cfg = read_adapter(adapter)
     refuse_overlap(out, adapter, "the adapter")
-    # The alpha llama.cpp applies to every matrix: the one most modules have with their own rank.
-    alpha = Counter(s * a.shape[0] for a, _, s in deltas.values()).most_common(1)[0][0]
+    alpha = float(cfg.get("lora_alpha", 8))  # llama.cpp applies one alpha to every matrix: the adapter's own
     plan = []
     for name, (a, b, scaling) in deltas.items():
         key = GGUF.key_for(f"{name}.weight")

@@ -125,6 +125,13 @@ def read_adapter(path, config: GPTConfig | None = None) -> tuple[dict, dict]:
 def _check_config(cfg: dict, where: Path) -> None:
     if cfg.get("peft_type") != "LORA":
         raise GPT2PortError(f"{where}: peft_type is {cfg.get('peft_type')!r}; gpt2port merges LORA adapters only")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        other = [t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in ("c_attn", "c_proj",
+                                                                                               "c_fc")]
+        if other:
+            raise GPT2PortError(f"{where}: target_modules {other} are not GPT-2's c_attn, c_proj or c_fc (only "
+                                f"those can be merged)")
     if cfg.get("fan_in_fan_out") is not True:
         raise GPT2PortError(f"{where}: fan_in_fan_out is {cfg.get('fan_in_fan_out')!r}, but GPT-2's c_attn, c_proj "
                             f"and c_fc are Conv1D, stored (in, out): an adapter of GPT2LMHeadModel says true (peft "
@@ -136,13 +143,6 @@ def _check_config(cfg: dict, where: Path) -> None:
                             f"supported; only LoRA on c_attn, c_proj and c_fc")
     if cfg.get("bias", "none") != "none":
         raise GPT2PortError(f"{where}: bias {cfg['bias']!r}: trained biases are not supported (bias \"none\" only)")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, list):
-        other = [t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in ("c_attn", "c_proj",
-                                                                                               "c_fc")]
-        if other:
-            raise GPT2PortError(f"{where}: target_modules {other} are not GPT-2's c_attn, c_proj or c_fc (only "
-                                f"those can be merged)")
     for key in ("lora_alpha", "r"):
         v = cfg.get(key, 8)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:

@@ -54,7 +54,8 @@ def save(out: Path, rt, model, optimizer, meta: dict) -> None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     rt.barrier()
-    msd, osd = get_state_dict(model, optimizer, options=_options(model))
+    msd, osd = get_state_dict(model, optimizer)
+    msd, _ = _trained(model, msd)
     _dcp(dcp.save, {"model": msd, "optim": osd}, partial)
     rng = {"cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
@@ -75,13 +76,14 @@ def load(state_dir: Path, rt, model, optimizer) -> None:
     """Put a saved state into the model and optimizer (resharded by DCP if the world size changed) and restore
     this rank's generators (a rank that did not exist in the saved run keeps its fresh seed)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    msd, osd = get_state_dict(model, optimizer, options=_options(model))
+    msd, osd = get_state_dict(model, optimizer)
+    msd, frozen = _trained(model, msd)
     state = {"model": msd, "optim": osd}
     _dcp(dcp.load, state, state_dir)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_options(model))
+                   options=StateDictOptions(strict=not frozen))
     rng_file = state_dir / f"rng-{rt.rank}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)
@@ -90,13 +92,11 @@ def load(state_dir: Path, rt, model, optimizer) -> None:
             torch.cuda.set_rng_state(rng["cuda"], rt.device)
 
 
-def _options(model):
-    """A model with frozen parameters (a LoRA run) saves and restores only those it trains: the frozen base is
-    rebuilt from the checkpoint, and every key asked for must still be in the saved state (dcp.load checks)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    frozen = any(not p.requires_grad for p in model.parameters())
-    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+def _trained(model, msd: dict) -> tuple[dict, bool]:
+    """(the model state to save or restore, whether the model has frozen parameters). A LoRA run keeps only what
+    it trains: its frozen base, the tied head included, is rebuilt from the checkpoint it started from."""
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in msd.items() if k not in frozen}, bool(frozen)
 
 
 def remove(out: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from scripts.hf_fixtures import TINY
+from tests.training.test_finetune import corpus  # noqa: F401 - the fine-tuning tests' text, a fixture
 
 
 @pytest.fixture(scope="session")
