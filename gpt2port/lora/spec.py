@@ -40,10 +40,12 @@ def widths(config: GPTConfig, target: str) -> tuple[int, int]:
 
 
 def parse_targets(text: str) -> tuple[str, ...]:
-    words = [w.strip() for w in str(text).split(",") if w.strip()]
+    parts = text if isinstance(text, (list, tuple)) else str(text).split(",")  # Python callers may pass a list
+    words = [str(w).strip() for w in parts if str(w).strip()]
     unknown = [w for w in words if w not in TARGETS]
     if unknown or not words:
-        raise GPT2PortError(f"--lora-targets {text}: unknown target(s) {', '.join(unknown) or '(none given)'} "
+        given = ",".join(map(str, parts))
+        raise GPT2PortError(f"--lora-targets {given}: unknown target(s) {', '.join(unknown) or '(none given)'} "
                             f"(known: {', '.join(TARGETS)})")
     return tuple(t for t in TARGETS if t in words)
 
