@@ -73,6 +73,12 @@ def write_adapter(stage: Path, deltas: dict, base: str, dropout: float = 0.0) ->
                           lambda t=t: t.detach().float().cpu().contiguous()))
     stream_safetensors(stage / WEIGHTS, items, {"format": "pt"})
     write_json(stage / CONFIG, config)
+    back, _ = read_adapter(stage)  # read back as merge and peft will: the same tensors and scalings, bit for bit
+    for name, (a, b, scaling) in deltas.items():
+        a2, b2, s2 = back.get(name, (None, None, None))
+        if a2 is None or not (torch.equal(a2, a.float().cpu()) and torch.equal(b2, b.float().cpu())) or \
+                abs(s2 - scaling) > 1e-12 * scaling:
+            raise GPT2PortError(f"{stage}: the adapter read back differs from what was written ({name})")
 
 
 # --- reading ------------------------------------------------------------------------------------------------------

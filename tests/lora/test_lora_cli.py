@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gpt2port import GPT
+from gpt2port.fsio import check_replaceable
 from gpt2port.lora import layer
 from gpt2port.lora.peft import read_adapter
 from tests.lora.helpers import ids, lora_model, rel
@@ -43,6 +44,7 @@ def test_a_lora_run_leaves_a_merged_checkpoint_and_a_peft_adapter(lora_run, real
     assert evals[-1] < evals[0] - 0.1, evals
     assert_valid_checkpoint(lora_run)
     assert not (lora_run / "train_state").exists()
+    check_replaceable(lora_run)  # a finished LoRA run is gpt2port's: --force may start it over
     config = json.loads((lora_run / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["fan_in_fan_out"]) == (4, 8.0, True)
     assert config["target_modules"] == ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
