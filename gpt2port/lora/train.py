@@ -21,18 +21,18 @@ from gpt2port.lora.spec import Spec, spec
 ADAPTER = "adapter"  # the run directory's peft adapter
 
 
-def check(s, config: GPTConfig, world: int = 1) -> Spec | None:
+def check(s, config: GPTConfig, fsdp: bool = False) -> Spec | None:
     """The checked LoRA spec of finetune Settings `s` (None for a full fine-tune)."""
     found = spec(s.lora, s.lora_alpha, s.lora_targets, s.lora_split_qkv, s.lora_dropout, config)
-    if found is not None and world > 1:
-        raise GPT2PortError(f"--lora: runs in one process for now ({world} were started by torchrun); run the "
-                            f"same command without torchrun")
+    if found is not None and fsdp:
+        raise GPT2PortError("--lora with --fsdp: not supported yet (the adapters are small: DDP, torchrun without "
+                            "--fsdp, replicates them and runs the same training)")
     return found
 
 
 def attach(model: torch.nn.Module, s, config: GPTConfig, quiet: bool = True) -> Spec | None:
-    """Freeze `model` and attach the adapters `s` asks for, initialised from the run's seed (a resumed run then
-    loads its saved ones over them). Says what is trained on stderr unless quiet."""
+    """Freeze `model` and attach the adapters `s` asks for, initialised from the run's seed, the same on every
+    rank (a resumed run then loads its saved ones over them). Says what is trained on stderr unless quiet."""
     found = check(s, config)
     if found is None:
         return None

@@ -89,7 +89,7 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
         s = _resumed(s, saved, named)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _check_settings(s, config.n_positions, world)
-    lora_train.check(s, config, world)
+    lora_train.check(s, config, fsdp)
     files = tokens.documents(data)  # refuses bad data (one line) before anything is written
     if saved is None:  # a fresh run empties --out first: it must hold neither the data nor the checkpoint
         refuse_replacing_reads(out, [Path(data), *files, ckpt_dir, *ckpt_dir.iterdir()])
@@ -121,9 +121,8 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
                                quiet=True)
     train_config = dataclasses.replace(config, dropout=s.dropout)
     _, _, weights = load_state(ckpt_dir)
-    model = dist.build(train_config, rt, weights)
+    model = dist.build(train_config, rt, weights, lambda m: lora_train.attach(m, s, config, quiet or not rt.main))
     del weights
-    lora_train.attach(model, s, config, quiet or not rt.main)
     optimizer = adamw(model, s.lr, s.weight_decay)
     start = 0
     torch.manual_seed(s.seed + rt.rank)  # dropout's generator; a resumed run restores the saved one

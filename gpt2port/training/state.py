@@ -95,7 +95,8 @@ def load(state_dir: Path, rt, model, optimizer) -> None:
 def _trained(model, msd: dict) -> tuple[dict, bool]:
     """(the model state to save or restore, whether the model has frozen parameters). A LoRA run keeps only what
     it trains: its frozen base, the tied head included, is rebuilt from the checkpoint it started from."""
-    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    frozen = {n.removeprefix("module.") for n, p in model.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}  # DDP's names have "module." before them, the state's do not
     return {k: v for k, v in msd.items() if k not in frozen}, bool(frozen)
 
 

@@ -16,7 +16,7 @@ from gpt2port.lora import layer
 from gpt2port.lora.peft import read_adapter
 from tests.lora.helpers import ids, lora_model, rel
 from tests.support import assert_clean_failure, assert_valid_checkpoint, run_cli, snapshot
-from tests.training.test_finetune import numbers, rows, stopped_run
+from tests.training.test_finetune import numbers, rows, stopped_run, torchrun
 
 LORA = ["--lora", "4", "--lora-alpha", "8", "--lora-targets", "qkv,attn_proj,fc,mlp_proj"]
 RUN = ["--steps", "12", "--save-every", "4", "--batch-size", "8", "--block-size", "32", "--lr", "1e-2",
@@ -114,11 +114,23 @@ def test_bad_lora_options_are_refused_in_one_line(realistic_base, corpus, tmp_pa
     assert not out.exists()
 
 
-def test_lora_under_several_processes_is_refused_in_one_line(realistic_base, corpus, tmp_path):
-    r = run_cli("finetune", realistic_base[0], "--data", corpus, "--out", tmp_path / "run", "--lora", "4",
-                env={"WORLD_SIZE": "2"})
-    assert_clean_failure(r, ["--lora", "torchrun"])
+def test_lora_with_fsdp_is_refused_in_one_line(realistic_base, corpus, tmp_path):
+    r = run_cli("finetune", realistic_base[0], "--data", corpus, "--out", tmp_path / "run", "--lora", "4", "--fsdp")
+    assert_clean_failure(r, ["--lora", "--fsdp"])
     assert not (tmp_path / "run").exists()
+
+
+def test_torchrun_ddp_lora_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path):
+    out = tmp_path / "run"
+    torchrun(*args(realistic_base[0], corpus, out))
+    one, two = numbers(lora_run), numbers(out)
+    assert [s for s, _ in two] == [s for s, _ in one]
+    for (_, a), (_, b) in zip(one, two):
+        assert abs(a - b) <= 1e-4 * abs(a)
+    a, b = read_adapter(lora_run / "adapter")[0], read_adapter(out / "adapter")[0]
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name][1], a[name][1], rtol=1e-3, atol=1e-4)
 
 
 def _peft_adapter(where, hf_dir=None, **config):
