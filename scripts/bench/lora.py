@@ -27,9 +27,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from scripts import ROOT
+from scripts.bench.finetune import _gpt2port_step, _transformers_step
 
 HF_NAMES = {"qkv": "attn.c_attn", "attn_proj": "attn.c_proj", "fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
 
@@ -48,55 +48,21 @@ def _tokens(config):
 def _gpt2port(config, args, lora: bool):
     from gpt2port.lora import layer
     from gpt2port.lora.spec import Spec
-    from gpt2port.model import GPT
-    from gpt2port.training.dist import Runtime
-    from gpt2port.training.loop import Log, Plan, Trainer
-    from gpt2port.training.optim import adamw
 
-    torch.manual_seed(0)
-    model = GPT(config)
-    if lora:
+    def attach(model):
         layer.attach(model, Spec(args.rank, 2.0 * args.rank, tuple(args.targets.split(","))),
                      torch.Generator().manual_seed(0))
-    tokens = _tokens(config)
-    plan = Plan(steps=10**6, batch_size=args.batch_size, block_size=args.block_size, lr=1e-4, min_lr=1e-5,
-                warmup=0, weight_decay=0.1, clip=1.0, seed=0, eval_windows=1)
-    rt = Runtime(rank=0, world=1, local_rank=0, device=torch.device("cpu"), sharded=False)
-    trainer = Trainer(model, adamw(model, 1e-4, 0.1), rt, plan, tokens, tokens, Log(os.devnull, False, 0),
-                      lambda row: None)
-    return model, lambda i: trainer.step(i)["loss"]
+
+    return _gpt2port_step(config, torch.device("cpu"), args, _tokens(config), None, attach if lora else None)
 
 
 def _peft(config, args):
     import peft
-    from transformers import GPT2Config, GPT2LMHeadModel
 
-    from gpt2port.training import data
-    from gpt2port.training.optim import adamw, lr_at, set_lr
-
-    torch.manual_seed(0)
-    hf_config = GPT2Config(**config.to_hf_config())
-    hf_config.resid_pdrop = hf_config.embd_pdrop = hf_config.attn_pdrop = 0.0
-    hf_config._attn_implementation = "sdpa"
     lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, fan_in_fan_out=True, lora_dropout=0.0,
                            target_modules=[HF_NAMES[t] for t in args.targets.split(",")])
-    model = peft.get_peft_model(GPT2LMHeadModel(hf_config), lora).train()
-    tokens = _tokens(config)
-    opt = adamw(model, 1e-4, 0.1)
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step(i: int) -> float:
-        set_lr(opt, lr_at(i, lr=1e-4, warmup=0, steps=10**6, min_lr=1e-5))
-        offsets = data.sample_offsets(len(tokens), args.block_size, seed=0, step=i, count=args.batch_size)
-        x, y = data.windows(tokens, offsets, args.block_size)
-        loss = F.cross_entropy(model(x).logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
-
-    return model, step
+    return _transformers_step(config, torch.device("cpu"), args, _tokens(config), None,
+                              lambda model: peft.get_peft_model(model, lora))
 
 
 def worker(args) -> None:
@@ -104,6 +70,7 @@ def worker(args) -> None:
     from gpt2port.config import GPTConfig
 
     torch.set_num_threads(args.threads)
+    args.compile = False  # what scripts/bench/finetune.py's steps read
     config = GPTConfig(**json.loads(args.size)) if args.size.startswith("{") else GPTConfig.preset(args.size)
     model, step = _peft(config, args) if args.worker == "peft" else _gpt2port(config, args, args.worker == "lora")
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
