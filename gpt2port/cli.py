@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import sys
 
 import click
 
 from gpt2port.targets import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
+from gpt2port.lora import commands as lora
 from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
@@ -163,8 +165,12 @@ def info(ckpt, as_json):
                    "gradient from gpt2port's model), what llm.c's test_gpt2 checks its C code against.")
 @_handle_errors
 def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
-    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files or llama.cpp's GGUF."""
+    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files or llama.cpp's GGUF;
+    a LoRA adapter directory (peft's format): llama.cpp's adapter GGUF (--to gguf)."""
     from gpt2port.conversion import export as run_export
+
+    if os.path.isfile(os.path.join(ckpt, "adapter_config.json")):
+        return _succeeded(lora.export_adapter(ckpt, out, to, dtype, force, debug_state or gguf_output_tensor))
 
     if debug_state and to != "llmc":
         raise click.UsageError("--debug-state goes with --to llmc")
@@ -357,6 +363,7 @@ def doctor():
               help="Compute precision: auto is bf16 autocast on CUDA and fp32 on CPU (weights stay fp32).")
 @click.option("--dropout", type=float, default=0.0, show_default=True)
 @click.option("--val-fraction", type=float, default=0.05, show_default=True, help="Share of tokens held out.")
+@lora.lora_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available; torchrun: one GPU "
               "per process).")
 @click.option("--fsdp", is_flag=True, help="Under torchrun: shard parameters, gradients and optimizer state over "
@@ -391,6 +398,8 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
     if os.environ.get("RANK", "0") == "0":
         _succeeded(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.svg)")
 
+
+lora.register(main, _handle_errors, _succeeded)
 
 if __name__ == "__main__":
     main()

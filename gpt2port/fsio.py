@@ -265,7 +265,7 @@ def refuse_hf_cache(out: Path) -> None:
 # A directory holding anything else is not replaced.
 _WRITTEN = re.compile(r"""(model\.safetensors|config\.json|manifest\.json|model\.gguf|gpt2_\w+\.bin
     |vocab\.json|merges\.txt|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|encoder\.json|vocab\.bpe
-    |train_log\.jsonl|loss\.svg|loss\.png|tokens|train_state|\.train_state\.(partial|old)|\.checkpoint
+    |train_log\.jsonl|loss\.svg|loss\.png|tokens|train_state|adapter|adapter\.gguf|\.train_state\.(partial|old)|\.checkpoint
     |\..+(\.partial|\.replaced)-\d+)""", re.X)
 _TAG_LIMIT = 64 << 20  # bytes: far above any manifest or meta.json gpt2port writes
 

@@ -81,10 +81,11 @@ def start(device: str | None, fsdp: bool) -> Runtime:
     return Runtime(rank, world, local_rank, dev, sharded=fsdp)
 
 
-def build(config, rt: Runtime, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+def build(config, rt: Runtime, weights: dict[str, torch.Tensor], adapt=None) -> torch.nn.Module:
     """gpt2port's GPT in fp32 on rt.device, wrapped for this runtime, holding the checkpoint's weights.
 
     weights: the checkpoint's tensors as views of its memory map; each rank reads only the rows it keeps.
+    adapt(model): changes the filled model before DDP wraps it (LoRA's modules, the base frozen; not with FSDP).
     Returns the wrapped module (DDP / fully_shard'ed GPT / plain GPT).
     """
     from gpt2port.model import GPT
@@ -105,6 +106,8 @@ def build(config, rt: Runtime, weights: dict[str, torch.Tensor]) -> torch.nn.Mod
         # manages its parameters itself and keeps the one shared Parameter)
         model.lm_head.weight = model.tok_emb.weight
     _fill(model, weights)
+    if adapt is not None:
+        adapt(model)
     if rt.distributed and not rt.sharded:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -18,6 +18,7 @@ import torch
 from gpt2port.checkpoint import WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads, sweep_leftovers
+from gpt2port.lora import train as lora_train
 from gpt2port.training import data as tokens
 from gpt2port.training import dist, state
 from gpt2port.training.loop import Log, Plan, Stopped, Trainer
@@ -29,7 +30,8 @@ TOKENS = "tokens"
 # What a resumed run must keep: the numbers its arithmetic depends on. World size, accumulation, device and the
 # intervals may change (they move sums around, not what is summed).
 KEPT = ("steps", "batch_size", "block_size", "lr", "min_lr", "warmup", "weight_decay", "clip", "seed",
-        "eval_windows", "dropout", "val_fraction", "dtype")
+        "eval_windows", "dropout", "val_fraction", "dtype",
+        "lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout")
 
 
 class Interrupted(GPT2PortError):
@@ -59,6 +61,11 @@ class Settings:
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
     dropout: float = 0.0
     val_fraction: float = 0.05
+    lora: int | None = None  # LoRA rank: the base frozen, adapters trained (gpt2port/lora); None: every weight
+    lora_alpha: float | None = None  # None: the rank (scaling 1)
+    lora_targets: str = "qkv"  # of qkv, attn_proj, fc, mlp_proj
+    lora_split_qkv: bool = False
+    lora_dropout: float = 0.0
 
     def resolved(self, context: int) -> "Settings":
         s = dataclasses.replace(self)
@@ -87,6 +94,7 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
         s = _resumed(s, saved, named)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _check_settings(s, config.n_positions, world)
+    lora_train.check(s, config, fsdp)
     files = tokens.documents(data)  # refuses bad data (one line) before anything is written
     if saved is None:  # a fresh run empties --out first: it must hold neither the data nor the checkpoint
         refuse_replacing_reads(out, [Path(data), *files, ckpt_dir, *ckpt_dir.iterdir()])
@@ -118,7 +126,7 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
                                quiet=True)
     train_config = dataclasses.replace(config, dropout=s.dropout)
     _, _, weights = load_state(ckpt_dir)
-    model = dist.build(train_config, rt, weights)
+    model = dist.build(train_config, rt, weights, lambda m: lora_train.attach(m, s, config, quiet or not rt.main))
     del weights
     optimizer = adamw(model, s.lr, s.weight_decay)
     start = 0
@@ -158,10 +166,12 @@ def _finish(out, ckpt_dir, config, model, rt, s, cache, log) -> None:
     reads as a checkpoint only once it is whole), then the plot; the training state is no longer needed."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    taken = lora_train.finish(model, config, s, ckpt_dir) if s.lora else None  # merged in place, checked
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rt.main:
         record = {"finetune": {"data": cache.meta.get("sources", []), "tokens_train": len(cache.train),
                                "settings": dataclasses.asdict(s), "world": rt.world,
+                               **({"lora_merge_check": taken["merge_check"]} if taken else {}),
                                "final_loss": next((r["loss"] for r in reversed(log.rows) if "loss" in r), None),
                                "final_eval_loss": next((r["eval_loss"] for r in reversed(log.rows)
                                                         if "eval_loss" in r), None)}}
@@ -169,6 +179,8 @@ def _finish(out, ckpt_dir, config, model, rt, s, cache, log) -> None:
         shutil.rmtree(stage, ignore_errors=True)
         save_state(full, config, stage, dtype=torch.float32, origin=ckpt_dir, kind="fine-tuned GPT",
                    record=record)
+        if taken:
+            lora_train.write(stage, out, taken)
         for f in sorted(stage.iterdir(), key=lambda f: f.name == WEIGHTS):
             os.replace(f, out / f.name)
         stage.rmdir()
@@ -210,10 +222,10 @@ def _resumed(s: Settings, saved: dict, given: set[str]) -> Settings:
     is refused by name."""
     before = saved["settings"]
     for name in KEPT:
-        if name in given and getattr(s, name) != before[name]:
+        if name in given and getattr(s, name) != before.get(name, getattr(Settings, name)):
             raise GPT2PortError(f"--{name.replace('_', '-')} {getattr(s, name)}: the run being resumed used "
                                 f"{before[name]} (it must stay the same for the run to continue as it began)")
-    keep = {k: before[k] for k in KEPT}
+    keep = {k: before.get(k, getattr(Settings, k)) for k in KEPT}  # a state saved before a setting existed
     changeable = {k: getattr(s, k) if k in given else before[k] for k in vars(s) if k not in KEPT}
     return dataclasses.replace(s, **keep, **changeable)
 

@@ -55,6 +55,7 @@ def save(out: Path, rt, model, optimizer, meta: dict) -> None:
         partial.mkdir(parents=True)
     rt.barrier()
     msd, osd = get_state_dict(model, optimizer)
+    msd, _ = _trained(model, msd)
     _dcp(dcp.save, {"model": msd, "optim": osd}, partial)
     rng = {"cpu": torch.get_rng_state()}
     if rt.device.type == "cuda":
@@ -75,18 +76,28 @@ def load(state_dir: Path, rt, model, optimizer) -> None:
     """Put a saved state into the model and optimizer (resharded by DCP if the world size changed) and restore
     this rank's generators (a rank that did not exist in the saved run keeps its fresh seed)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
+    msd, frozen = _trained(model, msd)
     state = {"model": msd, "optim": osd}
     _dcp(dcp.load, state, state_dir)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not frozen))
     rng_file = state_dir / f"rng-{rt.rank}.pt"
     if rng_file.is_file():
         rng = torch.load(rng_file, weights_only=True)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and rt.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], rt.device)
+
+
+def _trained(model, msd: dict) -> tuple[dict, bool]:
+    """(the model state to save or restore, whether the model has frozen parameters). A LoRA run keeps only what
+    it trains: its frozen base, the tied head included, is rebuilt from the checkpoint it started from."""
+    frozen = {n.removeprefix("module.") for n, p in model.named_parameters(remove_duplicate=False)
+              if not p.requires_grad}  # DDP's names have "module." before them, the state's do not
+    return {k: v for k, v in msd.items() if k not in frozen}, bool(frozen)
 
 
 def remove(out: Path) -> None:

@@ -37,7 +37,8 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _gpt2port_step(config, device, args, tokens, autocast):
+def _gpt2port_step(config, device, args, tokens, autocast, wrap=None):
+    """(model, step(i) -> loss); wrap(model) changes the model before the optimizer is made (scripts/bench/lora.py)."""
     from gpt2port.model import GPT
     from gpt2port.training.dist import Runtime
     from gpt2port.training.loop import Log, Plan, Trainer
@@ -45,6 +46,8 @@ def _gpt2port_step(config, device, args, tokens, autocast):
 
     torch.manual_seed(0)
     model = GPT(config).to(device)
+    if wrap is not None:
+        wrap(model)
     runner = torch.compile(model) if args.compile else model
     plan = Plan(steps=10**6, batch_size=args.batch_size, block_size=args.block_size, lr=1e-4, min_lr=1e-5,
                 warmup=0, weight_decay=0.1, clip=1.0, seed=0, eval_windows=1, autocast=autocast)
@@ -54,7 +57,8 @@ def _gpt2port_step(config, device, args, tokens, autocast):
     return model, lambda i: trainer.step(i)["loss"]
 
 
-def _transformers_step(config, device, args, tokens, autocast):
+def _transformers_step(config, device, args, tokens, autocast, wrap=None):
+    """(model, step(i) -> loss); wrap(model) returns the model to train (scripts/bench/lora.py: peft's)."""
     import contextlib
 
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -67,6 +71,8 @@ def _transformers_step(config, device, args, tokens, autocast):
     hf_config.resid_pdrop = hf_config.embd_pdrop = hf_config.attn_pdrop = 0.0
     hf_config._attn_implementation = "sdpa"
     model = GPT2LMHeadModel(hf_config).to(device).train()
+    if wrap is not None:
+        model = wrap(model).train()
     runner = torch.compile(model) if args.compile else model
     opt = adamw(model, 1e-4, 0.1)
     params = [p for p in model.parameters() if p.requires_grad]

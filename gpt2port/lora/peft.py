@@ -1,0 +1,176 @@
+"""An adapter directory in peft's format, both ways: adapter_config.json and adapter_model.safetensors, named as
+peft names GPT2LMHeadModel's modules (base_model.model.transformer.h.0.attn.c_attn.lora_A.weight).
+
+GPT-2's matrices are transformers' Conv1D, stored (in, out); peft marks that with fan_in_fan_out=True (it forces it
+for Conv1D) and still stores lora_A as (rank, in) and lora_B as (out, rank), as for nn.Linear: the same A and B as
+gpt2port's. In memory an adapter is {module: (A, B, scaling)}, module in gpt2port's names (blocks.0.attn.qkv).
+
+gpt2port's split q, k, v (three rank-r adapters on c_attn) has no peft form of its own; it is written as the one
+rank-3r c_attn adapter it equals (A the three A's stacked, B block-diagonal), with rank_pattern and alpha_pattern
+giving c_attn its rank and the same scaling: peft loads it and computes the same logits.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from gpt2port import jsonio
+from gpt2port.config import GPTConfig
+from gpt2port.errors import GPT2PortError
+from gpt2port.formats import FLOAT_DTYPES
+from gpt2port.formats.safetensors import mmap_tensors, read_header, stream_safetensors
+from gpt2port.fsio import write_json
+from gpt2port.lora.spec import TARGETS
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+# gpt2port's module in a block -> transformers' (GPT2LMHeadModel)
+HF_MODULES = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"}
+_OURS = {v: k for k, v in HF_MODULES.items()}
+PREFIX = "base_model.model.transformer.h."
+_KEY = re.compile(r"base_model\.model\.(?:transformer\.)?h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)"
+                  r"\.lora_([AB])\.weight")
+_BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
+
+
+def is_adapter(path) -> bool:
+    return (Path(path) / CONFIG).is_file()
+
+
+def hf_module(name: str) -> str:
+    """blocks.3.attn.qkv -> transformer.h.3.attn.c_attn"""
+    i, module = _BLOCK.fullmatch(name).groups()
+    return f"transformer.h.{i}.{HF_MODULES[module]}"
+
+
+# --- writing ------------------------------------------------------------------------------------------------------
+
+def write_adapter(stage: Path, deltas: dict, base: str, dropout: float = 0.0) -> None:
+    """adapter_config.json and adapter_model.safetensors of `deltas` into the existing directory `stage`."""
+    ranks = {name: a.shape[0] for name, (a, _, _) in deltas.items()}
+    alphas = {name: s * ranks[name] for name, (_, _, s) in deltas.items()}
+    r = min(ranks.values())
+    alpha = next(alphas[n] for n in deltas if ranks[n] == r)
+    modules = sorted({_BLOCK.fullmatch(n).group(2) for n in deltas}, key=list(TARGETS.values()).index)
+    # Modules whose rank or alpha differ from the common one (split q|k|v: c_attn at 3r, same scaling)
+    rank_pattern = {HF_MODULES[m]: ranks[n] for n in deltas if ranks[n] != r
+                    for m in [_BLOCK.fullmatch(n).group(2)]}
+    alpha_pattern = {HF_MODULES[m]: alphas[n] for n in deltas if alphas[n] != alpha
+                     for m in [_BLOCK.fullmatch(n).group(2)]}
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": r,
+              "lora_alpha": alpha, "target_modules": [HF_MODULES[m] for m in modules], "fan_in_fan_out": True,
+              "lora_dropout": dropout, "bias": "none", "use_rslora": False, "use_dora": False,
+              "modules_to_save": None, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+              "inference_mode": True, "init_lora_weights": True}
+    items = []
+    for name, (a, b, _) in deltas.items():
+        key = f"base_model.model.{hf_module(name)}"
+        for part, t in (("A", a), ("B", b)):
+            items.append((f"{key}.lora_{part}.weight", torch.float32, tuple(t.shape),
+                          lambda t=t: t.detach().float().cpu().contiguous()))
+    stream_safetensors(stage / WEIGHTS, items, {"format": "pt"})
+    write_json(stage / CONFIG, config)
+    back, _ = read_adapter(stage)  # read back as merge and peft will: the same tensors and scalings, bit for bit
+    for name, (a, b, scaling) in deltas.items():
+        a2, b2, s2 = back.get(name, (None, None, None))
+        if a2 is None or not (torch.equal(a2, a.float().cpu()) and torch.equal(b2, b.float().cpu())) or \
+                abs(s2 - scaling) > 1e-12 * scaling:
+            raise GPT2PortError(f"{stage}: the adapter read back differs from what was written ({name})")
+
+
+# --- reading ------------------------------------------------------------------------------------------------------
+
+def read_adapter(path, config: GPTConfig | None = None) -> tuple[dict, dict]:
+    """({module: (A, B, scaling)}, adapter_config) of a peft LoRA adapter of GPT-2, checked in full: its settings,
+    every tensor's name, pairing and shape, and with `config` the base it is to be applied to (shapes named when
+    they are another model's). One line on the first thing wrong."""
+    path = Path(path)
+    cfg_path, weights = path / CONFIG, path / WEIGHTS
+    if not cfg_path.is_file():
+        raise GPT2PortError(f"{path}: not a peft adapter directory (no {CONFIG})")
+    cfg = jsonio.read(cfg_path)
+    _check_config(cfg, cfg_path)
+    if not weights.is_file():
+        old = " (only adapter_model.bin, a pickle: save it with safe_serialization=True)" \
+            if (path / "adapter_model.bin").is_file() else ""
+        raise GPT2PortError(f"{path}: no {WEIGHTS}{old}")
+    header = read_header(weights)
+    found: dict[tuple[int, str], dict[str, tuple]] = {}
+    for key, e in header.entries.items():
+        m = _KEY.fullmatch(key)
+        if m is None:
+            raise GPT2PortError(f"{weights}: tensor {key!r} is not a LoRA A or B of GPT-2's c_attn, c_proj or c_fc "
+                                f"(only those can be merged)")
+        if e.dtype not in FLOAT_DTYPES or len(e.shape) != 2:
+            raise GPT2PortError(f"{weights}: tensor {key!r} is not a float matrix ({e.dtype}, shape {e.shape})")
+        found.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = (key, e.shape)
+    if not found:
+        raise GPT2PortError(f"{weights}: holds no LoRA tensors")
+    tensors = mmap_tensors(header)
+    out = {}
+    for (layer, module), parts in sorted(found.items()):
+        name = f"blocks.{layer}.{_OURS[module]}"
+        if set(parts) != {"A", "B"}:
+            have = next(iter(parts.values()))[0]
+            raise GPT2PortError(f"{weights}: {have!r} has no lora_{'B' if 'A' in parts else 'A'} beside it")
+        (ka, sa), (kb, sb) = parts["A"], parts["B"]
+        if sa[0] != sb[1]:
+            raise GPT2PortError(f"{weights}: {ka!r} has rank {sa[0]} (shape {sa}) but {kb!r} {sb[1]} (shape {sb})")
+        if config is not None:
+            _check_base(weights, config, layer, module, ka, sa, kb, sb)
+        r = sa[0]
+        alpha = _pattern(cfg.get("alpha_pattern"), hf_module(name), cfg.get("lora_alpha", 8))
+        scaling = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+        out[name] = (tensors[ka].float(), tensors[kb].float(), float(scaling))
+    return out, cfg
+
+
+def _check_config(cfg: dict, where: Path) -> None:
+    if cfg.get("peft_type") != "LORA":
+        raise GPT2PortError(f"{where}: peft_type is {cfg.get('peft_type')!r}; gpt2port merges LORA adapters only")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        other = [t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in ("c_attn", "c_proj",
+                                                                                               "c_fc")]
+        if other:
+            raise GPT2PortError(f"{where}: target_modules {other} are not GPT-2's c_attn, c_proj or c_fc (only "
+                                f"those can be merged)")
+    if cfg.get("fan_in_fan_out") is not True:
+        raise GPT2PortError(f"{where}: fan_in_fan_out is {cfg.get('fan_in_fan_out')!r}, but GPT-2's c_attn, c_proj "
+                            f"and c_fc are Conv1D, stored (in, out): an adapter of GPT2LMHeadModel says true (peft "
+                            f"sets it); this one was made for another layout")
+    if cfg.get("use_dora"):
+        raise GPT2PortError(f"{where}: use_dora is set; DoRA adapters are not LoRA's B A and are not supported")
+    if cfg.get("modules_to_save"):
+        raise GPT2PortError(f"{where}: modules_to_save {cfg['modules_to_save']} (whole trained modules) are not "
+                            f"supported; only LoRA on c_attn, c_proj and c_fc")
+    if cfg.get("bias", "none") != "none":
+        raise GPT2PortError(f"{where}: bias {cfg['bias']!r}: trained biases are not supported (bias \"none\" only)")
+    for key in ("lora_alpha", "r"):
+        v = cfg.get(key, 8)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise GPT2PortError(f"{where}: {key} is {v!r}; a positive number is needed")
+
+
+def _check_base(weights, config: GPTConfig, layer, module, ka, sa, kb, sb) -> None:
+    """The adapter's shapes against the base's: an adapter of another model is named with both shapes."""
+    C, M = config.n_embd, config.mlp_width
+    n_in, n_out = {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.c_fc": (C, M), "mlp.c_proj": (M, C)}[module]
+    if layer >= config.n_layer:
+        raise GPT2PortError(f"{weights}: {ka!r} adapts layer {layer}; the base has {config.n_layer} layers "
+                            f"(an adapter made for another model)")
+    for key, got, want in ((ka, tuple(sa), (sa[0], n_in)), (kb, tuple(sb), (n_out, sb[1]))):
+        if got != want:
+            raise GPT2PortError(f"{weights}: {key!r} has shape {got}; the base (n_embd {C}) needs {want} (an adapter "
+                                f"made for another model)")
+
+
+def _pattern(patterns, module: str, default):
+    """peft's rank_pattern/alpha_pattern lookup: the first key matching the end of the module's name."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default

@@ -1,0 +1,137 @@
+"""Benchmark: one LoRA training step of gpt2port against full fine-tuning, and against peft + transformers on the
+same loop and batch: peak RSS and steps/s, side by side in one run.
+
+Contenders (random weights at --size, the same batch of --batch-size x --block-size tokens per step, fp32, CPU):
+  full   gpt2port's GPT, every weight trained: the step `gpt2port finetune` runs (training/loop.py's Trainer.step)
+  lora   the same step on the same model with gpt2port's LoRA attached (rank --rank on --targets, base frozen):
+         what `gpt2port finetune --lora` runs
+  peft   transformers' GPT2LMHeadModel (sdpa attention) with peft's LoRA of the same rank on the same matrices,
+         trained by the same loop written by hand (cross-entropy on every position, clipping, AdamW with gpt2port's
+         parameter groups)
+Each contender runs in a process of its own (so VmHWM, the peak RSS, is its own: model, activations, gradients,
+optimizer state, torch itself), --warmup steps then --steps timed; the processes take turns for --rounds rounds
+so that all see the machine in the same state. The load average is printed before and after.
+
+    python -m scripts.bench.lora [--size gpt2] [--rank 8] [--targets qkv] [--batch-size 4] [--block-size 256]
+                                 [--steps 4] [--warmup 1] [--rounds 2] [--kinds full,lora,peft] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from scripts import ROOT
+from scripts.bench.finetune import _gpt2port_step, _transformers_step
+
+HF_NAMES = {"qkv": "attn.c_attn", "attn_proj": "attn.c_proj", "fc": "mlp.c_fc", "mlp_proj": "mlp.c_proj"}
+
+
+def _peak_rss_gb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1e6
+
+
+def _tokens(config):
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, config.vocab_size, size=200_000).astype(np.uint16)
+
+
+def _gpt2port(config, args, lora: bool):
+    from gpt2port.lora import layer
+    from gpt2port.lora.spec import Spec
+
+    def attach(model):
+        layer.attach(model, Spec(args.rank, 2.0 * args.rank, tuple(args.targets.split(","))),
+                     torch.Generator().manual_seed(0))
+
+    return _gpt2port_step(config, torch.device("cpu"), args, _tokens(config), None, attach if lora else None)
+
+
+def _peft(config, args):
+    import peft
+
+    lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, fan_in_fan_out=True, lora_dropout=0.0,
+                           target_modules=[HF_NAMES[t] for t in args.targets.split(",")])
+    return _transformers_step(config, torch.device("cpu"), args, _tokens(config), None,
+                              lambda model: peft.get_peft_model(model, lora))
+
+
+def worker(args) -> None:
+    """One contender in this process: its step times and peak RSS as one JSON line."""
+    from gpt2port.config import GPTConfig
+
+    torch.set_num_threads(args.threads)
+    args.compile = False  # what scripts/bench/finetune.py's steps read
+    config = GPTConfig(**json.loads(args.size)) if args.size.startswith("{") else GPTConfig.preset(args.size)
+    model, step = _peft(config, args) if args.worker == "peft" else _gpt2port(config, args, args.worker == "lora")
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        losses.append(step(i))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    print(json.dumps({"times": times, "peak_rss_gb": _peak_rss_gb(), "trained": trained, "first_loss": losses[0]}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="gpt2", help="a preset name, or GPTConfig's fields as JSON (a quick check)")
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--targets", default="qkv")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kinds", default="full,lora,peft")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    kinds = args.kinds.split(",")
+    results = {k: {"times": [], "peak_rss_gb": 0.0} for k in kinds}
+    load_before = os.getloadavg()
+    passed = [a for a in sys.argv[1:]]
+    for r in range(args.rounds):
+        for kind in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:  # a different one goes first each round
+            out = subprocess.run([sys.executable, "-m", "scripts.bench.lora", *passed, "--worker", kind],
+                                 cwd=ROOT, capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"{kind} failed:\n{out.stderr}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            results[kind]["times"] += got["times"]
+            results[kind]["peak_rss_gb"] = max(results[kind]["peak_rss_gb"], got["peak_rss_gb"])
+            results[kind]["trained"] = got["trained"]
+            print(f"round {r + 1} {kind}: median step {statistics.median(got['times']):.2f} s, peak RSS "
+                  f"{got['peak_rss_gb']:.2f} GB", file=sys.stderr, flush=True)
+    load_after = os.getloadavg()
+    print(f"{args.size}, batch {args.batch_size} x {args.block_size}, rank {args.rank} on {args.targets}, fp32, "
+          f"{args.threads} threads, torch {torch.__version__}; {args.rounds} rounds of {args.steps} steps after "
+          f"{args.warmup}; load average before {load_before[0]:.1f}, after {load_after[0]:.1f} "
+          f"({os.cpu_count()} cores)")
+    print("| contender | trained parameters | median step (s) | steps/s | peak RSS (GB) |")
+    print("|---|---:|---:|---:|---:|")
+    for kind, r in results.items():
+        med = statistics.median(r["times"])
+        print(f"| {kind} | {r['trained']:,} | {med:.2f} | {1 / med:.3f} | {r['peak_rss_gb']:.2f} |")
+    if "lora" in results:
+        lora = statistics.median(results["lora"]["times"])
+        for other in ("full", "peft"):
+            if other in results:
+                print(f"lora vs {other}: {statistics.median(results[other]['times']) / lora:.2f}x the steps/s, "
+                      f"{results['lora']['peak_rss_gb'] / results[other]['peak_rss_gb']:.2f}x the peak RSS")
+
+
+if __name__ == "__main__":
+    main()
