@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import importlib
 import signal
+import threading
 
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended
 HELD = (signal.SIGINT, signal.SIGTERM)
@@ -139,14 +140,16 @@ def program_start() -> None:
     whole run (Ctrl-C as CtrlC), and both held until the command loads torch (load_heavy)."""
     if _program:
         return
-    try:
-        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _terminate)
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _interrupt)
-    except ValueError:  # not the main thread: nothing to hold
+    if threading.current_thread() is not threading.main_thread():  # nothing to hold
         return
-    _program.update(on=True, startup=Held(second="ends"))
+    # Held first, then our handlers put under it as the ones it hands back: a signal between two installs would
+    # otherwise raise out of this function, before anything can report it.
+    startup = Held(second="ends")
+    ours = {signal.SIGTERM: (signal.SIG_DFL, _terminate), signal.SIGINT: (signal.default_int_handler, _interrupt)}
+    for sig, (theirs, handler) in ours.items():
+        if startup.previous.get(sig) is theirs or startup.previous.get(sig) == theirs:
+            startup.previous[sig] = handler
+    _program.update(on=True, startup=startup)
     atexit.register(_ignore_from_now)  # the first registered, so the last to run
 
 
