@@ -19,8 +19,8 @@ from gpt2port.checkpoint import WEIGHTS, is_checkpoint, load_state, read_config,
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads, sweep_leftovers
 from gpt2port.training import data as tokens
-from gpt2port.training import dist, state
-from gpt2port.training.loop import Log, Plan, Stopped, Trainer
+from gpt2port.training import dist, limits, state
+from gpt2port.training.loop import Diverged, Log, Plan, Stopped, Trainer
 from gpt2port.training.optim import adamw
 
 LOG = "train_log.jsonl"
@@ -57,7 +57,7 @@ class Settings:
 
     def resolved(self, context: int) -> "Settings":
         s = dataclasses.replace(self)
-        s.block_size = s.block_size or context
+        s.block_size = context if s.block_size is None else s.block_size
         s.min_lr = s.lr / 10 if s.min_lr is None else s.min_lr
         s.warmup = min(100, s.steps // 10) if s.warmup is None else s.warmup
         s.eval_every = max(1, s.steps // 10) if s.eval_every is None else s.eval_every
@@ -132,8 +132,11 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     progress = Progress(s.steps, start, quiet or not rt.main)
     trainer = Trainer(runner, optimizer, rt, plan, cache.train, cache.val, log, progress)
 
+    saved_at = [start] if saved is not None else []
+
     def save(done: int) -> None:
         state.save(out, rt, model, optimizer, {"step": done, "settings": dataclasses.asdict(s)})
+        saved_at.append(done)
 
     try:
         trainer.run(start, save)
@@ -141,6 +144,11 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
         progress.close()
         raise Interrupted(f"{out}: stopped after step {e.step} of {s.steps}; the training state is saved "
                             f"(continue with --resume)") from None
+    except Diverged as e:
+        progress.close()
+        kept = f"the state saved at step {saved_at[-1]} is kept" if saved_at else "no training state was saved"
+        raise GPT2PortError(f"{out}: training diverged at step {e.step} ({e.what}); nothing of it was written, "
+                            f"{kept} (a lower --lr may help)") from None
     finally:
         log.close()
     progress.close()
@@ -214,18 +222,9 @@ def _resumed(s: Settings, saved: dict, given: set[str]) -> Settings:
 
 
 def _check_settings(s: Settings, context: int, world: int) -> None:
-    if not 1 <= s.block_size <= context:
+    limits.check(vars(s))  # every number finite and in range, one line naming the option
+    if s.block_size > context:
         raise GPT2PortError(f"--block-size {s.block_size}: must be between 1 and the model's context, {context}")
-    if s.steps < 1 or s.batch_size < 1 or s.grad_accum < 1:
-        raise GPT2PortError("--steps, --batch-size and --grad-accum must be at least 1")
     if s.batch_size % (world * s.grad_accum):
         raise GPT2PortError(f"--batch-size {s.batch_size}: the global batch must split evenly over {world} "
                             f"process(es) x {s.grad_accum} accumulation step(s)")
-    if not 0 < s.lr or s.min_lr < 0 or s.warmup < 0 or not 0 <= s.dropout < 1:
-        raise GPT2PortError("--lr must be positive; --min-lr, --warmup >= 0; --dropout in [0, 1)")
-    if not 0 < s.val_fraction < 1:
-        raise GPT2PortError(f"--val-fraction {s.val_fraction}: must be between 0 and 1")
-    if s.dtype not in ("auto", "fp32", "bf16"):
-        raise GPT2PortError(f"--dtype {s.dtype}: one of auto, fp32, bf16")
-    if s.eval_windows < 1:
-        raise GPT2PortError("--eval-windows must be at least 1")

@@ -46,6 +46,14 @@ class Plan:
     autocast: torch.dtype | None = None
 
 
+class Diverged(Exception):
+    """A non-finite loss, gradient or weight at step `step`: nothing of that step is kept."""
+
+    def __init__(self, step: int, what: str):
+        super().__init__(f"step {step}: {what}")
+        self.step, self.what = step, what
+
+
 class Stopped(Exception):
     """Training stopped on request after `step` steps; its state was saved."""
 
@@ -154,10 +162,19 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.params, p.clip if p.clip > 0 else math.inf)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        loss = rt.sum([total.item() / p.grad_accum])[0] / rt.world
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):  # every rank sees the same reduced numbers
+            raise Diverged(step + 1, f"loss {loss}, gradient norm {float(norm)}")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        loss_sum = rt.sum([total.item() / p.grad_accum])[0]
-        return {"step": step + 1, "loss": loss_sum / rt.world, "lr": lr, "grad_norm": float(norm)}
+        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(norm)}
+
+    @torch.no_grad()
+    def check_weights(self, done: int) -> None:
+        """Every weight finite on every rank (a finite loss can still be followed by an update to inf)."""
+        bad = any(not bool(torch.isfinite(getattr(w, "_local_tensor", w)).all()) for w in self.params)
+        if self.rt.any(bad):
+            raise Diverged(done, "a weight is no longer finite after the update")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -198,12 +215,17 @@ class Trainer:
                 if p.eval_every and (done % p.eval_every == 0 or done == p.steps):
                     self._eval_row(done)
                 stopping = rt.any(stop["set"])
-                if done < p.steps and (stopping or (p.save_every and done % p.save_every == 0)):
+                saving = stopping or (p.save_every and done % p.save_every == 0)
+                if saving or done == p.steps:
+                    self.check_weights(done)  # nothing non-finite is saved, nor becomes the checkpoint
+                if saving and done < p.steps:
                     save(done)
                 if stopping and done < p.steps:
                     raise Stopped(done)
 
     def _eval_row(self, done: int) -> None:
         row = {"step": done, "eval_loss": self.evaluate()}
+        if not math.isfinite(row["eval_loss"]):
+            raise Diverged(done, f"held-out loss {row['eval_loss']}")
         self.log.write(row)
         self.progress(row)
