@@ -22,6 +22,7 @@ from gpt2port.training import data as tokens
 from gpt2port.training import dist, limits, state
 from gpt2port.training.loop import Diverged, Log, Plan, Stopped, Trainer
 from gpt2port.training.optim import adamw
+from gpt2port.training.saved import SavedRun, read as saved_state
 
 LOG = "train_log.jsonl"
 PLOT = "loss.svg"
@@ -76,7 +77,7 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     config = read_config(ckpt_dir)
     refuse_overlap(out, ckpt_dir, "the checkpoint being fine-tuned")
     s = (settings or Settings()).resolved(config.n_positions)
-    saved = _check_out(out, resume, force)
+    saved = _check_out(out, resume, force, config)
     if saved is not None:
         named = given if given is not None else (set(vars(s)) if settings is not None else set())
         s = _resumed(s, saved, named)
@@ -102,7 +103,7 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
         out.mkdir(parents=True, exist_ok=True)
         try:
             cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size,
-                                   val_fraction=s.val_fraction, quiet=quiet)
+                                   val_fraction=s.val_fraction, quiet=quiet, vocab_size=config.vocab_size)
         except BaseException:
             if fresh:  # the data was refused half-way through (a bad byte deep in a file): leave nothing
                 shutil.rmtree(out, ignore_errors=True)
@@ -110,7 +111,7 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     rt.barrier()
     if not rt.main:  # rank 0 built the cache; the others find it made from the same files and map it
         cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size, val_fraction=s.val_fraction,
-                               quiet=True)
+                               quiet=True, vocab_size=config.vocab_size)
     train_config = dataclasses.replace(config, dropout=s.dropout)
     _, _, weights = load_state(ckpt_dir)
     model = dist.build(train_config, rt, weights)
@@ -119,8 +120,8 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     start = 0
     torch.manual_seed(s.seed + rt.rank)  # dropout's generator; a resumed run restores the saved one
     if saved is not None:
-        state.load(saved["dir"], rt, model, optimizer)
-        start = saved["step"]
+        state.load(saved, rt, model, optimizer)
+        start = saved.step
     runner = torch.compile(model) if compile_model else model
     plan = Plan(steps=s.steps, batch_size=s.batch_size, block_size=s.block_size, lr=s.lr, min_lr=s.min_lr,
                 warmup=s.warmup, weight_decay=s.weight_decay, clip=s.clip, seed=s.seed,
@@ -191,15 +192,17 @@ def _autocast(dtype: str, device: torch.device):
     return torch.bfloat16
 
 
-def _check_out(out: Path, resume: bool, force: bool) -> dict | None:
-    """The saved state to resume from (None: a fresh run); refuses what would lose a user's work."""
+def _check_out(out: Path, resume: bool, force: bool, config) -> SavedRun | None:
+    """The saved state to resume from, every file of it checked (None: a fresh run); refuses what would lose a
+    user's work."""
     sweep_leftovers(out / TOKENS)  # a run killed while tokenizing left its stage: it blocks nothing
     found = state.where(out) if out.is_dir() else None
     if resume:
         if found is None:
             done = " (it is a finished run)" if out.is_dir() and is_checkpoint(out) else ""
             raise GPT2PortError(f"{out}: no training state to resume from{done}")
-        return {"dir": found, **state.read_meta(found)}
+        return saved_state(found, log=out / LOG, fields=[f.name for f in dataclasses.fields(Settings)],
+                           config=config)
     if out.exists() and not out.is_dir():
         raise GPT2PortError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -208,10 +211,10 @@ def _check_out(out: Path, resume: bool, force: bool) -> dict | None:
     return None
 
 
-def _resumed(s: Settings, saved: dict, given: set[str]) -> Settings:
+def _resumed(s: Settings, saved: SavedRun, given: set[str]) -> Settings:
     """The saved run's settings, with what may change taken from the command line; a kept one given differently
     is refused by name."""
-    before = saved["settings"]
+    before = saved.settings
     for name in KEPT:
         if name in given and getattr(s, name) != before[name]:
             raise GPT2PortError(f"--{name.replace('_', '-')} {getattr(s, name)}: the run being resumed used "

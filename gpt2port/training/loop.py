@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gpt2port import jsonio
+from gpt2port.errors import GPT2PortError
 from gpt2port.training import data as tokens
 from gpt2port.training.dist import Runtime
 from gpt2port.training.optim import lr_at, set_lr
@@ -92,7 +93,7 @@ class Log:
     def __init__(self, path: Path, main: bool, done: int):
         self.path, self.main = path, main
         if main:
-            self.rows = _read_rows(path, done)
+            self.rows = read_rows(path, done)
             path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
             self.file = open(path, "a", buffering=1)
 
@@ -106,14 +107,34 @@ class Log:
             self.file.close()
 
 
-def _read_rows(path: Path, done: int) -> list[dict]:
+def read_rows(path: Path, done: int) -> list[dict]:
     """The rows of the steps a resumed run does not repeat: those up to the saved step (a killed run may have
-    logged later steps, which will run again)."""
-    if not path.is_file():
+    logged later steps, which will run again). Each line must be a row of this log; a last line without its line
+    break is one being written when the run was killed (it comes after the save, and is dropped)."""
+    if not path.exists():
         return []
-    lines = enumerate(path.read_text().splitlines(), 1)
-    rows = [jsonio.loads(line, f"{path}:{n}") for n, line in lines if line.strip()]
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GPT2PortError(f"{path}: not a training log (not UTF-8 at byte {e.start})") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        row = jsonio.loads(line, f"{path}:{n}", "not a JSON line")
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or not all(
+                isinstance(row[k], (int, float)) and not isinstance(row[k], bool) for k in ROW_NUMBERS if k in row):
+            raise GPT2PortError(f"{path}:{n}: not a row of a training log (an object with a whole \"step\" and "
+                                f"numbers)")
+        rows.append(row)
     return [r for r in rows if r["step"] <= done]
+
+
+ROW_NUMBERS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s")
 
 
 class Trainer:
