@@ -1,5 +1,6 @@
 """Fine-tuning text: which files a data path means, checked for what would make training on it meaningless
-(empty, binary, not UTF-8, JSON lines without text), and read back as documents in pieces of bounded size.
+(empty, only whitespace, binary, not UTF-8, JSON lines without text, a model's files, anything but a regular file),
+and read back as documents in pieces of bounded size.
 
 A piece ends where GPT-2's pre-tokenizer joins nothing across the cut: right after a lone newline between two
 non-space characters, or right before a space, tab or line break that follows a non-space character. Encoding the
