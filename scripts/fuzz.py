@@ -33,10 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from scripts import ROOT
+from scripts import ROOT, fuzz_state, hostile_files
 from scripts.fuzz_mutate import MUTATORS
 
 GB = 1 << 30
+GENERATORS = {fuzz_state.NAME: fuzz_state}  # formats that bring their own seed, mutations, commands and judge
 
 
 # --- the worker: one process with gpt2port imported, forking a child per command ---------------------------------
@@ -52,6 +53,7 @@ def worker() -> None:
     import gpt2port.targets.gguf
     import gpt2port.readers.openai_tf
     import gpt2port.info
+    import gpt2port.training.finetune
 
     channel = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:
@@ -159,10 +161,9 @@ def commands(fmt: str, src: Path, out: Path, generate: bool = False) -> list[lis
 
 def fuzz(cases: int, seed: int, formats: list[str], work: Path, memory: int, timeout: float, rss_bound: int,
          keep: Path | None, generate: bool = False, log=print) -> dict:
-    from scripts import hostile_files
-
     work.mkdir(parents=True, exist_ok=True)
-    seeds = hostile_files.build(work / "seeds", formats)
+    seeds = hostile_files.build(work / "seeds", [f for f in formats if f not in GENERATORS])
+    seeds |= {f: GENERATORS[f].build(work / "seeds" / f) for f in formats if f in GENERATORS}
     pristine = {fmt: (p if p.is_dir() else p.parent) for fmt, p in seeds.items()}
     worker = Worker()
     failures, counts, runs, t0 = [], {}, 0, time.perf_counter()
@@ -174,25 +175,33 @@ def fuzz(cases: int, seed: int, formats: list[str], work: Path, memory: int, tim
             case_dir = work / f"case-{i}"
             shutil.copytree(pristine[fmt], case_dir)
             src = case_dir / seeds[fmt].relative_to(pristine[fmt]) if not seeds[fmt].is_dir() else case_dir
-            target = rng.choice(sorted(p for p in case_dir.iterdir() if p.is_file() and p.suffix != ".txt"
-                                       and p.name not in ("vocab.json", "merges.txt")))
-            kinds = [k for k, (applies, _, _) in MUTATORS.items() if applies(target)]
-            kind = rng.choices(kinds, [MUTATORS[k][2] for k in kinds])[0]
-            what = MUTATORS[kind][1](target, rng)
+            own = GENERATORS.get(fmt)
+            if own is not None:  # a format with its own mutations, commands and judge
+                label, kind, what = own.mutate(case_dir, rng)
+            else:
+                target = rng.choice(sorted(p for p in case_dir.iterdir() if p.is_file() and p.suffix != ".txt"
+                                           and p.name not in ("vocab.json", "merges.txt")))
+                kinds = [k for k, (applies, _, _) in MUTATORS.items() if applies(target)]
+                kind = rng.choices(kinds, [MUTATORS[k][2] for k in kinds])[0]
+                what = MUTATORS[kind][1](target, rng)
+                label = target.name
             before = files_of(case_dir)
             counts[fmt] = counts.get(fmt, 0) + 1
-            for args in commands(fmt, src, work / f"out-{i}", generate):
+            runs_of = own.commands(case_dir, seeds[fmt]) if own else commands(fmt, src, work / f"out-{i}", generate)
+            for args in runs_of:
                 result = worker.run(args, case_dir, memory, timeout)
                 runs += 1
                 outcomes["accepted" if result["rc"] == 0 else "refused"] += 1
                 why = judge(result, case_dir, rss_bound)
-                if why is None and files_of(case_dir) != before:
+                if why is None and own is not None:
+                    why = own.judge(case_dir, result, before, files_of(case_dir))
+                elif why is None and files_of(case_dir) != before:
                     why = "the source changed"
                 if why is not None:
-                    failures.append({"case": i, "format": fmt, "file": target.name, "mutation": f"{kind}: {what}",
+                    failures.append({"case": i, "format": fmt, "file": label, "mutation": f"{kind}: {what}",
                                      "command": " ".join(map(str, args[:1])), "why": why, "rc": result["rc"],
                                      "output": (result["stderr"] or result["stdout"])[-600:]})
-                    log(f"FAIL case {i} {fmt} {target.name} {kind}: {what}: {why}\n    "
+                    log(f"FAIL case {i} {fmt} {label} {kind}: {what}: {why}\n    "
                         f"{(result['stderr'] or result['stdout']).strip()[-300:]}")
                     if keep is not None:
                         shutil.copytree(case_dir, keep / f"case-{i}", dirs_exist_ok=True)
@@ -207,7 +216,7 @@ def fuzz(cases: int, seed: int, formats: list[str], work: Path, memory: int, tim
 def main() -> None:
     if sys.argv[1:] == ["--worker"]:
         return worker()
-    from scripts.hostile_files import FORMATS
+    FORMATS = (*hostile_files.FORMATS, *GENERATORS)  # every format the fuzzer knows
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=300)

@@ -46,6 +46,23 @@ def attach(model: torch.nn.Module, s, config: GPTConfig, quiet: bool = True) -> 
     return found
 
 
+def meta_model(config: GPTConfig, settings: dict, fields) -> torch.nn.Module:
+    """The model a saved training state must fit, without memory: a GPT of `config` with the adapters its saved
+    `settings` ask for (those a state from before LoRA lacks taken as the defaults of the dataclass `fields`)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from gpt2port.model import GPT
+
+    s = SimpleNamespace(**{f.name: settings.get(f.name, f.default) for f in dataclasses.fields(fields)})
+    with torch.device("meta"):
+        model = GPT(config)
+        found = check(s, config)
+        if found is not None:
+            layer.attach(model, found)
+    return model
+
+
 def finish(model: torch.nn.Module, config: GPTConfig, s, base: Path) -> dict:
     """Take the adapters out of `model` ({module: (A, B, scaling)}), then merge them into its weights in place,
     checked (logits before and after). Returns what finish_files and the manifest need."""

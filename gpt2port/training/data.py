@@ -29,6 +29,7 @@ from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
 from gpt2port.training.text import documents, pieces
 
 FORMAT = "gpt2port-tokens/1"
+SCAN = 1 << 24  # token ids checked at a time in a cache found on disk (32 MB of uint16)
 BATCH = 16  # pieces handed to the tokenizer's threads at once: at most ~16 MB of text, so a Ctrl-C waits one batch
 
 __all__ = ["documents", "prepare", "TokenCache", "sample_offsets", "eval_offsets", "windows"]
@@ -43,9 +44,11 @@ class TokenCache:
 
 
 def prepare(data: str | Path, tokenizer_dir: Path, cache_dir: Path, *, block_size: int,
-            val_fraction: float = 0.05, quiet: bool = False) -> TokenCache:
+            val_fraction: float = 0.05, quiet: bool = False, vocab_size: int | None = None) -> TokenCache:
     """The token cache of `data` in cache_dir: reused when made from the same files (path, size, mtime) with the
-    same tokenizer and split, else built aside and renamed into place (a failure or Ctrl-C leaves nothing)."""
+    same tokenizer and split, else built aside and renamed into place (a failure or Ctrl-C leaves nothing). A
+    cache reused is checked first: its meta.json, each .bin's length against it, every id below the vocabulary
+    (vocab_size: the model's, where it is smaller than the tokenizer's)."""
     files = documents(data)
     sources = [{"path": str(real(f)), "size": f.stat().st_size, "mtime_ns": f.stat().st_mtime_ns} for f in files]
     recipe = {"format": FORMAT, "sources": sources, "tokenizer": _fingerprint(Path(tokenizer_dir)),
@@ -53,8 +56,8 @@ def prepare(data: str | Path, tokenizer_dir: Path, cache_dir: Path, *, block_siz
     cache_dir = Path(cache_dir)
     meta = _read_meta(cache_dir)
     if meta is None or any(meta.get(k) != v for k, v in recipe.items()):
-        meta = _build(files, Path(tokenizer_dir), cache_dir, recipe, quiet, Path(data))
-    return _open(cache_dir, meta)
+        return _open(cache_dir, _build(files, Path(tokenizer_dir), cache_dir, recipe, quiet, Path(data)))
+    return _open(cache_dir, meta, vocab_size or 1 << 32)
 
 
 def _fingerprint(tokenizer_dir: Path) -> str:
@@ -145,11 +148,41 @@ def _split(stage: Path, n_train: int, n_val: int, dtype) -> None:
     (stage / "val.bin").write_bytes(tail)
 
 
-def _open(cache_dir: Path, meta: dict) -> TokenCache:
+def _open(cache_dir: Path, meta: dict, vocab_size: int | None = None) -> TokenCache:
+    """The cache's two splits, memory-mapped; with vocab_size (a cache found, not just built), its meta.json and
+    bytes are checked first: a damaged cache is refused naming the file, never mapped past its end."""
+    if vocab_size is not None:
+        _check_meta(cache_dir / "meta.json", meta, vocab_size)
+
     def mapped(name: str, n: int) -> np.ndarray:
-        return np.memmap(cache_dir / name, dtype=meta["dtype"], mode="r", shape=(n,))
+        path = cache_dir / name
+        if vocab_size is not None:
+            size, want = path.lstat().st_size if path.is_file() else -1, n * np.dtype(meta["dtype"]).itemsize
+            if size != want:
+                raise GPT2PortError(f"{path}: {max(size, 0):,} bytes, but meta.json says {n:,} tokens of "
+                                    f"{meta['dtype']} ({want:,} bytes): the token cache is damaged (remove "
+                                    f"{cache_dir} to tokenize again)")
+        ids = np.memmap(path, dtype=meta["dtype"], mode="r", shape=(n,))
+        if vocab_size is not None:
+            top = max((int(ids[i : i + SCAN].max()) for i in range(0, n, SCAN)), default=0)
+            if top >= min(vocab_size, meta["vocab_size"]):
+                raise GPT2PortError(f"{path}: holds token id {top}, beyond the vocabulary "
+                                    f"({min(vocab_size, meta['vocab_size'])}): the token cache is damaged (remove "
+                                    f"{cache_dir} to tokenize again)")
+        return ids
 
     return TokenCache(cache_dir, mapped("train.bin", meta["n_train"]), mapped("val.bin", meta["n_val"]), meta)
+
+
+def _check_meta(path: Path, meta: dict, vocab_size: int) -> None:
+    def whole(k: str, lo: int) -> bool:
+        return isinstance(meta.get(k), int) and not isinstance(meta.get(k), bool) and lo <= meta[k] < 1 << 62
+
+    low = meta["block_size"] + 1  # the recipe matched: block_size is the run's
+    if meta.get("dtype") not in ("uint16", "uint32") or not whole("n_train", low) or not whole("n_val", low) \
+            or not whole("vocab_size", 1) or meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
+        raise GPT2PortError(f"{path}: not a token cache's meta.json (dtype, n_train, n_val, vocab_size) (remove "
+                            f"{path.parent} to tokenize again)")
 
 
 def sample_offsets(n_tokens: int, block_size: int, *, seed: int, step: int, count: int) -> np.ndarray:

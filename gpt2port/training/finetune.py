@@ -20,9 +20,10 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads, sweep_leftovers
 from gpt2port.lora import train as lora_train
 from gpt2port.training import data as tokens
-from gpt2port.training import dist, state
-from gpt2port.training.loop import Log, Plan, Stopped, Trainer
+from gpt2port.training import dist, limits, state
+from gpt2port.training.loop import Diverged, Log, Plan, Stopped, Trainer
 from gpt2port.training.optim import adamw
+from gpt2port.training.saved import SavedRun, read as saved_state
 
 LOG = "train_log.jsonl"
 PLOT = "loss.svg"
@@ -32,6 +33,7 @@ TOKENS = "tokens"
 KEPT = ("steps", "batch_size", "block_size", "lr", "min_lr", "warmup", "weight_decay", "clip", "seed",
         "eval_windows", "dropout", "val_fraction", "dtype",
         "lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout")
+ADDED = ("lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout")  # absent from older saved states
 
 
 class Interrupted(GPT2PortError):
@@ -69,7 +71,7 @@ class Settings:
 
     def resolved(self, context: int) -> "Settings":
         s = dataclasses.replace(self)
-        s.block_size = s.block_size or context
+        s.block_size = context if s.block_size is None else s.block_size
         s.min_lr = s.lr / 10 if s.min_lr is None else s.min_lr
         s.warmup = min(100, s.steps // 10) if s.warmup is None else s.warmup
         s.eval_every = max(1, s.steps // 10) if s.eval_every is None else s.eval_every
@@ -88,7 +90,7 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     config = read_config(ckpt_dir)
     refuse_overlap(out, ckpt_dir, "the checkpoint being fine-tuned")
     s = (settings or Settings()).resolved(config.n_positions)
-    saved = _check_out(out, resume, force)
+    saved = _check_out(out, resume, force, config)
     if saved is not None:
         named = given if given is not None else (set(vars(s)) if settings is not None else set())
         s = _resumed(s, saved, named)
@@ -115,7 +117,7 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
         out.mkdir(parents=True, exist_ok=True)
         try:
             cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size,
-                                   val_fraction=s.val_fraction, quiet=quiet)
+                                   val_fraction=s.val_fraction, quiet=quiet, vocab_size=config.vocab_size)
         except BaseException:
             if fresh:  # the data was refused half-way through (a bad byte deep in a file): leave nothing
                 shutil.rmtree(out, ignore_errors=True)
@@ -123,7 +125,7 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     rt.barrier()
     if not rt.main:  # rank 0 built the cache; the others find it made from the same files and map it
         cache = tokens.prepare(data, ckpt_dir, out / TOKENS, block_size=s.block_size, val_fraction=s.val_fraction,
-                               quiet=True)
+                               quiet=True, vocab_size=config.vocab_size)
     train_config = dataclasses.replace(config, dropout=s.dropout)
     _, _, weights = load_state(ckpt_dir)
     model = dist.build(train_config, rt, weights, lambda m: lora_train.attach(m, s, config, quiet or not rt.main))
@@ -132,8 +134,8 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     start = 0
     torch.manual_seed(s.seed + rt.rank)  # dropout's generator; a resumed run restores the saved one
     if saved is not None:
-        state.load(saved["dir"], rt, model, optimizer)
-        start = saved["step"]
+        state.load(saved, rt, model, optimizer)
+        start = saved.step
     runner = torch.compile(model) if compile_model else model
     plan = Plan(steps=s.steps, batch_size=s.batch_size, block_size=s.block_size, lr=s.lr, min_lr=s.min_lr,
                 warmup=s.warmup, weight_decay=s.weight_decay, clip=s.clip, seed=s.seed,
@@ -145,8 +147,11 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     progress = Progress(s.steps, start, quiet or not rt.main)
     trainer = Trainer(runner, optimizer, rt, plan, cache.train, cache.val, log, progress)
 
+    saved_at = [start] if saved is not None else []
+
     def save(done: int) -> None:
         state.save(out, rt, model, optimizer, {"step": done, "settings": dataclasses.asdict(s)})
+        saved_at.append(done)
 
     try:
         trainer.run(start, save)
@@ -154,6 +159,11 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
         progress.close()
         raise Interrupted(f"{out}: stopped after step {e.step} of {s.steps}; the training state is saved "
                           f"(continue with --resume)", e.signum) from None
+    except Diverged as e:
+        progress.close()
+        kept = f"the state saved at step {saved_at[-1]} is kept" if saved_at else "no training state was saved"
+        raise GPT2PortError(f"{out}: training diverged at step {e.step} ({e.what}); nothing of it was written, "
+                            f"{kept} (a lower --lr may help)") from None
     finally:
         log.close()
     progress.close()
@@ -200,15 +210,18 @@ def _autocast(dtype: str, device: torch.device):
     return torch.bfloat16
 
 
-def _check_out(out: Path, resume: bool, force: bool) -> dict | None:
-    """The saved state to resume from (None: a fresh run); refuses what would lose a user's work."""
+def _check_out(out: Path, resume: bool, force: bool, config) -> SavedRun | None:
+    """The saved state to resume from, every file of it checked (None: a fresh run); refuses what would lose a
+    user's work."""
     sweep_leftovers(out / TOKENS)  # a run killed while tokenizing left its stage: it blocks nothing
     found = state.where(out) if out.is_dir() else None
     if resume:
         if found is None:
             done = " (it is a finished run)" if out.is_dir() and is_checkpoint(out) else ""
             raise GPT2PortError(f"{out}: no training state to resume from{done}")
-        return {"dir": found, **state.read_meta(found)}
+        return saved_state(found, log=out / LOG, fields=[f.name for f in dataclasses.fields(Settings)
+                                                         if f.name not in ADDED],
+                           config=config, model_for=lambda saved: lora_train.meta_model(config, saved, Settings))
     if out.exists() and not out.is_dir():
         raise GPT2PortError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -217,10 +230,10 @@ def _check_out(out: Path, resume: bool, force: bool) -> dict | None:
     return None
 
 
-def _resumed(s: Settings, saved: dict, given: set[str]) -> Settings:
+def _resumed(s: Settings, saved: SavedRun, given: set[str]) -> Settings:
     """The saved run's settings, with what may change taken from the command line; a kept one given differently
     is refused by name."""
-    before = saved["settings"]
+    before = saved.settings
     for name in KEPT:
         if name in given and getattr(s, name) != before.get(name, getattr(Settings, name)):
             raise GPT2PortError(f"--{name.replace('_', '-')} {getattr(s, name)}: the run being resumed used "
@@ -231,18 +244,9 @@ def _resumed(s: Settings, saved: dict, given: set[str]) -> Settings:
 
 
 def _check_settings(s: Settings, context: int, world: int) -> None:
-    if not 1 <= s.block_size <= context:
+    limits.check(vars(s))  # every number finite and in range, one line naming the option
+    if s.block_size > context:
         raise GPT2PortError(f"--block-size {s.block_size}: must be between 1 and the model's context, {context}")
-    if s.steps < 1 or s.batch_size < 1 or s.grad_accum < 1:
-        raise GPT2PortError("--steps, --batch-size and --grad-accum must be at least 1")
     if s.batch_size % (world * s.grad_accum):
         raise GPT2PortError(f"--batch-size {s.batch_size}: the global batch must split evenly over {world} "
                             f"process(es) x {s.grad_accum} accumulation step(s)")
-    if not 0 < s.lr or s.min_lr < 0 or s.warmup < 0 or not 0 <= s.dropout < 1:
-        raise GPT2PortError("--lr must be positive; --min-lr, --warmup >= 0; --dropout in [0, 1)")
-    if not 0 < s.val_fraction < 1:
-        raise GPT2PortError(f"--val-fraction {s.val_fraction}: must be between 0 and 1")
-    if s.dtype not in ("auto", "fp32", "bf16"):
-        raise GPT2PortError(f"--dtype {s.dtype}: one of auto, fp32, bf16")
-    if s.eval_windows < 1:
-        raise GPT2PortError("--eval-windows must be at least 1")

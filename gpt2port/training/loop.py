@@ -20,6 +20,7 @@ import torch
 
 from gpt2port import jsonio
 from gpt2port.signals import stop_requests
+from gpt2port.errors import GPT2PortError
 from gpt2port.training import data as tokens
 from gpt2port.training.dist import Runtime
 from gpt2port.training.optim import lr_at, set_lr
@@ -45,6 +46,14 @@ class Plan:
     autocast: torch.dtype | None = None
 
 
+class Diverged(Exception):
+    """A non-finite loss, gradient or weight at step `step`: nothing of that step is kept."""
+
+    def __init__(self, step: int, what: str):
+        super().__init__(f"step {step}: {what}")
+        self.step, self.what = step, what
+
+
 class Stopped(Exception):
     """Training stopped on request after `step` steps; its state was saved. `signum`: the signal that asked (None
     where another rank was asked)."""
@@ -60,7 +69,7 @@ class Log:
     def __init__(self, path: Path, main: bool, done: int):
         self.path, self.main = path, main
         if main:
-            self.rows = _read_rows(path, done)
+            self.rows = read_rows(path, done)
             path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
             self.file = open(path, "a", buffering=1)
 
@@ -74,14 +83,34 @@ class Log:
             self.file.close()
 
 
-def _read_rows(path: Path, done: int) -> list[dict]:
+def read_rows(path: Path, done: int) -> list[dict]:
     """The rows of the steps a resumed run does not repeat: those up to the saved step (a killed run may have
-    logged later steps, which will run again)."""
-    if not path.is_file():
+    logged later steps, which will run again). Each line must be a row of this log; a last line without its line
+    break is one being written when the run was killed (it comes after the save, and is dropped)."""
+    if not path.exists():
         return []
-    lines = enumerate(path.read_text().splitlines(), 1)
-    rows = [jsonio.loads(line, f"{path}:{n}") for n, line in lines if line.strip()]
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GPT2PortError(f"{path}: not a training log (not UTF-8 at byte {e.start})") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        row = jsonio.loads(line, f"{path}:{n}", "not a JSON line")
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0 or not all(
+                isinstance(row[k], (int, float)) and not isinstance(row[k], bool) for k in ROW_NUMBERS if k in row):
+            raise GPT2PortError(f"{path}:{n}: not a row of a training log (an object with a whole \"step\" and "
+                                f"numbers)")
+        rows.append(row)
     return [r for r in rows if r["step"] <= done]
+
+
+ROW_NUMBERS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s")
 
 
 class Trainer:
@@ -130,10 +159,19 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.params, p.clip if p.clip > 0 else math.inf)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
+        loss = rt.sum([total.item() / p.grad_accum])[0] / rt.world
+        if not (math.isfinite(loss) and math.isfinite(float(norm))):  # every rank sees the same reduced numbers
+            raise Diverged(step + 1, f"loss {loss}, gradient norm {float(norm)}")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        loss_sum = rt.sum([total.item() / p.grad_accum])[0]
-        return {"step": step + 1, "loss": loss_sum / rt.world, "lr": lr, "grad_norm": float(norm)}
+        return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(norm)}
+
+    @torch.no_grad()
+    def check_weights(self, done: int) -> None:
+        """Every weight finite on every rank (a finite loss can still be followed by an update to inf)."""
+        bad = any(not bool(torch.isfinite(getattr(w, "_local_tensor", w)).all()) for w in self.params)
+        if self.rt.any(bad):
+            raise Diverged(done, "a weight is no longer finite after the update")
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -174,12 +212,17 @@ class Trainer:
                 if p.eval_every and (done % p.eval_every == 0 or done == p.steps):
                     self._eval_row(done)
                 stopping = rt.any(bool(stop.caught))
-                if done < p.steps and (stopping or (p.save_every and done % p.save_every == 0)):
+                saving = stopping or (p.save_every and done % p.save_every == 0)
+                if saving or done == p.steps:
+                    self.check_weights(done)  # nothing non-finite is saved, nor becomes the checkpoint
+                if saving and done < p.steps:
                     save(done)
                 if stopping and done < p.steps:
                     raise Stopped(done, stop.caught[0] if stop.caught else None)
 
     def _eval_row(self, done: int) -> None:
         row = {"step": done, "eval_loss": self.evaluate()}
+        if not math.isfinite(row["eval_loss"]):
+            raise Diverged(done, f"held-out loss {row['eval_loss']}")
         self.log.write(row)
         self.progress(row)

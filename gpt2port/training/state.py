@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import write_json
+from gpt2port.training import saved
 
 STATE = "train_state"
-FORMAT = "gpt2port-train-state/1"
 
 
 def where(out: Path) -> Path | None:
@@ -30,18 +29,11 @@ def where(out: Path) -> Path | None:
     return None
 
 
-def read_meta(state_dir: Path) -> dict:
-    meta = jsonio.read(state_dir / "meta.json")
-    if meta.get("format") != FORMAT:
-        raise GPT2PortError(f"{state_dir / 'meta.json'}: not a gpt2port training state (format {meta.get('format')!r})")
-    return meta
-
-
-def _dcp(action, state: dict, where: Path) -> None:
+def _dcp(action, state: dict, where: Path, **kw) -> None:
     # Without a process group DCP warns that it assumes a single process; that is exactly the intent here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        action(state, checkpoint_id=str(where))
+        action(state, checkpoint_id=str(where), **kw)
 
 
 def save(out: Path, rt, model, optimizer, meta: dict) -> None:
@@ -63,7 +55,7 @@ def save(out: Path, rt, model, optimizer, meta: dict) -> None:
     torch.save(rng, partial / f"rng-{rt.rank}.pt")
     rt.barrier()
     if rt.main:
-        write_json(partial / "meta.json", {"format": FORMAT, "world": rt.world, **meta})
+        write_json(partial / "meta.json", {"format": saved.FORMAT, "world": rt.world, **meta})
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
@@ -72,21 +64,33 @@ def save(out: Path, rt, model, optimizer, meta: dict) -> None:
     rt.barrier()
 
 
-def load(state_dir: Path, rt, model, optimizer) -> None:
-    """Put a saved state into the model and optimizer (resharded by DCP if the world size changed) and restore
-    this rank's generators (a rank that did not exist in the saved run keeps its fresh seed)."""
+def load(run: saved.SavedRun, rt, model, optimizer) -> None:
+    """Put a saved state, checked by saved.read, into the model and optimizer (resharded by DCP if the world size
+    changed) and restore this rank's generators (a rank that did not exist in the saved run keeps its fresh seed).
+    Ends with the numeric check: every weight loaded is finite."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
     msd, frozen = _trained(model, msd)
     state = {"model": msd, "optim": osd}
-    _dcp(dcp.load, state, state_dir)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        _dcp(dcp.load, state, run.dir, storage_reader=_reader(run), planner=_planner())
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a BaseException, holding each rank's traceback
+        first = next(iter((getattr(e, "failures", None) or {0: (e,)}).values()))
+        first = first[0] if isinstance(first, tuple) else first
+        # torch's own text is not relayed: for a shard it cannot unpickle it advises weights_only=False
+        raise GPT2PortError(f"{run.dir}: the saved training state does not load ({type(first).__name__} reading "
+                            f"its shards: their bytes are not what .metadata describes)") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=not frozen))
-    rng_file = state_dir / f"rng-{rt.rank}.pt"
-    if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=True)
+    bad = any(not bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in model.parameters())
+    if rt.any(bad):
+        raise GPT2PortError(f"{run.dir}: the saved weights are not all finite")
+    rng = run.rng.get(rt.rank)
+    if rng is not None:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and rt.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], rt.device)
@@ -98,6 +102,37 @@ def _trained(model, msd: dict) -> tuple[dict, bool]:
     frozen = {n.removeprefix("module.") for n, p in model.named_parameters(remove_duplicate=False)
               if not p.requires_grad}  # DDP's names have "module." before them, the state's do not
     return {k: v for k, v in msd.items() if k not in frozen}, bool(frozen)
+
+
+def _reader(run: saved.SavedRun):
+    """DCP's file reader, handed the metadata saved.read checked instead of unpickling the file again."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            if getattr(run.metadata, "storage_meta", None) is None:
+                run.metadata.storage_meta = StorageMeta()
+            run.metadata.storage_meta.load_id = self.load_id
+            return run.metadata
+
+    return Reader(run.dir)
+
+
+def _planner():
+    """DCP's load planner, reading the non-tensor entries (the optimizer's hyperparameters) as weights_only."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Planner()
 
 
 def remove(out: Path) -> None:

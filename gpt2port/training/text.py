@@ -1,5 +1,6 @@
 """Fine-tuning text: which files a data path means, checked for what would make training on it meaningless
-(empty, binary, not UTF-8, JSON lines without text), and read back as documents in pieces of bounded size.
+(empty, only whitespace, binary, not UTF-8, JSON lines without text, a model's files, anything but a regular file),
+and read back as documents in pieces of bounded size.
 
 A piece ends where GPT-2's pre-tokenizer joins nothing across the cut: right after a lone newline between two
 non-space characters, or right before a space, tab or line break that follows a non-space character. Encoding the
@@ -13,7 +14,9 @@ and no natural text has a "word" that long. Only there can the tokens at the cut
 from __future__ import annotations
 
 import codecs
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -25,27 +28,31 @@ RUN = 1 << 15  # the longest run without a cut point that is tokenized whole (se
 _BREAK = re.compile(r"[ \t\r\n]\S")  # searched in reversed text: the last break after a non-space character
 _PUNCT = r"!-&(-/:-@\[-`{-~"  # ASCII punctuation but the apostrophe
 _SWITCH = re.compile(rf"[{_PUNCT}][A-Za-z0-9]|[A-Za-z0-9][{_PUNCT}]|[A-Za-z][0-9]|[0-9][A-Za-z]")  # reversed, too
-PEEK = 1 << 16  # bytes of each file checked before anything is written (all of it is checked while reading)
+PEEK = 1 << 16  # bytes read at a time while checking a file before anything is written
 
 
 def documents(data: str | Path) -> list[Path]:
     """The source files of a data path, checked before anything is written: a text file, a directory (every *.txt
-    under it, sorted by relative path) or a .jsonl file (one JSON object per line with a "text" string)."""
+    under it, sorted by relative path) or a .jsonl file (one JSON object per line with a "text" string). Each is a
+    regular file holding more than whitespace; nothing that is not a regular file is opened (a FIFO would block)."""
     path = Path(data)
     if not path.exists():
         raise GPT2PortError(f"{path}: no such file or directory")
     if path.is_dir():
-        files = sorted((p for p in path.rglob("*.txt") if p.is_file()), key=lambda p: p.relative_to(path).parts)
-        if not files:
+        if _model_files(path):
+            raise GPT2PortError(f"{path}: a model directory ({', '.join(_model_files(path))}), not text to "
+                                f"fine-tune on")
+        found = sorted((p for p in path.rglob("*.txt") if not p.is_dir()), key=lambda p: p.relative_to(path).parts)
+        if not found:
             others = sum(1 for p in path.rglob("*") if p.is_file())
             raise GPT2PortError(f"{path}: no .txt files in this directory ({others} other file(s))")
-        nonempty = [f for f in files if f.stat().st_size]
+        nonempty = [f for f in found if _kind(f)]
         if not nonempty:
             raise GPT2PortError(f"{path}: every .txt file in this directory is empty")
         for f in nonempty:
             _peek(f)
         return nonempty
-    if path.stat().st_size == 0:
+    if not _kind(path):
         raise GPT2PortError(f"{path}: empty file")
     _peek(path)
     if is_jsonl(path):
@@ -54,17 +61,59 @@ def documents(data: str | Path) -> list[Path]:
     return [path]
 
 
+MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "manifest.json")
+SPECIAL = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+           stat.S_IFSOCK: "a socket"}
+
+
+def _model_files(d: Path) -> list[str]:
+    """What makes `d` a model's directory rather than text: its config, weights, manifest or BPE tokenizer pair
+    (merges.txt is a .txt file, and a checkpoint directory's text would be its merges)."""
+    names = [n for n in MODEL_FILES if (d / n).is_file()]
+    if (d / "merges.txt").is_file() and (d / "vocab.json").is_file():
+        names += ["vocab.json", "merges.txt"]
+    return names
+
+
+def _kind(path: Path) -> bool:
+    """Whether the file has bytes (False: empty); refuses what is not a regular file, or is one whose size says
+    nothing (files of /proc and /sys report 0 or a page and hold something else), and a model's tokenizer file."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        what = SPECIAL.get(stat.S_IFMT(st.st_mode), "not a regular file")
+        raise GPT2PortError(f"{path}: {what}, not a text file; fine-tuning reads regular files")
+    real = os.path.realpath(path)
+    if real.startswith(("/proc/", "/sys/")):
+        raise GPT2PortError(f"{path}: a file of /{real.split('/')[1]} (its size cannot be known), not a text file")
+    if path.name == "merges.txt" and (path.parent / "vocab.json").is_file():
+        raise GPT2PortError(f"{path}: a model's tokenizer file (beside vocab.json), not text to fine-tune on")
+    if st.st_size:
+        return True
+    with open(path, "rb") as f:
+        if f.read(1):
+            raise GPT2PortError(f"{path}: its size reads 0 but it holds bytes (a special file: its size cannot be "
+                                f"known), not a text file")
+    return False
+
+
 def is_jsonl(path: Path) -> bool:
     return path.suffix.lower() == ".jsonl"
 
 
 def _peek(path: Path) -> None:
+    """Refuse a file that is binary, not UTF-8 or only whitespace, reading up to the first text (the whole file if
+    it is all whitespace, whatever its size); the rest is checked while tokenizing."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, text = 0, False
     with open(path, "rb") as f:
-        head = f.read(PEEK)
-    _check_bytes(head, path, 0)
-    text = codecs.getincrementaldecoder("utf-8")().decode(head, final=False) if len(head) == PEEK else \
-        _decode(head, path, 0)
-    if len(head) < PEEK and not text.strip():
+        while chunk := f.read(PEEK):
+            _check_bytes(chunk, path, offset)
+            text = text or bool(_decode(chunk, path, offset, decoder, final=False).strip())
+            offset += len(chunk)
+            if text and len(chunk) == PEEK:
+                return
+    _decode(b"", path, offset, decoder, final=True)
+    if not text:
         raise GPT2PortError(f"{path}: holds only whitespace")
 
 

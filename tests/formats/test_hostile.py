@@ -396,3 +396,4 @@ def test_fuzz_script_runs_and_finds_nothing(tmp_path):
     facts = json.loads(report.read_text())
     assert facts["cases"] == 20 and facts["failures"] == [], facts["failures"]
     assert len(facts["formats"]) >= 8
+    assert facts["formats"].get("run-state", 0) >= 2  # a fine-tuning run's state (scripts/fuzz_state.py)
