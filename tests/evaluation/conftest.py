@@ -72,7 +72,7 @@ def hellaswag_file(tmp_path_factory):
     of three other sentences are the endings; some contexts carry WikiHow's bracketed markers, as the real file's
     do, for the harness's preprocess to remove."""
     path = tmp_path_factory.mktemp("eval-hellaswag") / "hellaswag.jsonl"
-    found = [s.split() for s in sentences(english(), 10)][:160]
+    found = [s.split() for s in sentences(english(), 10) if len(s.split()) <= 40][:160]
     rows = []
     for k in range(len(found) // 4):
         group = found[4 * k : 4 * k + 4]

@@ -26,7 +26,7 @@ def run_harness(hf_dir: Path, task: str, data: Path, tmp: Path) -> dict:
     tasks.mkdir(exist_ok=True)
     name = f"gpt2port_{task}"
     (tasks / f"{name}.yaml").write_text(
-        f"include: {own}\ntask: {name}\ntag: []\ndataset_path: json\ndataset_name: null\n"
+        f"include: {own}\ntask: {name}\ntag: []\ndataset_path: json\ndataset_name: null\ntraining_split: null\n"
         f"dataset_kwargs:\n  data_files:\n    {split}: {data}\n")
     lm = HFLM(pretrained=str(hf_dir), batch_size=16, device="cpu", dtype="float32")
     out = simple_evaluate(model=lm, tasks=[name], task_manager=TaskManager(include_path=str(tasks)),
