@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -64,6 +65,10 @@ def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None,
         else:
             result["protocol"] = protocol or "harness"
             result.update(choices.choice_figures(pairs, scores))
+    bad = [k for k, v in result.items() if isinstance(v, float) and math.isnan(v)]
+    if bad or not math.isfinite(result.get("nll", 0.0)):
+        raise GPT2PortError(f"{ckpt}: its log-likelihoods are not finite ({', '.join(bad) or 'nll'}); an overflow in "
+                            f"half precision? try --dtype fp32")
     result["seconds"] = time.perf_counter() - t0
     result["notes"] = loaded.notes
     return result
