@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt2port.evaluation.run import run_eval
-from tests.evaluation.conftest import english, sentences
-from tests.evaluation.harness import run_harness
+from scripts.eval_data import sentences
+from tests.evaluation.conftest import english, run_harness
 
 
 @pytest.fixture(scope="module")
