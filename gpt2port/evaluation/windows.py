@@ -58,8 +58,10 @@ def perplexity(model, ids: list[int], text: str, stride: int | None, base=None, 
                tokens_per_batch: int = TOKENS_PER_BATCH) -> dict:
     """The figures over `ids` (the tokens of `text`); with `base`, also KL(base || model) and top-1 agreement."""
     context = model.config.n_positions
-    if base is not None and base.config.n_positions != context:
-        raise GPT2PortError(f"--against: its context ({base.config.n_positions}) differs from the model's ({context})")
+    for what in ("n_positions", "vocab_size") if base is not None else ():
+        if getattr(base.config, what) != getattr(model.config, what):
+            raise GPT2PortError(f"--against: its {what} ({getattr(base.config, what)}) differs from the model's "
+                                f"({getattr(model.config, what)}); KL needs the same windows and vocabulary")
     stride = check_stride(stride, context)
     windows = plan(len(ids), context, stride)
     tokens = torch.tensor(ids, dtype=torch.long)

@@ -101,3 +101,12 @@ def test_progress_goes_to_stderr_in_step_lines(realistic, text_file):
     result = _eval(realistic[1], "perplexity", text_file, "--json")
     assert json.loads(result.stdout)["tokens"] > 0  # stdout is the JSON alone
     assert "eval [" in result.stderr and "window 0/" in result.stderr
+
+
+def test_against_a_model_of_another_shape(realistic, text_file, tmp_path):
+    from scripts.hf_fixtures import TINY
+    from tests.realistic import realistic_checkpoint
+
+    _, other = realistic_checkpoint(tmp_path / "short", {**TINY, "n_positions": 32})
+    assert_clean_failure(_eval(realistic[1], "perplexity", text_file, "--against", other),
+                         names=["--against", "n_positions (32)", "(64)"])
