@@ -4,9 +4,10 @@ of several endings), as lm-evaluation-harness computes them, and HellaSwag as bu
 The harness tokenizes a pair as its `_encode_pair` does (trailing spaces of the context move to the continuation;
 the continuation's tokens are those of context + continuation after the context's own count), reads
 (context + continuation)[-(context_len + 1):][:-1] and scores the continuation's last positions. Here the endings
-of one context share it: the context runs once, its keys and values are copied to one row per ending, and the
-endings run as one batch after it. Examples without a shared context (LAMBADA) are batched, longest first,
-right-padded (a causal model's logits at a position do not depend on what follows).
+of one context share it: the contexts of a batch of examples run once (left-padded), their keys and values are
+copied to one row per ending, and the endings run as one batch after them. Examples without a shared context
+(LAMBADA) are batched, longest first, right-padded (a causal model's logits at a position do not depend on what
+follows).
 """
 
 from __future__ import annotations
@@ -47,30 +48,37 @@ def score(model, tokenizer, pairs: list[Pair], nanogpt: bool = False, progress=N
     """For each pair, [(log-likelihood, greedy, n_tokens)] per continuation."""
     encode = encode_nanogpt if nanogpt else encode_pair
     n_ctx = model.config.n_positions
-    results: list[list[tuple] | None] = [None] * len(pairs)
-    loose = []  # (pair index, continuation index, tokens read, continuation tokens)
+    results: list[list] = [[None] * len(p.continuations) for p in pairs]
+    shared, loose = [], []  # (pair index, context, continuations); (pair, continuation, tokens read, its tokens)
     for i, pair in enumerate(pairs):
         encoded = [encode(tokenizer, pair.context, c) for c in pair.continuations]
-        if len(pair.continuations) > 1 and all(len(c) + len(k) <= n_ctx + 1 and k for c, k in encoded):
-            results[i] = _shared(model, encoded[0][0], [k for _, k in encoded])
+        if len(encoded) > 1 and all(len(c) + len(k) <= n_ctx + 1 and c and k for c, k in encoded):
+            shared.append((i, encoded[0][0], [k for _, k in encoded]))
         else:
-            results[i] = [None] * len(encoded)
             loose += [(i, j, (c + k)[-(n_ctx + 1):][:-1], k) for j, (c, k) in enumerate(encoded)]
-        if progress and i % 16 == 0:
-            progress(f"example {i}/{len(pairs)}")
+    shared.sort(key=lambda g: -(len(g[1]) + max(map(len, g[2]))))
+    for start, batch in _batches(shared, lambda g: len(g[2]) * (len(g[1]) + max(map(len, g[2]))), tokens_per_batch):
+        for (i, _, _), result in zip(batch, _shared(model, [(g[1], g[2]) for g in batch])):
+            results[i] = result
+        if progress:
+            progress(f"example {start + len(batch)}/{len(pairs)}")
     loose.sort(key=lambda r: -len(r[2]))
-    start = 0
-    while start < len(loose):
-        width = len(loose[start][2])
-        batch = loose[start : start + max(1, tokens_per_batch // max(1, width))]
+    for start, batch in _batches(loose, lambda r: len(r[2]), tokens_per_batch):
         for (i, j, _, _), result in zip(batch, _rows(model, [(r[2], r[3]) for r in batch])):
             results[i][j] = result
-        start += len(batch)
         if progress:
-            progress(f"continuation {start}/{len(loose)}")
-    if progress:
-        progress(None)
+            progress(f"continuation {start + len(batch)}/{len(loose)}")
     return results
+
+
+def _batches(items: list, size, budget: int):
+    """(start, batch) of consecutive items, each batch as many as fit `budget` tokens at the first's size (the
+    items come longest first), at least one."""
+    start = 0
+    while start < len(items):
+        n = max(1, budget // max(1, size(items[start])))
+        yield start, items[start : start + n]
+        start += n
 
 
 def _rows(model, rows: list[tuple[list[int], list[int]]]) -> list[tuple]:
@@ -82,23 +90,37 @@ def _rows(model, rows: list[tuple[list[int], list[int]]]) -> list[tuple]:
     return [_judge(out[r, len(tokens) - len(cont) : len(tokens)], cont) for r, (tokens, cont) in enumerate(rows)]
 
 
-def _shared(model, ctx: list[int], conts: list[list[int]]) -> list[tuple]:
-    """The context once (one row), then every continuation after it (one row each)."""
+def _shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list[list[tuple]]:
+    """Each group's context once (one row each, left-padded: the cache hides the padding, and positions count from
+    a row's first token), then every continuation after its context (one row each, right-padded)."""
     param = model.tok_emb.weight
-    config, n, width = model.config, len(conts), max(len(k) for k in conts) - 1
-    one = KVCache(config, 1, len(ctx), param.dtype, param.device)
-    last = logits(model, torch.tensor([ctx], device=param.device), cache=one)[0, -1:]
-    if width == 0:
-        return [_judge(last, k) for k in conts]
-    cache = KVCache(config, n, len(ctx) + width, param.dtype, param.device)
-    cache.k[:, :, :, : len(ctx)] = one.k  # the context's keys and values, one copy per continuation
-    cache.v[:, :, :, : len(ctx)] = one.v
-    cache.length = len(ctx)
-    idx = torch.zeros(n, width, dtype=torch.long)
-    for r, k in enumerate(conts):
-        idx[r, : len(k) - 1] = torch.tensor(k[:-1])
-    out = logits(model, idx.to(param.device), cache=cache)
-    return [_judge(torch.cat([last, out[r, : len(k) - 1]]), k) for r, k in enumerate(conts)]
+    config, length = model.config, max(len(c) for c, _ in groups)
+    pad = torch.tensor([length - len(c) for c, _ in groups])
+    idx = torch.zeros(len(groups), length, dtype=torch.long)
+    for r, (ctx, _) in enumerate(groups):
+        idx[r, length - len(ctx):] = torch.tensor(ctx)
+    one = KVCache(config, len(groups), length, param.dtype, param.device, pad)
+    last = logits(model, idx.to(param.device), cache=one)[:, -1:]  # each context's prediction of its first token
+    owner = torch.tensor([g for g, (_, conts) in enumerate(groups) for _ in conts])
+    conts = [k for _, ks in groups for k in ks]
+    width = max(len(k) for k in conts) - 1
+    out = None
+    if width:
+        cache = KVCache(config, len(conts), length + width, param.dtype, param.device, pad[owner])
+        cache.k[:, :, :, :length] = one.k.index_select(1, owner.to(param.device))  # one copy per continuation
+        cache.v[:, :, :, :length] = one.v.index_select(1, owner.to(param.device))
+        cache.length = length
+        idx = torch.zeros(len(conts), width, dtype=torch.long)
+        for r, k in enumerate(conts):
+            idx[r, : len(k) - 1] = torch.tensor(k[:-1])
+        out = logits(model, idx.to(param.device), cache=cache)
+    judged = [_judge(last[owner[r]] if out is None else torch.cat([last[owner[r]], out[r, : len(k) - 1]]), k)
+              for r, k in enumerate(conts)]
+    found, r = [], 0
+    for _, ks in groups:
+        found.append(judged[r : r + len(ks)])
+        r += len(ks)
+    return found
 
 
 def _judge(rows: torch.Tensor, cont: list[int]) -> tuple[float, bool, int]:

@@ -9,6 +9,7 @@ user waits for it; the figures of both are printed, and must agree.
 
 Usage (from the repository root; needs `pip install lm-eval accelerate`):
     python -m scripts.bench.eval [--size gpt2] [--lambada 200] [--hellaswag 50] [--rounds 2] [--threads 2]
+        [--tasks lambada_openai,hellaswag]
         [--harness-batch 16] [--workdir DIR]
 """
 
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--size", default="gpt2")
     ap.add_argument("--lambada", type=int, default=200, help="LAMBADA examples")
     ap.add_argument("--hellaswag", type=int, default=50, help="HellaSwag examples")
+    ap.add_argument("--tasks", default="lambada_openai,hellaswag")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--harness-batch", type=int, default=16)
@@ -57,7 +59,8 @@ def main() -> None:
             "hellaswag": ("acc", "acc", "acc_norm", "acc_norm")}
     print(f"{args.size}, {args.threads} threads, torch {torch.__version__}, {os.cpu_count()} cores; "
           f"load average (1/5/15 min) at start {_load()}")
-    for task, path in files.items():
+    for task in args.tasks.split(","):
+        path = files[task]
         best = {"gpt2port": float("inf"), "harness": float("inf")}
         for r in range(args.rounds):
             t = time.perf_counter()
