@@ -15,6 +15,7 @@ import click
 
 from gpt2port.targets import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError
+from gpt2port.evaluation.options import eval_options
 from gpt2port.lora import commands as lora
 from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
 
@@ -324,6 +325,16 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
 
     run_generate(ckpt, sys.stdin.read() if prompt == "-" else prompt, max_new_tokens, temperature, top_k, top_p, seed,
                  num_samples, dtype, device, threads, verbose)
+
+
+@main.command("eval")
+@eval_options
+@_handle_errors
+def eval_(ckpt, as_json, model_card, quiet, **settings):
+    """Score CKPT (anything convert reads) by perplexity, LAMBADA or HellaSwag, as the published figures were made."""
+    from gpt2port.evaluation.run import command_output
+
+    _succeeded(command_output(ckpt, settings, as_json, model_card, quiet))
 
 
 @main.command()

@@ -1,0 +1,152 @@
+"""Log-likelihoods of continuations after a context: LAMBADA (one continuation, greedy or not) and HellaSwag (one
+of several endings), as lm-evaluation-harness computes them, and HellaSwag as build-nanogpt/llm.c score it.
+
+The harness tokenizes a pair as its `_encode_pair` does (trailing spaces of the context move to the continuation;
+the continuation's tokens are those of context + continuation after the context's own count), reads
+(context + continuation)[-(context_len + 1):][:-1] and scores the continuation's last positions. Here the endings
+of one context share it: the contexts of a batch of examples run once (left-padded), their keys and values are
+copied to one row per ending, and the endings run as one batch after them. Examples without a shared context
+(LAMBADA) are batched, longest first, right-padded (a causal model's logits at a position do not depend on what
+follows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpt2port.evaluation.data import Pair
+from gpt2port.evaluation.load import logits
+from gpt2port.model import KVCache
+
+TOKENS_PER_BATCH = 4096
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-evaluation-harness's _encode_pair (an empty context becomes the end-of-text token, as it does)."""
+    if not context:
+        return [tokenizer.eot_token], _encode(tokenizer, continuation)
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
+    whole = _encode(tokenizer, context + continuation)
+    ctx = _encode(tokenizer, context)
+    return ctx, whole[len(ctx):]
+
+
+def encode_nanogpt(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """build-nanogpt's render_example: the context and " " + ending encoded apart."""
+    return _encode(tokenizer, context), _encode(tokenizer, continuation)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, allowed_special="all")  # as HF's tokenizer reads a literal <|endoftext|>
+
+
+@torch.no_grad()
+def score(model, tokenizer, pairs: list[Pair], nanogpt: bool = False, progress=None,
+          tokens_per_batch: int = TOKENS_PER_BATCH) -> list[list[tuple]]:
+    """For each pair, [(log-likelihood, greedy, n_tokens)] per continuation."""
+    encode = encode_nanogpt if nanogpt else encode_pair
+    n_ctx = model.config.n_positions
+    results: list[list] = [[None] * len(p.continuations) for p in pairs]
+    shared, loose = [], []  # (pair index, context, continuations); (pair, continuation, tokens read, its tokens)
+    for i, pair in enumerate(pairs):
+        encoded = [encode(tokenizer, pair.context, c) for c in pair.continuations]
+        if len(encoded) > 1 and all(len(c) + len(k) <= n_ctx + 1 and c and k for c, k in encoded):
+            shared.append((i, encoded[0][0], [k for _, k in encoded]))
+        else:
+            loose += [(i, j, (c + k)[-(n_ctx + 1):][:-1], k) for j, (c, k) in enumerate(encoded)]
+    shared.sort(key=lambda g: -(len(g[1]) + max(map(len, g[2]))))
+    for start, batch in _batches(shared, lambda g: len(g[2]) * (len(g[1]) + max(map(len, g[2]))), tokens_per_batch):
+        for (i, _, _), result in zip(batch, _shared(model, [(g[1], g[2]) for g in batch])):
+            results[i] = result
+        if progress:
+            progress(f"example {start + len(batch)}/{len(pairs)}")
+    loose.sort(key=lambda r: -len(r[2]))
+    for start, batch in _batches(loose, lambda r: len(r[2]), tokens_per_batch):
+        for (i, j, _, _), result in zip(batch, _rows(model, [(r[2], r[3]) for r in batch])):
+            results[i][j] = result
+        if progress:
+            progress(f"continuation {start + len(batch)}/{len(loose)}")
+    return results
+
+
+def _batches(items: list, size, budget: int):
+    """(start, batch) of consecutive items, each batch as many as fit `budget` tokens at the first's size (the
+    items come longest first), at least one."""
+    start = 0
+    while start < len(items):
+        n = max(1, budget // max(1, size(items[start])))
+        yield start, items[start : start + n]
+        start += n
+
+
+def _rows(model, rows: list[tuple[list[int], list[int]]]) -> list[tuple]:
+    device = model.tok_emb.weight.device
+    idx = torch.zeros(len(rows), max(len(r) for r, _ in rows), dtype=torch.long)
+    for r, (tokens, _) in enumerate(rows):
+        idx[r, : len(tokens)] = torch.tensor(tokens)
+    out = logits(model, idx.to(device))
+    return [_judge(out[r, len(tokens) - len(cont) : len(tokens)], cont) for r, (tokens, cont) in enumerate(rows)]
+
+
+def _shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list[list[tuple]]:
+    """Each group's context once (one row each, left-padded: the cache hides the padding, and positions count from
+    a row's first token), then every continuation after its context (one row each, right-padded)."""
+    param = model.tok_emb.weight
+    config, length = model.config, max(len(c) for c, _ in groups)
+    pad = torch.tensor([length - len(c) for c, _ in groups])
+    idx = torch.zeros(len(groups), length, dtype=torch.long)
+    for r, (ctx, _) in enumerate(groups):
+        idx[r, length - len(ctx):] = torch.tensor(ctx)
+    one = KVCache(config, len(groups), length, param.dtype, param.device, pad)
+    last = logits(model, idx.to(param.device), cache=one)[:, -1:]  # each context's prediction of its first token
+    owner = torch.tensor([g for g, (_, conts) in enumerate(groups) for _ in conts])
+    conts = [k for _, ks in groups for k in ks]
+    width = max(len(k) for k in conts) - 1
+    out = None
+    if width:
+        cache = KVCache(config, len(conts), length + width, param.dtype, param.device, pad[owner])
+        cache.k[:, :, :, :length] = one.k.index_select(1, owner.to(param.device))  # one copy per continuation
+        cache.v[:, :, :, :length] = one.v.index_select(1, owner.to(param.device))
+        cache.length = length
+        idx = torch.zeros(len(conts), width, dtype=torch.long)
+        for r, k in enumerate(conts):
+            idx[r, : len(k) - 1] = torch.tensor(k[:-1])
+        out = logits(model, idx.to(param.device), cache=cache)
+    judged = [_judge(last[owner[r]] if out is None else torch.cat([last[owner[r]], out[r, : len(k) - 1]]), k)
+              for r, k in enumerate(conts)]
+    found, r = [], 0
+    for _, ks in groups:
+        found.append(judged[r : r + len(ks)])
+        r += len(ks)
+    return found
+
+
+def _judge(rows: torch.Tensor, cont: list[int]) -> tuple[float, bool, int]:
+    """(summed log-likelihood of `cont`, whether it is the greedy continuation, its length in tokens)."""
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    target = torch.tensor(cont, device=lp.device)
+    ll = lp.gather(1, target[:, None]).double().sum().item()
+    return ll, bool((lp.argmax(-1) == target).all()), len(cont)
+
+
+def lambada_figures(results: list[list[tuple]]) -> dict:
+    """The harness's lambada_openai: accuracy = greedy, perplexity = exp(-mean summed log-likelihood)."""
+    import math
+
+    lls = [r[0][0] for r in results]
+    return {"examples": len(lls), "accuracy": sum(r[0][1] for r in results) / len(lls),
+            "perplexity": math.exp(-sum(lls) / len(lls))}
+
+
+def choice_figures(pairs: list[Pair], results: list[list[tuple]]) -> dict:
+    """acc: the most likely continuation is the label; acc_norm: the same after dividing each log-likelihood by
+    the pair's norms (the harness: characters of the ending) or, without norms (nanoGPT), by its token count."""
+    acc = acc_norm = 0
+    for pair, res in zip(pairs, results):
+        lls = [ll for ll, _, _ in res]
+        norms = pair.norms or [float(n) for _, _, n in res]
+        acc += max(range(len(lls)), key=lambda j: (lls[j], -j)) == pair.label
+        acc_norm += max(range(len(lls)), key=lambda j: (lls[j] / norms[j], -j)) == pair.label
+    return {"examples": len(pairs), "acc": acc / len(pairs), "acc_norm": acc_norm / len(pairs)}

@@ -1,0 +1,75 @@
+"""A model to evaluate, from anything gpt2port reads, and the one place that calls it.
+
+A gpt2port checkpoint (or a NAME) loads with GPT.from_pretrained as `generate` loads it. Any other source (a Hugging
+Face directory, an llm.c file, a GGUF file including q8_0, nanoGPT's ckpt.pt) is converted first, into a private
+temporary directory, by the same conversion `gpt2port convert` runs (with its checks), then loaded the same way; the
+directory is removed once the model is loaded (a mapped file outlives its name on POSIX systems).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpt2port.checkpoint import CONFIG, CONFIG_FORMAT, is_checkpoint, load_tokenizer
+from gpt2port.config import read_json
+from gpt2port.devices import check_device
+from gpt2port.errors import GPT2PortError
+from gpt2port.model import GPT
+
+
+@dataclass
+class Loaded:
+    model: GPT
+    tokenizer: object  # tiktoken.Encoding
+    name: str  # as the user named it
+    dtype: str
+    device: str
+    notes: list[str]
+
+
+def logits(model: GPT, idx: torch.Tensor, cache=None) -> torch.Tensor:
+    """(B, T) token ids -> (B, T, vocab) logits: every call of a model in evaluation goes through here."""
+    return model(idx, cache=cache)
+
+
+def pick_device(device: str | None, dtype: str | None) -> str:
+    device = device or ("cuda" if torch.cuda.is_available() and dtype != "int8" else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
+    check_device(device)
+    return device
+
+
+def load(ckpt: str, dtype: str | None, device: str) -> Loaded:
+    """The model at `ckpt` in `dtype` (None: the file's) on `device`, with its tokenizer."""
+    from gpt2port.dtypes import label
+
+    path = Path(ckpt)
+    if _gpt2port(path) or not path.exists():  # a checkpoint directory, or a NAME under ./checkpoints
+        model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
+        tokenizer, notes = load_tokenizer(model.checkpoint_dir), []
+    else:
+        from gpt2port.conversion import convert
+
+        scratch = Path(tempfile.mkdtemp(prefix="gpt2port-eval-"))
+        try:
+            result = convert(path, scratch / "model")
+            model = GPT.from_pretrained(scratch / "model", dtype=dtype, device=device)
+            tokenizer = load_tokenizer(scratch / "model")
+            model.checkpoint_dir = None
+            notes = [f"{ckpt}: converted for this run ({w})" for w in result.warnings]
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    shown = dtype or label(model.tok_emb.weight.dtype)
+    return Loaded(model, tokenizer, str(ckpt), shown, device, notes)
+
+
+
+def _gpt2port(path: Path) -> bool:
+    """A gpt2port checkpoint directory (a Hugging Face one has the same two file names; its config says otherwise)."""
+    return is_checkpoint(path) and read_json(path / CONFIG).get("format") == CONFIG_FORMAT
