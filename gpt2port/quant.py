@@ -44,7 +44,6 @@ import ctypes
 import functools
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,6 +117,19 @@ class Int8Linear(nn.Module):
             return cls(*quantize_rows(weight), bias, fbgemm=fbgemm)
         return cls(*quantize_rows(weight), bias, (*quantize_rows(weight, columns=smooth), smooth.reciprocal()))
 
+    @classmethod
+    def of(cls, layer: "Int8Linear") -> "Int8Linear":
+        """A layer of this class over `layer`'s own tensors and packed copy (nothing quantized or packed again)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.out_features, new.in_features = layer.out_features, layer.in_features
+        new.weight, new.bias = layer.weight, layer.bias
+        for name in ("scale", "kernel_scale", "in_scale"):
+            new.register_buffer(name, getattr(layer, name))
+        new._packed = layer._packed
+        new.train(layer.training)
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.size(0) == 1 and self._packed is not None:
@@ -129,22 +141,6 @@ class Int8Linear(nn.Module):
         else:
             y = self._blockwise(rows.float())
         return y.view(*x.shape[:-1], self.out_features)
-
-    def bound(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """This layer's product for (rows, in_features) fp32 inputs under inference, as one callable bound once: for
-        one row with fbgemm, its op called bare (forward's branching and per-call subclass switch dropped; a caller
-        that holds torch._C.DisableTorchFunctionSubclass spares the lookup that fbgemm_linear explains), else the
-        layer's forward. Same kernel, same numbers, as forward."""
-        if rows != 1 or self._packed is None:
-            return self.forward
-        # The overload's own C++ entry where PyTorch exposes it: its Python __call__ first scans the arguments for
-        # the fake script objects of torch.export, a few us per product, more than the rest of the call.
-        op = torch.ops.quantized.linear_dynamic.default
-        op = getattr(op, "_op", op)
-        packed, reduce_range, in_scale = self._packed, _reduce_range(), self.in_scale
-        if in_scale is None:
-            return lambda x: op(x, packed, reduce_range)
-        return lambda x: op(x * in_scale, packed, reduce_range)
 
     def _blockwise(self, rows: torch.Tensor) -> torch.Tensor:
         """rows @ (q * scale).T + bias, the weight dequantized BLOCK_ROWS output rows at a time."""
@@ -216,10 +212,6 @@ class Int8Embedding(nn.Module):
     def __init__(self, table: Int8Linear):
         super().__init__()
         self.table = table  # not a copy: the head itself
-
-    @property
-    def weight(self) -> torch.Tensor:  # the model's device and dtype queries look here, as on nn.Embedding
-        return self.table.scale
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return F.embedding(idx, self.table.weight).float() * self.table.scale[idx].unsqueeze(-1)

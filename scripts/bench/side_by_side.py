@@ -45,11 +45,11 @@ def child(ckpt: str, threads: int) -> dict:
         dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[name]
         model = GPT.from_pretrained(ckpt, dtype=dtype)
         prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-        for _ in steps(model, prompt[:, :4], 8, temperature=0, stop_token=None):
+        for _ in steps(model, prompt[:, :4], max_new_tokens=8, temperature=0, stop_token=None):
             pass
         bandwidth = matvec_bandwidth("cpu", repeats=5)
         times = [time.perf_counter()]
-        for _ in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None):
+        for _ in steps(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0, stop_token=None):
             times.append(time.perf_counter())
         rate = NEW_TOKENS / (times[-1] - times[0])
         gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # one decode step each (the prefill is the first)
