@@ -187,6 +187,20 @@ def _fbgemm_works() -> bool:
         return False
 
 
+@functools.cache
+def _int8pack_works() -> bool:
+    """Whether this PyTorch has the int8 weight-packed kernel (a private op) and it computes what it should, on a
+    tiny probe (a private generator)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, scale = quantize_rows(torch.randn(8, 64, generator=g))
+        x = torch.randn(3, 64, generator=g)
+        y = torch._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), q, scale.to(ACTIVATION_DTYPE)).float()
+        return bool(torch.allclose(y, F.linear(x, q.float() * scale[:, None]), rtol=5e-2, atol=5e-2))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def fbgemm_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
     """fbgemm's dynamic int8 linear. Called plainly, PyTorch looks up __torch_function__ on each argument, and on the
     packed weight (a TorchScript object) that lookup fails by way of a C++ exception, several us a product; with
@@ -230,9 +244,9 @@ def quantized_model(cls, path, device=None, smoothing: bool = True, fbgemm: bool
 
     if device is not None and torch.device(device).type != "cpu":
         raise GPT2PortError(f"dtype int8 runs on the CPU (PyTorch's int8 kernel); got device {device}")
-    if not hasattr(torch, "_weight_int8pack_mm"):
-        raise GPT2PortError(f"dtype int8 needs PyTorch's int8 weight-packed kernel (PyTorch >= 2.3; "
-                            f"this is {torch.__version__})")
+    if not _int8pack_works():
+        raise GPT2PortError(f"dtype int8 needs PyTorch's int8 weight-packed kernel (torch._weight_int8pack_mm), "
+                            f"which this PyTorch ({torch.__version__}) lacks or computes wrongly")
     ckpt_dir = resolve(path)
     config = read_config(ckpt_dir)
     if not config.tie_word_embeddings:
