@@ -12,7 +12,7 @@ kernel written in Python, as a PyTorch without a C++ compiler gets.
              called the same way (ctypes), alternately, on the same caches.
   op call    microseconds a call of gpt2port::matvec costs from Python on a 4 x 768 weight, its C++ kernel
              against the same library reached through a Python kernel (registered here under another name).
-  step       a whole 124M decode step (gpt2port.fast.step) (random weights, 16-token prompt, 127 steps), with attention
+  step       a whole 124M decode step (the model's forward) (random weights, 16-token prompt, 127 steps), with attention
              on gpt2port's kernel against SDPA, the two run alternately step by step on caches of their own (this
              machine's bandwidth swings from minute to minute; neighbouring steps see the same): the median of the
              paired differences.

@@ -56,7 +56,8 @@ def child(ckpt: str, threads: int) -> dict:
         got[name] = {"tokens_per_s": rate, "bandwidth": bandwidth,
                      "floor_fraction": rate * weight_bytes_per_token(model) / bandwidth,
                      "step_ms_median": 1e3 * statistics.median(gaps),
-                     "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10]}
+                     "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10],
+                     "load_average": os.getloadavg()[0]}  # the 1-minute load right after the run: a shared machine
         del model
     return got
 
@@ -86,7 +87,8 @@ def main() -> None:
                 runs.setdefault(f"{threads}", {}).setdefault(str(tree), []).append(got)
                 print(f"threads {threads} round {r + 1} {tree.name}: " + ", ".join(
                     f"{k} {v['tokens_per_s']:.1f} tok/s ({v['floor_fraction']:.0%} of floor; step median "
-                    f"{v['step_ms_median']:.2f} ms, best decile {v['step_ms_best_decile']:.2f} ms)"
+                    f"{v['step_ms_median']:.2f} ms, best decile {v['step_ms_best_decile']:.2f} ms; load "
+                    f"{v.get('load_average', float('nan')):.1f})"
                     for k, v in got.items()),
                     file=sys.stderr, flush=True)
     print(report(runs))
@@ -96,7 +98,8 @@ def main() -> None:
 
 def report(runs: dict) -> str:
     lines = ["| threads | tree | " + " | ".join(f"{d} tokens/s (median, min-max)" for d in DTYPES)
-             + " | fp32 fraction of floor (median, min-max) |", "|---" * (3 + len(DTYPES)) + "|"]
+             + " | fp32 fraction of floor (median, min-max) | load average (min-max) |", "|---" * (4 + len(DTYPES))
+             + "|"]
     for threads, trees in runs.items():
         for tree, rounds in trees.items():
             cells = []
@@ -105,6 +108,8 @@ def report(runs: dict) -> str:
                 cells.append(f"{statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})")
             fractions = [r["fp32"]["floor_fraction"] for r in rounds]
             cells.append(f"{statistics.median(fractions):.0%} ({min(fractions):.0%}-{max(fractions):.0%})")
+            loads = [r[d]["load_average"] for r in rounds for d in DTYPES]
+            cells.append(f"{min(loads):.1f}-{max(loads):.1f}")
             lines.append(f"| {threads} | {Path(tree).name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
