@@ -206,7 +206,15 @@ def fbgemm_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
     packed weight (a TorchScript object) that lookup fails by way of a C++ exception, several us a product; with
     subclasses' __torch_function__ off (none of these arguments is a subclass) the object goes straight through."""
     with torch._C.DisableTorchFunctionSubclass():
-        return torch.ops.quantized.linear_dynamic.default(x, packed, reduce_range)
+        return _fbgemm_op()(x, packed, reduce_range)
+
+
+@functools.cache
+def _fbgemm_op():
+    """The overload's own C++ entry where PyTorch exposes it: its Python __call__ first scans the arguments for the
+    fake script objects of torch.export, a few us a product (a decode step makes ~50)."""
+    op = torch.ops.quantized.linear_dynamic.default
+    return getattr(op, "_op", op)
 
 
 @functools.cache

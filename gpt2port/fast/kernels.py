@@ -37,12 +37,6 @@ def choose(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, settings:
     return LINEAR
 
 
-def choose_attention(keys: torch.Tensor, settings: Settings) -> bool:
-    """Whether attention for one new token over this cache of one sequence's keys (1, H, T, D) runs on gpt2port's
-    kernel (attention.c) rather than scaled_dot_product_attention."""
-    return settings.native and settings.attend_one and native.attends(keys) and native.kernels().attend_one
-
-
 def product(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias on the kernel `kind` (choose's answer)."""
     if kind == NATIVE:
@@ -72,13 +66,24 @@ class FastLinear(nn.Linear):
             new.one_row = choose(new.weight, new.bias, 1, settings)
             new.rows = choose(new.weight, new.bias, 2, settings)
             new.chosen_for = (new.weight.dtype, new.weight.device)
+            # A decode step makes ~50 of these calls: the one-row kernel is looked up once, not per call.
+            new.matvec = torch.ops.gpt2port.matvec.default if new.one_row == NATIVE else None
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.dtype != self.weight.dtype or \
-                (self.weight.dtype, x.device) != self.chosen_for:
-            return F.linear(x, self.weight, self.bias)
-        return product(self.one_row if x.numel() == self.in_features else self.rows, x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        dtype, device = self.chosen_for
+        if torch.is_grad_enabled() or x.dtype is not dtype or weight.dtype is not dtype or x.device != device:
+            return F.linear(x, weight, bias)
+        if x.numel() == self.in_features:
+            if self.matvec is not None:
+                return self.matvec(x, weight, bias)
+            kind = self.one_row
+        else:
+            kind = self.rows
+        if kind == ONEDNN and torch.compiler.is_compiling():  # a private op the compiler cannot trace
+            return F.linear(x, weight, bias)
+        return product(kind, x, weight, bias)
 
 
 class FastInt8Linear(Int8Linear):
