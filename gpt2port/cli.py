@@ -321,10 +321,12 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     at most its context (1024 tokens): a longer prompt keeps its end (only that is echoed), and a longer generation
     slides its window.
     """
+    from gpt2port.generate import Options
     from gpt2port.generate_command import run_generate
 
-    run_generate(ckpt, sys.stdin.read() if prompt == "-" else prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                 num_samples, dtype, device, threads, verbose)
+    options = Options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                      threads=threads)
+    run_generate(ckpt, sys.stdin.read() if prompt == "-" else prompt, options, num_samples, dtype, device, verbose)
 
 
 @main.command("eval")

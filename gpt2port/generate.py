@@ -27,15 +27,18 @@ Choices, each a question a user would ask:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from gpt2port.errors import GPT2PortError
 from gpt2port.fast import Settings
+from gpt2port.fast.cache import new_cache
+from gpt2port.fast.graph import decode_step
 from gpt2port.fast.kernels import accelerated
-from gpt2port.fast.step import decode_step
-from gpt2port.model import GPT, KVCache
+from gpt2port.model import GPT
 from gpt2port.tokenizer import ENDOFTEXT_ID
 
 
@@ -43,62 +46,75 @@ class NonFiniteLogits(GPT2PortError):
     """The logits to choose a token from hold NaN or Inf (NaN/Inf weights, or an overflow in fp16)."""
 
 
-def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int = 100,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None,
-             fast: Settings | None = None, report: list[str] | None = None,
-             threads: int | None = None) -> list[list[int]]:
+@dataclass(frozen=True)
+class Options:
+    """How to generate, declared once: every function here takes an Options, and any field as a keyword besides
+    (`generate(model, prompts, 20, temperature=0)`). fast: the accelerations to use (None: Settings.from_env();
+    gpt2port.fast.OFF: the model's forward on PyTorch's kernels alone); threads: CPU threads while it runs (None:
+    torch's setting as it stands)."""
+
+    max_new_tokens: int = 100
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_token: int | None = ENDOFTEXT_ID
+    keep: int | None = None
+    fast: Settings | None = None
+    threads: int | None = None
+
+    @classmethod
+    def of(cls, options: "Options | None", max_new_tokens: int | None, fields: dict) -> "Options":
+        """`options` (default: the defaults) with max_new_tokens, where given, and `fields` replaced."""
+        if max_new_tokens is not None:
+            fields = {**fields, "max_new_tokens": max_new_tokens}
+        return dataclasses.replace(options or cls(), **fields)
+
+
+def generate(model: GPT, prompts: Sequence[Sequence[int]] | torch.Tensor, max_new_tokens: int | None = None,
+             options: Options | None = None, report: list[str] | None = None, **fields) -> list[list[int]]:
     """New tokens for each prompt (a list of token-id lists, or a (B, T) tensor), without the prompt or stop token.
-    fast: the accelerations to use (default Settings.from_env(); gpt2port.fast.OFF: the model's own forward);
-    report, a list: how the decode steps ran is appended to it; threads: CPU threads while it runs."""
+    report, a list: how the decode steps ran is appended to it."""
+    options = Options.of(options, max_new_tokens, fields)
     out: list[list[int]] = [[] for _ in range(len(prompts))]
     stopped = [False] * len(out)
-    for step in steps(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
-                      report, threads):
+    for step in steps(model, prompts, options=options, report=report):
         for row, token in enumerate(step.tolist()):
-            stopped[row] = stopped[row] or token == stop_token
+            stopped[row] = stopped[row] or token == options.stop_token
             if not stopped[row]:
                 out[row].append(token)
     return out
 
 
-def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int = 100, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-           stop_token: int | None = ENDOFTEXT_ID, keep: int | None = None, fast: Settings | None = None,
-           report: list[str] | None = None, threads: int | None = None) -> Iterator[int]:
+def stream(model: GPT, prompt: Sequence[int], max_new_tokens: int | None = None, options: Options | None = None,
+           report: list[str] | None = None, **fields) -> Iterator[int]:
     """Yield the new tokens of one prompt as they are produced (the stop token ends the stream, unyielded)."""
-    for step in steps(model, [prompt], max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
-                      report, threads):
+    options = Options.of(options, max_new_tokens, fields)
+    for step in steps(model, [prompt], options=options, report=report):
         token = int(step[0])
-        if token == stop_token:
+        if token == options.stop_token:
             return
         yield token
 
 
-def steps(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-          top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
-          keep: int | None = None, fast: Settings | None = None, report: list[str] | None = None,
-          threads: int | None = None) -> Iterator[torch.Tensor]:
+def steps(model: GPT, prompts, max_new_tokens: int | None = None, options: Options | None = None,
+          report: list[str] | None = None, **fields) -> Iterator[torch.Tensor]:
     """Yields a (B,) tensor of next tokens per step; rows that have stopped repeat stop_token."""
-    for nxt, _ in decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
-                         report, threads):
+    for nxt, _ in decode(model, prompts, max_new_tokens, options, report, **fields):
         yield nxt
 
 
 @torch.inference_mode()
-def decode(model: GPT, prompts, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-           top_p: float | None = None, seed: int | None = None, stop_token: int | None = ENDOFTEXT_ID,
-           keep: int | None = None, fast: Settings | None = None, report: list[str] | None = None,
-           threads: int | None = None, check_finite: bool = True,
+def decode(model: GPT, prompts, max_new_tokens: int | None = None, options: Options | None = None,
+           report: list[str] | None = None, check_finite: bool = True, **fields,
            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The decoding loop: yields (next tokens (B,), the (B, vocab) logits they were drawn from) per step.
-    fast, report: as for generate. threads: CPU threads for the products while it runs (default: torch's setting,
-    as it stands). check_finite=False lets greedy decoding go on over NaN/Inf logits, as argmax takes them (verify
-    judges such a model, not refuses)."""
-    fast = fast or Settings.from_env()
-    with cpu_threads(threads), accelerated(model, fast) as model:
-        yield from _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop_token, keep, fast,
-                           report, check_finite)
+    check_finite=False lets greedy decoding go on over NaN/Inf logits, as argmax takes them (verify judges such a
+    model, not refuses)."""
+    options = Options.of(options, max_new_tokens, fields)
+    fast = options.fast or Settings.from_env()
+    with cpu_threads(options.threads), accelerated(model, fast) as model:
+        yield from _decode(model, prompts, options, fast, report, check_finite)
 
 
 @contextlib.contextmanager
@@ -118,43 +134,56 @@ def cpu_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def _decode(model: GPT, prompts, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-            seed: int | None, stop_token: int | None, keep: int | None, fast: Settings, report: list[str] | None,
+def _decode(model: GPT, prompts, options: Options, fast: Settings, report: list[str] | None,
             check_finite: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    check_sampling(temperature, top_k, top_p)
-    param = model.tok_emb.weight
+    o = options
+    check_sampling(o.temperature, o.top_k, o.top_p)
+    # The dtype and device the model computes in: the position table's (an int8 model's matrices are int8, its
+    # position table and activations fp32).
+    param = model.pos_emb.weight
     n_ctx = model.config.n_positions
-    keep = n_ctx // 2 if keep is None else keep
+    keep = n_ctx // 2 if o.keep is None else o.keep
     if not 1 <= keep <= n_ctx:
         raise GPT2PortError(f"keep={keep} must be between 1 and the context length {n_ctx}")
-    rows = _prompt_rows(prompts, model.config.vocab_size, stop_token)
-    if max_new_tokens <= 0:
+    rows = _prompt_rows(prompts, model.config.vocab_size, o.stop_token)
+    if o.max_new_tokens <= 0:
         return
-    generator = torch.Generator(param.device).manual_seed(seed) if seed is not None else None
+    generator = torch.Generator(param.device).manual_seed(o.seed) if o.seed is not None else None
     tokens, pad = _left_pad([row[-n_ctx:] for row in rows], param.device)
     B = tokens.size(0)
     # Room for exactly what this call can use: a short generation never allocates the whole context.
-    cache = KVCache(model.config, B, min(n_ctx, tokens.size(1) + max_new_tokens), param.dtype, param.device, pad)
-    logits = model(tokens, cache=cache, last_only=True)
-    step_one = decode_step(model, cache, fast)  # one new token per row (gpt2port.fast.step)
-    if report is not None:
-        report.append(step_one.description)
-    done = torch.zeros(B, dtype=torch.bool, device=param.device)
-    for step in range(max_new_tokens):
-        nxt = sample(logits[:, -1], temperature, top_k, top_p, generator, check_finite)
-        if stop_token is not None:
-            nxt = nxt.masked_fill(done, stop_token)
-            done |= nxt == stop_token
+    cache, attention = new_cache(model.config, B, min(n_ctx, tokens.size(1) + o.max_new_tokens), param.dtype,
+                                 param.device, pad, fast)
+    logits, _ = model(tokens, cache=cache, last_only=True)
+    step_one = decode_step(model, cache, fast, attention)  # the model's forward, one new token per row
+    try:
+        yield from _loop(model, tokens, pad, logits, cache, step_one, o, keep, generator, check_finite)
+    finally:
+        if report is not None:  # after the steps ran: a CUDA graph that failed its check says so
+            report.append(step_one.description)
+
+
+def _loop(model: GPT, tokens: torch.Tensor, pad: torch.Tensor, logits: torch.Tensor, cache, step_one, o: Options,
+          keep: int, generator, check_finite: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    B, n_ctx, pos = tokens.size(0), model.config.n_positions, tokens.size(1)
+    done = torch.zeros(B, dtype=torch.bool, device=tokens.device)
+    for step in range(o.max_new_tokens):
+        nxt = sample(logits[:, -1], o.temperature, o.top_k, o.top_p, generator, check_finite)
+        if o.stop_token is not None:
+            nxt = nxt.masked_fill(done, o.stop_token)
+            done |= nxt == o.stop_token
         yield nxt, logits[:, -1]
-        if step == max_new_tokens - 1 or bool(done.all()):
+        if step == o.max_new_tokens - 1 or bool(done.all()):
             return
         tokens = torch.cat([tokens, nxt.view(B, 1)], dim=1)
-        if cache.length < cache.max_len:
-            logits = step_one(tokens[:, -1:])
+        if pos < cache.max_len:
+            logits = step_one(tokens[:, -1:], pos)
+            pos += 1
         else:  # the context is full: slide the window and prefill it again
             tokens, pad = _slide(tokens, pad, n_ctx, keep)
             cache.reset(pad)
-            logits = model(tokens, cache=cache, last_only=True)
+            logits, _ = model(tokens, cache=cache, last_only=True)
+            pos = tokens.size(1)
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,

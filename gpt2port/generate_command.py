@@ -3,6 +3,7 @@ slowed them. The command line (cli.py) parses; this runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -14,7 +15,7 @@ from gpt2port.dtypes import label
 from gpt2port.devices import check_device
 from gpt2port.errors import GPT2PortError
 import gpt2port.generate as decoding  # looked up at each run: tests spy on decoding.stream
-from gpt2port.generate import NonFiniteLogits, cpu_threads
+from gpt2port.generate import NonFiniteLogits, Options, cpu_threads
 from gpt2port.model import GPT
 from gpt2port.tokenizer import StreamDecoder
 
@@ -23,10 +24,12 @@ from gpt2port.tokenizer import StreamDecoder
 BUSY_FACTOR, BUSY_STEPS = 3, 8
 
 
-def run_generate(ckpt, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                 seed: int | None, num_samples: int, dtype: str | None, device: str | None, threads: int | None,
-                 verbose: bool) -> None:
-    for name, value in (("--temperature", temperature), ("--top-p", top_p)):  # click's ranges let NaN through
+def run_generate(ckpt, prompt: str, options: Options, num_samples: int = 1, dtype: str | None = None,
+                 device: str | None = None, verbose: bool = False) -> None:
+    """Sample `num_samples` continuations of `prompt` (sample i with options.seed + i) and report the rates."""
+    threads = options.threads
+    # click's ranges let NaN through
+    for name, value in (("--temperature", options.temperature), ("--top-p", options.top_p)):
         if value is not None and not math.isfinite(value):
             raise GPT2PortError(f"{name} {value}: must be a finite number")
     device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
@@ -56,8 +59,9 @@ def run_generate(ckpt, prompt: str, max_new_tokens: int, temperature: float, top
         start = time.perf_counter()
         first = last = None
         try:
-            for token in decoding.stream(model, ids, max_new_tokens, temperature, top_k, top_p,
-                                None if seed is None else seed + i, report=how, threads=threads):
+            seed = None if options.seed is None else options.seed + i
+            for token in decoding.stream(model, ids, options.max_new_tokens, dataclasses.replace(options, seed=seed),
+                                         report=how):
                 now = time.perf_counter()
                 if first is None:
                     first = now
@@ -80,7 +84,7 @@ def run_generate(ckpt, prompt: str, max_new_tokens: int, temperature: float, top
     n_threads = torch.get_num_threads() if threads is None else threads
     team = f", {n_threads} thread{'s' if n_threads > 1 else ''}" if device == "cpu" else ""
     click.echo(f"prefill {len(ids) or 1} tokens{times} in {prefill_s:.2f} s; then {decoded} tokens in {decode_s:.2f} "
-               f"s: {rate:.1f} tokens/s ({dtype or label(model.tok_emb.weight.dtype)}, {device}{team})", err=True)
+               f"s: {rate:.1f} tokens/s ({dtype or label(model.pos_emb.weight.dtype)}, {device}{team})", err=True)
     if device == "cpu" and decoded >= BUSY_STEPS and rate * fastest * BUSY_FACTOR < 1:
         advice = "; try --threads 1 (or fewer threads than idle cores)" if n_threads > 1 else ""
         click.echo(f"note: decoding averaged {rate:.1f} tokens/s, but its fastest step ran at {1 / fastest:.1f}: other "
@@ -99,5 +103,5 @@ def _non_finite_weights(model) -> str:
     bad = non_finite_parameters(model)
     if bad:
         return f"; {describe_non_finite(bad, 'its')}"
-    half = model.tok_emb.weight.dtype in (torch.float16, torch.bfloat16)
+    half = model.pos_emb.weight.dtype in (torch.float16, torch.bfloat16)
     return " (its weights are finite: an overflow in half precision? try --dtype fp32)" if half else ""

@@ -4,8 +4,10 @@ Token + learned position embeddings, a stack of pre-LayerNorm blocks (fused-qkv 
 4x MLP), a final LayerNorm, and a head that is the token embedding itself (one Parameter, not a copy).
 Parameter names are gpt2port's own and are the canonical names gpt2port/layouts maps every other layout onto.
 
-The optional KVCache lets generation feed one new token per step instead of re-running the whole context.
-Nothing here is tuned for speed: gpt2port.fast swaps faster kernels in from outside (see its docstring).
+The optional KVCache lets generation feed one new token per step instead of re-running the whole context: the
+cache and the position are arguments of forward, so a decode step is this forward, nothing else. Nothing here is
+tuned for speed: gpt2port.fast replaces layers and the cache with ones that compute the same on faster kernels,
+from outside (see its docstring).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import torch.nn.functional as F
 
 from gpt2port.checkpoint import load_state, save
 from gpt2port.config import ACTIVATIONS, GPTConfig
+from gpt2port.errors import GPT2PortError
 
 
 class KVCache:
-    """Keys and values of every layer for positions [0, length), preallocated up to max_len positions.
+    """Keys and values of every layer, preallocated for max_len positions; the model's forward writes and reads it at
+    the position it is given (GPT.forward's `pos`), so one call is one step, whatever came before.
 
     pad (B,) int64, optional: how many positions at the start of each row are left padding, for a batch of prompts
     of different lengths. Padded positions are hidden from every real query, and a row's position embeddings count
@@ -38,34 +42,49 @@ class KVCache:
         self.reset(pad)
 
     def reset(self, pad: torch.Tensor | None = None) -> None:
-        """Empty the cache (keeping its memory) for a new batch of rows, padded as `pad` says."""
-        self.length = 0
+        """A new batch of rows, padded as `pad` says (the memory is kept; what is written over it starts at 0)."""
         self.pad = None if pad is None or not bool(pad.any()) else pad.to(device=self.k.device, dtype=torch.long)
-        self._mask, self._mask_for = None, None  # the mask for (length, T): every layer of one step shares it
+        self._mask, self._mask_for = None, None  # the mask for (pos, T): every layer of one step shares it
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's k, v (B, H, T, D) for `layer`; return all keys and values so far."""
-        end = self.length + k.size(2)
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor,
+               scale: float | None) -> torch.Tensor:
+        """Store k, v (B, H, T, D) at positions pos.. of `layer`, and return the attention of q (B, H, T, D) over
+        every position up to each query's own. pos a tensor (1,): the same over every slot of the cache, masked, so
+        that shapes do not change from step to step (what a CUDA graph records)."""
+        T = q.size(2)
+        if isinstance(pos, torch.Tensor):
+            at = pos + torch.arange(T, device=pos.device)
+            self.k[layer].index_copy_(2, at, k)
+            self.v[layer].index_copy_(2, at, v)
+            slots = torch.arange(self.max_len, device=pos.device)
+            mask = self._hide_padding(slots.view(1, -1) <= at.view(-1, 1), slots, at)
+            return F.scaled_dot_product_attention(q, self.k[layer], self.v[layer], attn_mask=mask, scale=scale)
+        end = pos + T
+        if end > self.max_len:
+            raise GPT2PortError(f"the KV cache holds {self.max_len} positions; writing {T} at {pos} overflows it")
+        self.k[layer, :, :, pos:end] = k
+        self.v[layer, :, :, pos:end] = v
+        mask, is_causal = self._mask_at(pos, T, q.device)
+        return F.scaled_dot_product_attention(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end],
+                                              attn_mask=mask, is_causal=is_causal, scale=scale)
 
-    def attn_mask(self, T: int, device) -> tuple[torch.Tensor | None, bool]:
-        """(mask, is_causal) for SDPA when T new queries follow `length` cached positions; mask True = may attend."""
-        past = self.length
-        if self.pad is None:
-            if past == 0 or T == 1:  # plain causal prefill, or one query that may see everything: no mask at all
-                return None, T > 1
-        if self._mask_for != (past, T):
-            q = torch.arange(past, past + T, device=device).view(T, 1)
-            k = torch.arange(past + T, device=device).view(1, past + T)
-            mask = k <= q
-            if self.pad is not None:
-                # Hide padding from real queries. A padding query still sees itself, so no row of scores is all
-                # masked: that would make NaNs which, multiplied by a zero weight later, would still be NaN.
-                mask = mask & ((k >= self.pad.view(-1, 1, 1, 1)) | (k == q))
-            self._mask, self._mask_for = mask, (past, T)
+    def _mask_at(self, pos: int, T: int, device) -> tuple[torch.Tensor | None, bool]:
+        """(mask, is_causal) for SDPA when T new queries follow `pos` cached positions; mask True = may attend."""
+        if self.pad is None and (pos == 0 or T == 1):  # plain causal prefill, or one query that sees everything
+            return None, T > 1
+        if self._mask_for != (pos, T):
+            q = torch.arange(pos, pos + T, device=device)
+            self._mask = self._hide_padding(torch.arange(pos + T, device=device).view(1, -1) <= q.view(T, 1),
+                                            torch.arange(pos + T, device=device), q)
+            self._mask_for = (pos, T)
         return self._mask, False
+
+    def _hide_padding(self, causal: torch.Tensor, slots: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """causal (T, S), with each row's padding hidden: (B, 1, T, S). A padding query still sees itself, so no row
+        of scores is all masked: that would make NaNs which, times a zero weight later, would still be NaN."""
+        if self.pad is None:
+            return causal
+        return causal & ((slots.view(1, 1, 1, -1) >= self.pad.view(-1, 1, 1, 1)) | (slots.view(1, -1) == q.view(-1, 1)))
 
 
 class CausalSelfAttention(nn.Module):
@@ -79,18 +98,16 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                pos: int | torch.Tensor = 0) -> torch.Tensor:
         B, T, C = x.shape
         # (B, T, 3C) -> q, k, v, each (B, H, T, D): views, no copies
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4).unbind(0)
-        mask, is_causal = None, T > 1
-        if cache is not None:
-            mask, is_causal = cache.attn_mask(T, x.device)
-            k, v = cache.append(layer, k, v)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, scale=self.scale,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            y = cache.attend(layer, q, k, v, pos, self.scale)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
 
@@ -115,8 +132,9 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cache, layer)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                pos: int | torch.Tensor = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cache, layer, pos)
         return x + self.mlp(self.ln2(x))
 
 
@@ -157,34 +175,36 @@ class GPT(nn.Module):
         """Parameters counted once each: a tied head adds nothing to the token embedding."""
         return sum(p.numel() for p in self.parameters())
 
-    def embed(self, idx: torch.Tensor, start_pos: int = 0, pad: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, pos: int | torch.Tensor = 0, pad: torch.Tensor | None = None) -> torch.Tensor:
+        V, P = self.config.vocab_size, self.config.n_positions
+        if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int) or idx.size(1) == 0:
+            raise GPT2PortError(f"idx must be (batch, tokens) integer token ids; got {tuple(idx.shape)} {idx.dtype}")
         T = idx.size(1)
-        if start_pos + T > self.config.n_positions:
-            raise ValueError(
-                f"sequence of {start_pos + T} tokens exceeds the model's context of {self.config.n_positions}"
-            )
-        pos = torch.arange(start_pos, start_pos + T, device=idx.device)
+        if isinstance(pos, int) and pos + T > P:
+            raise GPT2PortError(f"sequence of {pos + T} tokens exceeds the model's context of {P}")
+        if idx.device.type == "cpu" and not 0 <= int(idx.min()) <= int(idx.max()) < V:  # elsewhere: a sync per call
+            raise GPT2PortError(f"token ids {int(idx.min())}..{int(idx.max())} are outside the vocabulary (0..{V - 1})")
+        positions = pos + torch.arange(T, device=idx.device)
         if pad is not None:  # left-padded rows count positions from their first real token (padding gets 0)
-            pos = (pos.view(1, T) - pad.view(-1, 1)).clamp(min=0)
-        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+            positions = (positions.view(1, T) - pad.view(-1, 1)).clamp(min=0)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
-                last_only: bool = False):
-        """idx (B, T) int64 -> logits (B, T, vocab); with targets (B, T), returns (logits, mean cross-entropy).
+                pos: int | torch.Tensor = 0, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) int64 -> (logits (B, T, vocab), loss): the mean cross-entropy against targets (B, T), or None.
 
-        With a cache, idx holds only the new tokens; their positions continue from cache.length.
-        last_only computes logits for the final position only (all generation needs).
+        With a cache, idx holds the tokens at positions pos.. (their keys and values are stored there; attention
+        sees every position before them): a prompt at pos 0, then one token per call. pos may be a (1,) tensor (a
+        static-shape step, as a CUDA graph records it). last_only computes the final position's logits only.
         """
-        x = self.embed(idx, cache.length, cache.pad) if cache is not None else self.embed(idx)
+        x = self.embed(idx, pos, None if cache is None else cache.pad)
         for i, block in enumerate(self.blocks):
-            x = block(x, cache, i)
-        if cache is not None:
-            cache.length += idx.size(1)
+            x = block(x, cache, i, pos)
         if last_only:
             x = x[:, -1:, :]
         logits = self.lm_head(self.final_norm(x))
         if targets is None:
-            return logits
+            return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         return logits, loss
 

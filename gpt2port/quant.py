@@ -44,7 +44,6 @@ import ctypes
 import functools
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,6 +117,19 @@ class Int8Linear(nn.Module):
             return cls(*quantize_rows(weight), bias, fbgemm=fbgemm)
         return cls(*quantize_rows(weight), bias, (*quantize_rows(weight, columns=smooth), smooth.reciprocal()))
 
+    @classmethod
+    def of(cls, layer: "Int8Linear") -> "Int8Linear":
+        """A layer of this class over `layer`'s own tensors and packed copy (nothing quantized or packed again)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.out_features, new.in_features = layer.out_features, layer.in_features
+        new.weight, new.bias = layer.weight, layer.bias
+        for name in ("scale", "kernel_scale", "in_scale"):
+            new.register_buffer(name, getattr(layer, name))
+        new._packed = layer._packed
+        new.train(layer.training)
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.size(0) == 1 and self._packed is not None:
@@ -129,22 +141,6 @@ class Int8Linear(nn.Module):
         else:
             y = self._blockwise(rows.float())
         return y.view(*x.shape[:-1], self.out_features)
-
-    def bound(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-        """This layer's product for (rows, in_features) fp32 inputs under inference, as one callable bound once: for
-        one row with fbgemm, its op called bare (forward's branching and per-call subclass switch dropped; a caller
-        that holds torch._C.DisableTorchFunctionSubclass spares the lookup that fbgemm_linear explains), else the
-        layer's forward. Same kernel, same numbers, as forward."""
-        if rows != 1 or self._packed is None:
-            return self.forward
-        # The overload's own C++ entry where PyTorch exposes it: its Python __call__ first scans the arguments for
-        # the fake script objects of torch.export, a few us per product, more than the rest of the call.
-        op = torch.ops.quantized.linear_dynamic.default
-        op = getattr(op, "_op", op)
-        packed, reduce_range, in_scale = self._packed, _reduce_range(), self.in_scale
-        if in_scale is None:
-            return lambda x: op(x, packed, reduce_range)
-        return lambda x: op(x * in_scale, packed, reduce_range)
 
     def _blockwise(self, rows: torch.Tensor) -> torch.Tensor:
         """rows @ (q * scale).T + bias, the weight dequantized BLOCK_ROWS output rows at a time."""
@@ -191,12 +187,34 @@ def _fbgemm_works() -> bool:
         return False
 
 
+@functools.cache
+def _int8pack_works() -> bool:
+    """Whether this PyTorch has the int8 weight-packed kernel (a private op) and it computes what it should, on a
+    tiny probe (a private generator)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, scale = quantize_rows(torch.randn(8, 64, generator=g))
+        x = torch.randn(3, 64, generator=g)
+        y = torch._weight_int8pack_mm(x.to(ACTIVATION_DTYPE), q, scale.to(ACTIVATION_DTYPE)).float()
+        return bool(torch.allclose(y, F.linear(x, q.float() * scale[:, None]), rtol=5e-2, atol=5e-2))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def fbgemm_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
     """fbgemm's dynamic int8 linear. Called plainly, PyTorch looks up __torch_function__ on each argument, and on the
     packed weight (a TorchScript object) that lookup fails by way of a C++ exception, several us a product; with
     subclasses' __torch_function__ off (none of these arguments is a subclass) the object goes straight through."""
     with torch._C.DisableTorchFunctionSubclass():
-        return torch.ops.quantized.linear_dynamic.default(x, packed, reduce_range)
+        return _fbgemm_op()(x, packed, reduce_range)
+
+
+@functools.cache
+def _fbgemm_op():
+    """The overload's own C++ entry where PyTorch exposes it: its Python __call__ first scans the arguments for the
+    fake script objects of torch.export, a few us a product (a decode step makes ~50)."""
+    op = torch.ops.quantized.linear_dynamic.default
+    return getattr(op, "_op", op)
 
 
 @functools.cache
@@ -217,10 +235,6 @@ class Int8Embedding(nn.Module):
         super().__init__()
         self.table = table  # not a copy: the head itself
 
-    @property
-    def weight(self) -> torch.Tensor:  # the model's device and dtype queries look here, as on nn.Embedding
-        return self.table.scale
-
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return F.embedding(idx, self.table.weight).float() * self.table.scale[idx].unsqueeze(-1)
 
@@ -238,9 +252,9 @@ def quantized_model(cls, path, device=None, smoothing: bool = True, fbgemm: bool
 
     if device is not None and torch.device(device).type != "cpu":
         raise GPT2PortError(f"dtype int8 runs on the CPU (PyTorch's int8 kernel); got device {device}")
-    if not hasattr(torch, "_weight_int8pack_mm"):
-        raise GPT2PortError(f"dtype int8 needs PyTorch's int8 weight-packed kernel (PyTorch >= 2.3; "
-                            f"this is {torch.__version__})")
+    if not _int8pack_works():
+        raise GPT2PortError(f"dtype int8 needs PyTorch's int8 weight-packed kernel (torch._weight_int8pack_mm), "
+                            f"which this PyTorch ({torch.__version__}) lacks or computes wrongly")
     ckpt_dir = resolve(path)
     config = read_config(ckpt_dir)
     if not config.tie_word_embeddings:

@@ -34,9 +34,7 @@ def check(ckpt: Path, dtypes: list[str], work: Path, text: str = TEXT) -> dict[s
     n_ctx = model.config.n_positions
     ids = ours_tokens[: n_ctx]
     with torch.no_grad():
-        ref = model(torch.tensor([ids]))[0].float().numpy()  # (T, V)
-    if ref.ndim == 3:
-        ref = ref[0]
+        ref = model(torch.tensor([ids]))[0][0].float().numpy()  # (T, V)
     results = {}
     for dtype in dtypes:
         out = work / f"gguf-{dtype}"

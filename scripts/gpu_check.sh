@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One command on one CUDA GPU (an H100: under 8 minutes): the CUDA tests, the decode step recorded as a CUDA graph,
+# One command on one CUDA GPU (an H100: under 8 minutes): the CUDA tests (an edited model.py held to generate's
+# logits on the CUDA step and graph among them), the decode step (the model's forward) recorded as a CUDA graph,
 # and the figures the docs need -- 124M fp32 (graph vs eager vs HF eager), 1.5B bf16 against the bandwidth floor,
 # and a fine-tuning step. Every stage must pass; the first that fails stops the script with its name and a non-zero
 # exit (a skipped CUDA test counts as a failure: it would mean the GPU was not used).
@@ -25,9 +26,10 @@ if not torch.cuda.is_available():
     sys.exit("error: gpu_check.sh needs a CUDA device; torch.cuda.is_available() is False here")
 print(torch.__version__, torch.cuda.get_device_name())' || fail "device"
 
-stage "CUDA tests (the graph recorded and replayed against the model's forward)"
+stage "CUDA tests (the forward recorded as a graph; an edited model.py reaching the CUDA step and graph)"
 log="$OUT_DIR/cuda_tests.log"
-timeout 240 $PY -m pytest -q -p no:cacheprovider -rs tests/fast/test_step.py tests/test_generate.py -k "cuda or graph" \
+timeout 240 $PY -m pytest -q -p no:cacheprovider -rs tests/fast/test_graph.py tests/fast/test_edits.py \
+    tests/test_generate.py -k "cuda or graph" \
     2>&1 | tee "$log" || fail "CUDA tests"
 if grep -Eq "[0-9]+ skipped" "$log"; then fail "CUDA tests (some skipped: see $log)"; fi
 

@@ -55,7 +55,7 @@ def test_every_layout_converts_to_matching_logits(make_hf_repo, tmp_path, layout
     model = GPT.from_pretrained(out, dtype=torch.float32)
     idx = full_context_ids(model.config)
     with torch.no_grad():
-        ours = model(idx)
+        ours, _ = model(idx)
     # HF reads the same (possibly fp16/bf16) weights; upcast to fp32 on both sides, so only the mapping can differ.
     torch.testing.assert_close(ours, hf_logits(src, idx), **FP32_TOL)
 
@@ -98,7 +98,7 @@ def test_non_standard_config(tmp_path):
     assert (ours.config.n_layer, ours.config.vocab_size, ours.config.mlp_width) == (3, 50258, 24)
     idx = full_context_ids(ours.config)
     with torch.no_grad():
-        torch.testing.assert_close(ours(idx), hf_logits(src, idx), **FP32_TOL)
+        torch.testing.assert_close(ours(idx)[0], hf_logits(src, idx), **FP32_TOL)
 
 
 @pytest.mark.parametrize("setting,message", [
@@ -227,7 +227,7 @@ def test_full_size_parity(size, tmp_path_factory, request):
     model = GPT.from_pretrained(out)
     idx = full_context_ids(model.config, batch=1)
     with torch.no_grad():
-        ours = model(idx)
+        ours, _ = model(idx)
     expected = hf_logits(src, idx)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-5)
     assert (ours.argmax(-1) == expected.argmax(-1)).float().mean() > 0.999

@@ -77,8 +77,8 @@ def test_generate_says_when_other_work_slows_decoding(tiny_ckpt, monkeypatch, bu
 
     seen = {}
 
-    def steps(model, ids, n, *args, threads=None, report=None):
-        seen["threads"] = threads
+    def steps(model, ids, n, options, report=None):
+        seen["threads"] = options.threads
         for k in range(n):
             time.sleep(0.1 if busy and k % 4 else 0.02)
             yield 11

@@ -242,6 +242,47 @@ def test_the_model_is_plain_pytorch():
     assert "nn.Linear(" in source and "F.scaled_dot_product_attention(" in source
 
 
+# What only a block computes: a second place that calls these, or walks a model's parts, in the code that makes
+# generation fast is a second copy of the model's arithmetic (one that an edit to model.py would not reach).
+BLOCK_ARITHMETIC = {"layer_norm", "rms_norm", "scaled_dot_product_attention", "gelu", "silu", "relu", "ACTIVATIONS"}
+MODEL_PARTS = {"blocks", "ln1", "ln2", "final_norm", "attn", "mlp", "qkv", "fc", "act"}
+# Probes of a kernel against PyTorch's own function (not the model's) before the kernel is used.
+PROBES = {("native.py", "_attends_right")}
+
+
+def _second_forward(path: Path) -> list[str]:
+    """Where `path` computes a block's arithmetic or reaches into a model's parts (outside PROBES)."""
+    found = []
+    tree = ast.parse(path.read_text())
+    exempt = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and (path.name, f.name) in PROBES
+              for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if id(node) in exempt:
+            continue
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name in BLOCK_ARITHMETIC or (isinstance(node, ast.Attribute) and name in MODEL_PARTS):
+            found.append(f"{path.name}:{node.lineno}: {name}")
+    return found
+
+
+def test_generation_computes_nothing_of_the_model_but_through_its_forward():
+    """The decode step is GPT.forward: the speed code and the decoding loop hold no norm, attention, activation or
+    walk over a model's blocks of their own (tests/fast/test_edits.py checks the same by running an edited model)."""
+    speed = sorted((PACKAGE / "fast").glob("*.py")) + [PACKAGE / "generate.py", PACKAGE / "generate_command.py"]
+    found = [hit for path in speed for hit in _second_forward(path)]
+    assert not found, found
+
+
+def test_the_second_forward_check_sees_a_hand_written_step(tmp_path):
+    step = tmp_path / "step.py"
+    step.write_text("import torch\n"
+                    "def forward(model, x):\n"
+                    "    for b in model.blocks:\n"
+                    "        x = x + b.attn(torch.layer_norm(x, x.shape[-1:]))\n"
+                    "    return x\n")
+    assert _second_forward(step) == ["step.py:3: blocks", "step.py:4: attn", "step.py:4: layer_norm"]
+
+
 def test_importing_the_name_tables_registers_no_operators():
     in_fresh_python("import sys, torch\n"
                     "before = set(torch._C._dispatch_get_all_op_names())\n"

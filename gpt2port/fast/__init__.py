@@ -8,19 +8,21 @@ What is here, one module per concern:
 - settings.py  Settings: which accelerations to use, passed explicitly (`generate` takes one).
 - native.py    gpt2port's own C kernels (matvec.c: one row times a weight; attention.c: attention for one new
                token), built on purpose into a per-machine cache and registered as torch.ops.gpt2port.*.
-- kernels.py   `choose`, the one function that picks each product's kernel, and `accelerate`, which swaps the
-               model's linear layers for ones that use it.
-- step.py      the one decode step (fixed shapes; on a GPU optionally recorded as a CUDA graph) that generation takes
-               instead of the model's forward.
+- kernels.py   `choose`, the one function that picks each product's kernel, and `accelerate`, which replaces the
+               model's linear layers by ones that use it (same Parameters, same product).
+- cache.py     the KV cache generation hands the model: one new token's attention on gpt2port's kernel where it
+               computes what model.KVCache.attend does.
+- graph.py     the decode step: the model's own forward, on a GPU optionally recorded as a CUDA graph.
 - speed.py     the memory-bandwidth floor that decode rates are compared with.
 - doctor.py    `gpt2port doctor`: builds the kernels and says what generation will run on.
 
-Without this package (or with every Settings field off, or the C build failed), the model computes the same
-numbers on PyTorch's own kernels, slower.
+Nothing here computes any part of the model a second time: every step is GPT.forward, with layers and a cache that
+compute the same on faster kernels. Without this package (or with every Settings field off, or the C build failed),
+the model computes the same numbers on PyTorch's own kernels, slower.
 """
 
 from gpt2port.fast.kernels import accelerate, choose, restore
 from gpt2port.fast.settings import OFF, Settings
-from gpt2port.fast.step import decode_step
+from gpt2port.fast.graph import decode_step
 
 __all__ = ["OFF", "Settings", "accelerate", "choose", "decode_step", "restore"]

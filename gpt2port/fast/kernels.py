@@ -5,14 +5,14 @@ The kernels, for inference on the CPU (autograd, torch.compile and other devices
 - NATIVE: gpt2port's own one-row product (native.py, matvec.c), fp32 or bf16: a decode step's every product.
 - ONEDNN: oneDNN's linear (torch.ops.mkldnn._linear_pointwise, a private op probed before use), fp32: F.linear
   calls MKL, whose fp32 few-row and many-row products here stream the weight well below what oneDNN reaches.
-- PLAIN: F.linear.
+- LINEAR: F.linear.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -22,25 +22,19 @@ from gpt2port.fast import native
 from gpt2port.fast.settings import Settings
 from gpt2port.quant import Int8Linear
 
-PLAIN, ONEDNN, NATIVE = "F.linear", "oneDNN", "gpt2port's one-row kernel"
+LINEAR, ONEDNN, NATIVE = "F.linear", "oneDNN", "gpt2port's one-row kernel"
 
 
 def choose(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, settings: Settings) -> str:
     """The kernel for inference products of `rows` rows by this weight on the CPU: NATIVE for one row where it is
-    built and takes the weight, else ONEDNN for fp32 where it works, else PLAIN."""
+    built and takes the weight, else ONEDNN for fp32 where it works, else LINEAR."""
     if weight.device.type != "cpu":
-        return PLAIN
+        return LINEAR
     if rows == 1 and settings.native and native.fits(weight, bias) and native.kernels().matvec:
         return NATIVE
     if settings.onednn and weight.dtype == torch.float32 and onednn_works():
         return ONEDNN
-    return PLAIN
-
-
-def choose_attention(keys: torch.Tensor, settings: Settings) -> bool:
-    """Whether attention for one new token over this cache of one sequence's keys (1, H, T, D) runs on gpt2port's
-    kernel (attention.c) rather than scaled_dot_product_attention."""
-    return settings.native and settings.attend_one and native.attends(keys) and native.kernels().attend_one
+    return LINEAR
 
 
 def product(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -53,48 +47,43 @@ def product(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.linear(x, weight, bias)
 
 
-def bound_product(layer: nn.Module, rows: int, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer's inference product for (rows, in_features) inputs of `dtype`, as a callable bound once (a decode
-    step calls ~50 of them per token): the kernel the layer's forward would take for such inputs, with forward's
-    per-call checks made here instead. A layer this does not know, or whose checks fail, gets its own forward."""
-    if isinstance(layer, Int8Linear):
-        return layer.bound(rows) if dtype == torch.float32 else layer.forward
-    if type(layer) not in (nn.Linear, FastLinear) or layer.weight.dtype != dtype:
-        return layer.forward
-    weight, bias = layer.weight, layer.bias
-    kind = PLAIN
-    if type(layer) is FastLinear and (weight.dtype, weight.device) == layer.chosen_for:
-        kind = layer.one_row if rows == 1 else layer.rows
-    if kind == NATIVE:
-        matvec = torch.ops.gpt2port.matvec
-        return lambda x: matvec(x, weight, bias)
-    if kind == ONEDNN:
-        onednn = torch.ops.mkldnn._linear_pointwise
-        return lambda x: onednn(x.contiguous(), weight, bias, "none", [], "")
-    return lambda x: F.linear(x, weight, bias)
-
-
 class FastLinear(nn.Linear):
     """nn.Linear whose inference products on the CPU run on choose's kernels (one row, and several rows, each
-    chosen once, when the layer is swapped in). Same parameters, same state_dict; autograd, torch.compile, other
-    devices and a weight whose dtype or device changed since go through F.linear."""
+    chosen once, when the layer is made). The same Parameters as the layer it replaces, so the same state_dict;
+    autograd, torch.compile, other devices and a weight whose dtype or device changed since go through F.linear."""
 
-    settings: Settings
-    one_row: str
-    rows: str
-    chosen_for: tuple
-
-    def choose(self, settings: Settings) -> None:
-        self.settings = settings
-        self.one_row = choose(self.weight, self.bias, 1, settings)
-        self.rows = choose(self.weight, self.bias, 2, settings)
-        self.chosen_for = (self.weight.dtype, self.weight.device)
+    @classmethod
+    def of(cls, layer: nn.Linear, settings: Settings | None = None) -> nn.Linear:
+        """A layer of this class (with settings; nn.Linear itself without) over `layer`'s own Parameters."""
+        kind = cls if settings is not None else nn.Linear
+        new = kind.__new__(kind)
+        nn.Module.__init__(new)  # not nn.Linear's: that would make new Parameters
+        new.in_features, new.out_features = layer.in_features, layer.out_features
+        new.weight, new.bias = layer.weight, layer.bias
+        new.train(layer.training)
+        if settings is not None:
+            new.settings = settings
+            new.one_row = choose(new.weight, new.bias, 1, settings)
+            new.rows = choose(new.weight, new.bias, 2, settings)
+            new.chosen_for = (new.weight.dtype, new.weight.device)
+            # A decode step makes ~50 of these calls: the one-row kernel is looked up once, not per call.
+            new.matvec = torch.ops.gpt2port.matvec.default if new.one_row == NATIVE else None
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.dtype != self.weight.dtype or \
-                (self.weight.dtype, x.device) != self.chosen_for:
-            return F.linear(x, self.weight, self.bias)
-        return product(self.one_row if x.numel() == self.in_features else self.rows, x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        dtype, device = self.chosen_for
+        if torch.is_grad_enabled() or x.dtype is not dtype or weight.dtype is not dtype or x.device != device:
+            return F.linear(x, weight, bias)
+        if x.numel() == self.in_features:
+            if self.matvec is not None:
+                return self.matvec(x, weight, bias)
+            kind = self.one_row
+        else:
+            kind = self.rows
+        if kind == ONEDNN and torch.compiler.is_compiling():  # a private op the compiler cannot trace
+            return F.linear(x, weight, bias)
+        return product(kind, x, weight, bias)
 
 
 class FastInt8Linear(Int8Linear):
@@ -102,52 +91,71 @@ class FastInt8Linear(Int8Linear):
 
     settings: Settings
 
-    def choose(self, settings: Settings) -> None:
-        self.settings = settings
-
     def dense(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return product(choose(weight, bias, rows.size(0), self.settings), rows, weight, bias)
 
 
+def _fast(layer: nn.Module, settings: Settings) -> nn.Module:
+    if type(layer) is nn.Linear:
+        return FastLinear.of(layer, settings)
+    fast = FastInt8Linear.of(layer)
+    fast.settings = settings
+    return fast
+
+
+def _plain(layer: nn.Module) -> nn.Module:
+    """The plain layer computing what `layer` does, over its tensors (the layer itself if it is plain)."""
+    if type(layer) is FastLinear:
+        return FastLinear.of(layer)
+    return Int8Linear.of(layer) if type(layer) is FastInt8Linear else layer
+
+
+# Exact types only: a user's subclass (whose forward may compute something else) keeps its own.
+PLAIN_LAYERS, FAST_LAYERS = (nn.Linear, Int8Linear), (FastLinear, FastInt8Linear)
+
+
+def _swappable(model: nn.Module, kinds: tuple = PLAIN_LAYERS + FAST_LAYERS) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, layer) for every layer of one of `kinds` without hooks (a replacement would drop them:
+    a hooked layer keeps its own forward)."""
+    return [(parent, name, layer) for parent in model.modules() for name, layer in parent.named_children()
+            if type(layer) in kinds and not (layer._forward_hooks or layer._forward_pre_hooks)]
+
+
 def accelerate(model: nn.Module, settings: Settings | None = None) -> nn.Module:
-    """Swap the model's linear layers for the fast ones, in place, and return it (gpt-fast's pattern). Each layer
-    keeps its parameters, buffers and hooks: its class changes, nothing else (so a state_dict, a tied head, an
-    optimizer's references are the same). With native kernels asked for, they are built or loaded here (once per
-    machine, with a line on stderr). Calling it again re-chooses with the new settings."""
+    """Replace the model's linear layers (exactly nn.Linear or Int8Linear, without hooks) by fast ones computing
+    the same product on choose's kernels, in place, and return it. Each new layer holds the old one's Parameters
+    and buffers (so a state_dict, a tied head, an optimizer's references are the same); it is set where the old one
+    was, as a submodule (a layer given alone is returned replaced). With native kernels asked for, they are
+    built or loaded here (once per machine, with a line on stderr). Calling it again re-chooses with the new
+    settings."""
     settings = settings or Settings.from_env()
-    for m in model.modules():
-        if type(m) in (nn.Linear, FastLinear):
-            m.__class__ = FastLinear
-        elif type(m) in (Int8Linear, FastInt8Linear):
-            m.__class__ = FastInt8Linear
-        else:
-            continue
-        m.choose(settings)
+    if type(model) in PLAIN_LAYERS + FAST_LAYERS:  # a layer alone: its replacement is returned
+        return _fast(_plain(model), settings)
+    for parent, name, layer in _swappable(model):
+        setattr(parent, name, _fast(_plain(layer), settings))
     return model
 
 
 @contextlib.contextmanager
 def accelerated(model: nn.Module, settings: Settings) -> Iterator[nn.Module]:
-    """The model with its plain linear layers swapped for fast ones within the block, and back after (layers that
-    were fast already keep their own choice)."""
-    plain = [m for m in model.modules() if type(m) in (nn.Linear, Int8Linear)]
-    for m in plain:
-        m.__class__ = FastLinear if type(m) is nn.Linear else FastInt8Linear
-        m.choose(settings)
+    """The model with its plain linear layers replaced by fast ones within the block, and the very same layers put
+    back after (layers that were fast already keep their own choice)."""
+    plain = _swappable(model, PLAIN_LAYERS)
+    for parent, name, layer in plain:
+        setattr(parent, name, _fast(layer, settings))
     try:
         yield model
     finally:
-        for m in plain:
-            m.__class__ = nn.Linear if type(m) is FastLinear else Int8Linear
+        for parent, name, layer in plain:
+            setattr(parent, name, layer)
 
 
 def restore(model: nn.Module) -> nn.Module:
-    """Undo accelerate: every fast layer back to the plain class it was."""
-    for m in model.modules():
-        if type(m) is FastLinear:
-            m.__class__ = nn.Linear
-        elif type(m) is FastInt8Linear:
-            m.__class__ = Int8Linear
+    """Undo accelerate: every fast layer replaced by a plain one holding its Parameters."""
+    if type(model) in FAST_LAYERS:
+        return _plain(model)
+    for parent, name, layer in _swappable(model, FAST_LAYERS):
+        setattr(parent, name, _plain(layer))
     return model
 
 

@@ -5,7 +5,7 @@
  * delivers them. On the CPUs measured, memory delivers most when each core reads several long, far-apart runs of
  * addresses at once. The libraries PyTorch ships read each thread's share of the rows front to back, one run, and
  * at GPT-2's narrow rows (768 numbers, 3 KB) that gets ~70% of what a large product gets; here each thread's rows
- * are split into STREAMS runs that are read in lockstep (scripts/bench_matvec.py measures both).
+ * are split into STREAMS runs that are read in lockstep (scripts/bench/matvec.py measures both).
  *
  * Each row's sum is formed the same way whatever the thread count (LANES partial sums over the row, added in
  * order, then the tail, in one compiled copy of `finish`), so results do not depend on threads. Built by

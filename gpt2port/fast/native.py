@@ -148,9 +148,6 @@ def _product(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torc
     return y
 
 
-# Shapes only, for whatever traces the model without running it (torch.compile, meta-device models)
-
-
 def compiler(variable: str = "CC") -> str | None:
     """The C compiler to build with: $CC if set, else the first of cc, gcc, clang on the PATH; with "CXX" the C++
     compiler likewise: $CXX, else c++, g++, clang++."""

@@ -14,15 +14,14 @@ class Settings:
     native: bool = True  # gpt2port's own one-row product (matvec.c), built on first use (fast.native)
     attend_one: bool = True  # gpt2port's attention for one new token of one sequence (attention.c)
     onednn: bool = True  # fp32 products of several rows (prefill) on oneDNN rather than F.linear's MKL
-    step: bool = True  # decode through fast.step's one-token step rather than the model's forward
-    cuda_graph: bool = False  # record that step as a CUDA graph on CUDA devices: opt-in until a GPU run proves it
+    cuda_graph: bool = False  # decode steps (the model's forward) as a CUDA graph on CUDA: opt-in until a GPU proves it
 
     @classmethod
     def from_env(cls) -> "Settings":
-        """The defaults, with GPT2PORT_NATIVE=0 (no C build) and GPT2PORT_CUDA_GRAPH=1 (record the step) applied:
-        how the command line is switched without a flag."""
+        """The defaults, with GPT2PORT_NATIVE=0 (no C build) and GPT2PORT_CUDA_GRAPH=1 (record the decode step)
+        applied: how the command line is switched without a flag."""
         return cls(native=os.environ.get("GPT2PORT_NATIVE", "1") != "0",
                    cuda_graph=os.environ.get("GPT2PORT_CUDA_GRAPH", "0") == "1")
 
 
-OFF = Settings(native=False, attend_one=False, onednn=False, step=False, cuda_graph=False)
+OFF = Settings(native=False, attend_one=False, onednn=False, cuda_graph=False)

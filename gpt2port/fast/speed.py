@@ -13,7 +13,7 @@ import time
 import torch
 
 from gpt2port.fast import native
-from gpt2port.fast.kernels import PLAIN, choose, product
+from gpt2port.fast.kernels import LINEAR, choose, product
 from gpt2port.fast.settings import Settings
 
 PROBE_BYTES = 256 << 20
@@ -52,7 +52,7 @@ def _best_matvec(device: torch.device, dtype: torch.dtype, nbytes: int, repeats:
     n = int((nbytes // dtype.itemsize) ** 0.5)
     w = torch.randn(n, n, device=device, dtype=dtype)
     x = torch.randn(1, n, device=device, dtype=dtype)
-    kinds = {PLAIN}
+    kinds = {LINEAR}
     if cpu_kernels:  # whatever choose() would take for one row, and oneDNN besides
         kinds |= {choose(w, None, 1, Settings()), choose(w, None, 1, Settings(native=False))}
     best = float("inf")

@@ -85,7 +85,9 @@ class GPTStages(Stages):
         self.model = model
         self.n_layer, self.n_head, self.n_embd = cfg.n_layer, cfg.n_head, cfg.n_embd
         self.n_positions, self.vocab_size = cfg.n_positions, cfg.vocab_size
-        weight = model.tok_emb.weight  # a local only: a kept parameter would outlive `del model` (and its mapping)
+        # The dtype the model computes in: its position table's (an int8 model's matrices are int8, its activations
+        # fp32). A local only: a kept parameter would outlive `del model` (and its mapping).
+        weight = model.pos_emb.weight
         self.dtype, self.device = weight.dtype, weight.device
         self.precision = getattr(model, "quantized", None)
         self.n_params = model.num_params()
@@ -93,12 +95,12 @@ class GPTStages(Stages):
 
     def logits(self, ids, keep=None):
         if keep is None:
-            return self.model(ids)
+            return self.model(ids)[0]
         blocks = self.model.blocks
         hooks = [blocks[0].register_forward_pre_hook(lambda mod, args: keep(args[0].detach()))]
         hooks += [b.register_forward_hook(lambda mod, args, out: keep(out.detach())) for b in blocks]
         try:
-            return self.model(ids)
+            return self.model(ids)[0]
         finally:
             for h in hooks:
                 h.remove()

@@ -12,7 +12,7 @@ kernel written in Python, as a PyTorch without a C++ compiler gets.
              called the same way (ctypes), alternately, on the same caches.
   op call    microseconds a call of gpt2port::matvec costs from Python on a 4 x 768 weight, its C++ kernel
              against the same library reached through a Python kernel (registered here under another name).
-  step       a whole 124M decode step (gpt2port.fast.step) (random weights, 16-token prompt, 127 steps), with attention
+  step       a whole 124M decode step (the model's forward) (random weights, 16-token prompt, 127 steps), with attention
              on gpt2port's kernel against SDPA, the two run alternately step by step on caches of their own (this
              machine's bandwidth swings from minute to minute; neighbouring steps see the same): the median of the
              paired differences.
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from gpt2port import GPT
 from gpt2port.fast import Settings, accelerate, decode_step, native
-from gpt2port.model import KVCache
+from gpt2port.fast.cache import new_cache
 from scripts.bench.generate import prepare
 
 H, D, LAYERS = 12, 64, 12
@@ -132,16 +132,16 @@ def step_ms(ckpt: Path, rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in settings}
     with torch.inference_mode():
         for _ in range(rounds):
-            caches = {name: KVCache(model.config, 1, 16 + 127) for name in settings}
             steps = {}
-            for name, cache in caches.items():
+            for name, s in settings.items():
+                cache, attention = new_cache(model.config, 1, 16 + 127, torch.float32, "cpu", None, s)
                 model(prompt, cache=cache, last_only=True)
-                steps[name] = decode_step(model, cache, settings[name])
+                steps[name] = decode_step(model, cache, s, attention)
             token = prompt[:, -1:]
-            for _ in range(127):
+            for pos in range(16, 16 + 127):
                 for name, step in steps.items():
                     t = time.perf_counter()
-                    logits = step(token)
+                    logits = step(token, pos)
                     times[name].append(time.perf_counter() - t)
                 token = logits[:, -1].argmax(-1).view(1, 1)
     difference = [a - b for a, b in zip(times["gpt2port"], times["SDPA"])]

@@ -85,7 +85,7 @@ def step_load_gpt2port(ckpt: Path, _out: Path) -> None:
 
     model = GPT.from_pretrained(ckpt)
     with torch.inference_mode():
-        model(torch.tensor([[464, 3290, 373, 1043]]))
+        model(torch.tensor([[464, 3290, 373, 1043]]))[0]
 
 
 def step_load_hf(src: Path, _out: Path) -> None:

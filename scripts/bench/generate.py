@@ -10,13 +10,12 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
            kernels, gpt2port/fast/native.py, other products on oneDNN), gpt2port fp32 with one row on oneDNN too
            and attention on SDPA (Settings(native=False), as before those kernels), gpt2port fp32 with only
            attention on SDPA (Settings(attend_one=False)), gpt2port fp32 with neither kernel nor oneDNN
-           (F.linear, i.e. MKL, as HF uses), HF generate fp32, and
-           gpt2port fp32 with Settings(step=False) (every step through the model's own forward); they alternate
+           (F.linear, i.e. MKL, as HF uses), and HF generate fp32; they alternate
            run by run, so all see the same machine load, and the best run
            of each counts. Then gpt2port bf16 (one row on gpt2port's kernel) and the same on F.linear, alternating.
-           Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")), the same with its eager step,
-           and, when llama-cpp-python is installed, llama.cpp on the same weights exported to GGUF q8_0, greedy
-           through its own sampler (scripts/bench/llama_contender.py), interleaved likewise; these quantized rounds run
+           Then (CPU) gpt2port int8 (GPT.from_pretrained(..., dtype="int8")) and, when llama-cpp-python is
+           installed, llama.cpp on the same weights exported to GGUF q8_0, greedy through its own sampler
+           (scripts/bench/llama_contender.py), interleaved likewise; these quantized rounds run
            in a fresh interpreter, as `gpt2port generate --dtype int8` loads its model.
   floor    each decode rate as a fraction of the memory-bandwidth floor: a decode step must stream every weight
            once, so tokens/s <= bandwidth / bytes of weights per token, with the bandwidth measured here by a large
@@ -37,7 +36,7 @@ gpt2port, and loaded by both gpt2port and transformers' GPT2LMHeadModel from the
   prefill  one forward over 1024 tokens with all logits, each fp32 contender, in the same rounds.
 
 --device cuda runs the same on a GPU (no MKL contender there; "gpt2port fp32" is the step recorded as a CUDA graph,
-Settings(cuda_graph=True), the eager step the one not recorded; timings synchronize the device). The targets in the
+Settings(cuda_graph=True), "eager" the same forward not recorded; timings synchronize the device). The targets in the
 README are for the CPU run; scripts/bench/generate_cuda.py sets the recorded step against HF's static cache +
 compile on a GPU.
 
@@ -74,13 +73,13 @@ PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 1024
 OURS, MKL, HF, OURS_BF16 = "gpt2port fp32", "gpt2port fp32, F.linear/MKL", "HF fp32", "gpt2port bf16"
 BF16_LINEAR = "gpt2port bf16, F.linear"  # one row of bf16 as before gpt2port's kernel took it
 OURS_INT8, LLAMA_Q8 = "gpt2port int8", "llama.cpp q8_0"
-EAGER, INT8_EAGER = "gpt2port fp32, eager step", "gpt2port int8, eager step"
+EAGER = "gpt2port fp32, eager (no CUDA graph)"
 ONEDNN_ROW = "gpt2port fp32, one row on oneDNN"
 SDPA_ATTENTION = "gpt2port fp32, attention on SDPA"
 # Each contender's gpt2port.fast settings
 FAST, GRAPHED = Settings(), Settings(cuda_graph=True)
 ONEDNN_ROW_SETTINGS, SDPA_SETTINGS = Settings(native=False), Settings(attend_one=False)
-MKL_SETTINGS, EAGER_SETTINGS = Settings(native=False, onednn=False), Settings(step=False)
+MKL_SETTINGS = Settings(native=False, onednn=False)
 
 
 def _sync() -> None:
@@ -92,7 +91,7 @@ def ours_decode(model: GPT, prompt: torch.Tensor, fast: Settings = FAST) -> tupl
     tokens = []
     _sync()
     t = time.perf_counter()
-    for step in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None, fast=fast):
+    for step in steps(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0, stop_token=None, fast=fast):
         tokens.append(int(step[0]))
     return NEW_TOKENS / (time.perf_counter() - t), tokens
 
@@ -112,7 +111,7 @@ def accelerated_forward(model: GPT, settings: Settings):
     """The model's forward with gpt2port.fast's layers swapped in per `settings`, as generate's prefill runs it."""
     def forward(idx: torch.Tensor) -> torch.Tensor:
         with accelerated(model, settings):
-            return model(idx)
+            return model(idx)[0]
     return forward
 
 
@@ -155,10 +154,11 @@ def bench_size(size: str, root: Path, repeats: int, bandwidths: list[float], dev
             ONEDNN_ROW: (lambda p: ours_decode(ours, p, ONEDNN_ROW_SETTINGS), None),
             SDPA_ATTENTION: (lambda p: ours_decode(ours, p, SDPA_SETTINGS), None),  # prefill: SDPA, as OURS
             HF: (lambda p: hf_decode(hf, p), lambda i: hf(i).logits),
-            EAGER: (lambda p: ours_decode(ours, p, EAGER_SETTINGS if device == "cpu" else FAST),
-                    None)}  # decode only: its prefill is OURS's
+            EAGER: (lambda p: ours_decode(ours, p, FAST), None)}  # decode only: its prefill is OURS's
     if device != "cpu":  # oneDNN vs MKL vs gpt2port's kernel is a CPU question
         del fp32[MKL], fp32[ONEDNN_ROW], fp32[SDPA_ATTENTION]
+    else:  # on the CPU the default is the eager forward already
+        del fp32[EAGER]
 
     print(f"[{size}] warm-up", file=sys.stderr)
     with torch.inference_mode():
@@ -244,8 +244,8 @@ def quantized_rounds(size: str, ckpt: Path, root: Path, prompt: torch.Tensor, re
     int8 = GPT.from_pretrained(ckpt, dtype="int8")
     products_ms[OURS_INT8] = products_alone_ms(int8)
     products_probe[OURS_INT8] = matvec_bandwidth("cpu", repeats=5)
-    contenders = {OURS_INT8: lambda p: ours_decode(int8, p), INT8_EAGER: lambda p: ours_decode(int8, p, EAGER_SETTINGS)}
-    bytes_per_token[OURS_INT8] = bytes_per_token[INT8_EAGER] = weight_bytes_per_token(int8)
+    contenders = {OURS_INT8: lambda p: ours_decode(int8, p)}
+    bytes_per_token[OURS_INT8] = weight_bytes_per_token(int8)
     llama = llama_contender.q8_0_model(ckpt, root / f"{size}-q8_0", prompt.size(1) + NEW_TOKENS + 8)
     if llama is not None:
         llm, bytes_per_token[LLAMA_Q8] = llama

@@ -59,7 +59,7 @@ def bench(size: str, dtype_name: str, root: Path, repeats: int, bandwidth: float
     prompt = torch.randint(0, 50257, (1, 16), generator=g).to("cuda")
     how: list[str] = []
     generate(ours, prompt.tolist(), 2, temperature=0, stop_token=None, fast=GRAPHED, report=how)
-    if not how[0].startswith("a CUDA graph"):  # a silent fallback would time the eager step twice
+    if not how[0].startswith("the model's forward, recorded as a CUDA graph"):  # else the eager step, timed twice
         sys.exit(f"error: the decode step was not recorded as a CUDA graph: it ran on {how[0]}")
     contenders = {GRAPH: lambda: ours_decode(ours, prompt, GRAPHED), EAGER: lambda: ours_decode(ours, prompt, FAST),
                   HF_EAGER: lambda: hf_decode(hf, prompt)}

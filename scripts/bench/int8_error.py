@@ -44,7 +44,7 @@ def per_position(logits: torch.Tensor, ref: torch.Tensor) -> list[float]:
 def stepwise(model: GPT, ids: torch.Tensor) -> torch.Tensor:
     """(T, V) logits of feeding ids (1, T) one token at a time through a KV cache."""
     cache = KVCache(model.config, 1, ids.size(1), torch.float32, "cpu")
-    return torch.cat([model(ids[:, t : t + 1], cache=cache)[0] for t in range(ids.size(1))])
+    return torch.cat([model(ids[:, t : t + 1], cache=cache, pos=t)[0][0] for t in range(ids.size(1))])
 
 
 def int8_rows(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor) -> dict[str, list[float]]:
@@ -52,7 +52,7 @@ def int8_rows(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor) -> dict[str, lis
     model = GPT.from_pretrained(ckpt, dtype="int8")
     rows["gpt2port int8, decode (fbgemm)" if model.lm_head._packed is not None else "gpt2port int8, decode"] = \
         per_position(stepwise(model, ids), ref)
-    rows["gpt2port int8, prefill (dequantized)"] = per_position(model(ids)[0], ref)
+    rows["gpt2port int8, prefill (dequantized)"] = per_position(model(ids)[0][0], ref)
     rows["gpt2port int8, decode, unsmoothed"] = per_position(
         stepwise(quant.quantized_model(GPT, ckpt, smoothing=False), ids), ref)
     # the fallback kernel, for the weights' share of the error

@@ -133,7 +133,8 @@ def step_by_hand(ckpt: Path, hf: Path) -> dict:
 
 def _first_logits(model) -> dict:
     with torch.inference_mode():
-        logits = model(torch.tensor(PROMPT))
+        out = model(torch.tensor(PROMPT))
+    logits = out[0] if isinstance(out, tuple) else out  # gpt2port's GPT: (logits, loss); a user's class: its own
     n = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"weights_gb": n / 1e9, "checksum": float(logits[0, -1, :5].double().sum())}
 

@@ -34,7 +34,7 @@ from scripts.bench.generate import prepare
 def ours(model: GPT, ids: torch.Tensor, settings: Settings = Settings()) -> float:
     """One prefill with gpt2port.fast's layers swapped in, as generate runs it."""
     with torch.inference_mode(), accelerated(model, settings):
-        cache = KVCache(model.config, 1, ids.size(1) + 1, model.tok_emb.weight.dtype)  # as generate makes it
+        cache = KVCache(model.config, 1, ids.size(1) + 1, model.pos_emb.weight.dtype)  # as generate makes it
         t = time.perf_counter()
         model(ids, cache=cache, last_only=True)
         return time.perf_counter() - t

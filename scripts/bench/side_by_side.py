@@ -45,18 +45,23 @@ def child(ckpt: str, threads: int) -> dict:
         dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[name]
         model = GPT.from_pretrained(ckpt, dtype=dtype)
         prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
-        for _ in steps(model, prompt[:, :4], 8, temperature=0, stop_token=None):
+        for _ in steps(model, prompt[:, :4], max_new_tokens=8, temperature=0, stop_token=None):
             pass
         bandwidth = matvec_bandwidth("cpu", repeats=5)
-        times = [time.perf_counter()]
-        for _ in steps(model, prompt, NEW_TOKENS, temperature=0, stop_token=None):
+        times, cpu = [time.perf_counter()], time.process_time()
+        for _ in steps(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0, stop_token=None):
             times.append(time.perf_counter())
+        cpu = time.process_time() - cpu
         rate = NEW_TOKENS / (times[-1] - times[0])
         gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # one decode step each (the prefill is the first)
         got[name] = {"tokens_per_s": rate, "bandwidth": bandwidth,
                      "floor_fraction": rate * weight_bytes_per_token(model) / bandwidth,
                      "step_ms_median": 1e3 * statistics.median(gaps),
-                     "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10]}
+                     "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10],
+                     "load_average": os.getloadavg()[0],  # the 1-minute load right after the run: a shared machine
+                     # CPU time the process spent per token: what a busy machine's waiting for a core leaves out
+                     # (at --threads 1; cache and memory contention still count)
+                     "cpu_ms_per_token": 1e3 * cpu / NEW_TOKENS}
         del model
     return got
 
@@ -86,7 +91,8 @@ def main() -> None:
                 runs.setdefault(f"{threads}", {}).setdefault(str(tree), []).append(got)
                 print(f"threads {threads} round {r + 1} {tree.name}: " + ", ".join(
                     f"{k} {v['tokens_per_s']:.1f} tok/s ({v['floor_fraction']:.0%} of floor; step median "
-                    f"{v['step_ms_median']:.2f} ms, best decile {v['step_ms_best_decile']:.2f} ms)"
+                    f"{v['step_ms_median']:.2f} ms, best decile {v['step_ms_best_decile']:.2f} ms; CPU "
+                    f"{v['cpu_ms_per_token']:.2f} ms/token; load {v['load_average']:.1f})"
                     for k, v in got.items()),
                     file=sys.stderr, flush=True)
     print(report(runs))
@@ -96,7 +102,8 @@ def main() -> None:
 
 def report(runs: dict) -> str:
     lines = ["| threads | tree | " + " | ".join(f"{d} tokens/s (median, min-max)" for d in DTYPES)
-             + " | fp32 fraction of floor (median, min-max) |", "|---" * (3 + len(DTYPES)) + "|"]
+             + " | fp32 fraction of floor (median, min-max) | " + " | ".join(f"{d} CPU ms/token" for d in DTYPES)
+             + " | load average (min-max) |", "|---" * (4 + 2 * len(DTYPES)) + "|"]
     for threads, trees in runs.items():
         for tree, rounds in trees.items():
             cells = []
@@ -105,6 +112,11 @@ def report(runs: dict) -> str:
                 cells.append(f"{statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})")
             fractions = [r["fp32"]["floor_fraction"] for r in rounds]
             cells.append(f"{statistics.median(fractions):.0%} ({min(fractions):.0%}-{max(fractions):.0%})")
+            for d in DTYPES:
+                cpu = [r[d]["cpu_ms_per_token"] for r in rounds]
+                cells.append(f"{statistics.median(cpu):.2f} ({min(cpu):.2f}-{max(cpu):.2f})")
+            loads = [r[d]["load_average"] for r in rounds for d in DTYPES]
+            cells.append(f"{min(loads):.1f}-{max(loads):.1f}")
             lines.append(f"| {threads} | {Path(tree).name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """gpt2port's attention for one new token (gpt2port/attention.c, torch.ops.gpt2port.attend_one): its output against
-PyTorch's scaled_dot_product_attention on every branch of its loops, the cache it writes, where the model and the
-decode step (gpt2port/fast/step.py) takes it (one token of one unpadded sequence in inference), and where it leaves
-attention to PyTorch (the model's own forward always does)."""
+PyTorch's scaled_dot_product_attention on every branch of its loops, the cache it writes, where the KV cache
+generation makes (gpt2port/fast/cache.py) takes it (one token of one unpadded sequence in inference), and where it
+leaves attention to PyTorch (a plain KVCache always does)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from gpt2port import GPT, GPTConfig
-from gpt2port.fast import Settings, accelerate, decode_step
+from gpt2port.fast import Settings, accelerate
+from gpt2port.fast.cache import new_cache
 from gpt2port.model import KVCache
 
 
@@ -133,18 +134,21 @@ def test_the_step_takes_it_for_one_token_of_one_sequence(dtype):
     descriptions = []
 
     def decode(batch=1, pad=None, settings=None):
-        """Two decode steps after a 3-token prefill: through the fast step with `settings`, else the model's forward."""
-        cache = KVCache(CONFIG, batch, 8, dtype=dtype, pad=pad)
+        """Two decode steps after a 3-token prefill, the cache generation makes with `settings` (else a plain one)."""
+        if settings is None:
+            cache, attention = KVCache(CONFIG, batch, 8, dtype=dtype, pad=pad), None
+        else:
+            cache, attention = new_cache(CONFIG, batch, 8, dtype, "cpu", pad, settings)
         with torch.inference_mode():
             model(idx[:, :3].expand(batch, 3), cache=cache)
-            step = decode_step(model, cache, settings) if settings else lambda t: model(t, cache=cache, last_only=True)
-            descriptions.append(getattr(step, "description", None))
-            return [step(idx[:, i:i + 1].expand(batch, 1)) for i in (3, 4)]
+            descriptions.append(attention)
+            return [model(idx[:, i:i + 1].expand(batch, 1), cache=cache, pos=i, last_only=True)[0] for i in (3, 4)]
 
+    decode(settings=Settings())  # the kernel's check against KVCache.attend runs once, here, not in what is counted
     assert calls(decode) == {"gpt2port::attend_one": 0, "aten::scaled_dot_product_attention": 3 * L}  # the model's
     assert calls(lambda: decode(settings=Settings())) == {"gpt2port::attend_one": 2 * L,
                                                           "aten::scaled_dot_product_attention": L}  # prefill: SDPA
-    assert descriptions[-1] == "gpt2port.fast's step (attention: gpt2port's one-token kernel)"  # `generate -v` says
+    assert descriptions[-1] == "attention on gpt2port's kernel"  # what `generate -v` says
     with_kernel = decode(settings=Settings())
     torch.testing.assert_close(torch.cat(with_kernel), torch.cat(decode()), rtol=tolerance, atol=tolerance)
     for elsewhere in (lambda: decode(batch=2, settings=Settings()),
@@ -152,7 +156,7 @@ def test_the_step_takes_it_for_one_token_of_one_sequence(dtype):
                       lambda: decode(settings=Settings(attend_one=False)),  # its own switch
                       lambda: decode(settings=Settings(native=False))):
         assert calls(elsewhere)["gpt2port::attend_one"] == 0
-    assert descriptions[-1].endswith("(attention: SDPA)")
+    assert descriptions[-1] == "attention on SDPA (switched off)"
     torch.testing.assert_close(torch.cat(with_kernel), torch.cat(decode(settings=Settings(attend_one=False))),
                                rtol=tolerance, atol=tolerance)
 
@@ -161,9 +165,10 @@ def test_the_step_takes_it_for_one_token_of_one_sequence(dtype):
 def test_training_and_autograd_keep_pytorchs_attention():
     torch.manual_seed(0)
     model = accelerate(GPT(CONFIG), Settings())
-    cache = KVCache(CONFIG, 1, 8)
+    cache, _ = new_cache(CONFIG, 1, 8, torch.float32, "cpu", None, Settings())
     model(torch.tensor([[1, 2]]), cache=cache)  # in training, with autograd
-    assert calls(lambda: model(torch.tensor([[3]]), cache=cache))["gpt2port::attend_one"] == 0
+    assert calls(lambda: model(torch.tensor([[3]]), cache=cache, pos=2))["gpt2port::attend_one"] == 0
     model.eval()
-    step = decode_step(model, cache, Settings())
-    assert calls(lambda: step(torch.tensor([[4]])))["gpt2port::attend_one"] == 0  # autograd on: the model's forward
+    assert calls(lambda: model(torch.tensor([[4]]), cache=cache, pos=3))["gpt2port::attend_one"] == 0  # autograd on
+    with torch.inference_mode():
+        assert calls(lambda: model(torch.tensor([[4]]), cache=cache, pos=3))["gpt2port::attend_one"] == CONFIG.n_layer

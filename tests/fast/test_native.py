@@ -91,7 +91,7 @@ def logits_one_token(model: GPT) -> torch.Tensor:
     with torch.inference_mode():
         cache = KVCache(model.config, 1, 8, dtype=model.tok_emb.weight.dtype)
         model(idx[:, :3], cache=cache)
-        return model(idx[:, 3:], cache=cache, last_only=True)
+        return model(idx[:, 3:], cache=cache, pos=3, last_only=True)[0]
 
 
 def products(fn) -> list[tuple[int, int]]:
@@ -342,7 +342,8 @@ def test_without_a_compiler_generation_runs_on_pytorchs_kernels(tmp_path):
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["True", "no C compiler found (cc, gcc or clang on the PATH, or $CC)",
-                                        "gpt2port.fast's step (attention: SDPA)"]
+                                        "the model's forward; attention on SDPA (no C compiler found (cc, gcc or "
+                                        "clang on the PATH, or $CC))"]
 
 
 def test_doctor_builds_and_reports(tmp_path, monkeypatch, capsys):

@@ -37,7 +37,7 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def logits_of(model, ids):
     with torch.inference_mode():
-        return model(ids)
+        return model(ids)[0]
 
 
 def teacher_forced_errors(model, ref, prompt, steps: int) -> tuple[float, float]:
@@ -55,9 +55,9 @@ def teacher_forced_steps(model, ref, prompt, steps: int) -> tuple[float, list[fl
     expected = list(decode(ref, prompt, steps + 1, temperature=0, stop_token=None))
     with torch.inference_mode():
         cache = KVCache(model.config, 1, prompt.size(1) + steps + 1, torch.float32, "cpu")
-        first = rel_err(model(prompt, cache=cache, last_only=True)[:, -1], expected[0][1])
-        later = [rel_err(model(token.view(1, 1), cache=cache, last_only=True)[:, -1], logits)
-                 for (token, _), (_, logits) in zip(expected, expected[1:])]
+        first = rel_err(model(prompt, cache=cache, last_only=True)[0][:, -1], expected[0][1])
+        later = [rel_err(model(token.view(1, 1), cache=cache, pos=prompt.size(1) + i, last_only=True)[0][:, -1], logits)
+                 for i, ((token, _), (_, logits)) in enumerate(zip(expected, expected[1:]))]
     return first, later
 
 
@@ -168,7 +168,7 @@ def test_many_rows_multiply_each_block_on_onednn_as_fp32_does(monkeypatch, use_o
     monkeypatch.setattr(quant, "BLOCK_ROWS", 64)
     g = torch.Generator().manual_seed(9)
     layer = Int8Linear.from_float(torch.randn(150, 40, generator=g), torch.randn(150, generator=g))
-    accelerate(layer, Settings(onednn=use_onednn))
+    layer = accelerate(layer, Settings(onednn=use_onednn))
     x = torch.randn(3 * quant.FEW_ROWS, 40, generator=g)
     with torch.inference_mode(), torch.profiler.profile() as prof:
         got = layer(x)
@@ -331,7 +331,7 @@ def test_an_int8_models_memory_moves_into_huge_pages_where_linux_allows(tiny_ckp
     assert torch.all(big == 1)  # the bytes are where they were
     prompt = torch.tensor([[5, 6, 7, 8]])
     with torch.inference_mode():
-        torch.testing.assert_close(model(prompt), GPT.from_pretrained(tiny_ckpt, dtype="int8")(prompt))
+        torch.testing.assert_close(model(prompt)[0], GPT.from_pretrained(tiny_ckpt, dtype="int8")(prompt)[0])
 
 
 def _anon_huge_kib() -> int:

@@ -140,7 +140,7 @@ def assert_logits_match(ckpt: Path, hf_model, dtype=None) -> None:
     model = GPT.from_pretrained(ckpt, dtype=dtype)
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = model(idx)
+        ours, _ = model(idx)
         ref = hf_model(idx).logits
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 

@@ -74,7 +74,7 @@ def model_args(hf, **over) -> dict:
 def assert_computes_like(ckpt, hf) -> None:
     ids = torch.randint(0, hf.config.vocab_size, (2, hf.config.n_positions), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ours = GPT.from_pretrained(ckpt)(ids)
+        ours = GPT.from_pretrained(ckpt)(ids)[0]
         ref = hf.eval()(ids).logits
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 

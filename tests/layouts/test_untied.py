@@ -64,7 +64,7 @@ def test_untied_hf_converts_to_v2_and_computes_its_head(untied_hf, untied_ckpt):
     assert ours.lm_head.weight is not ours.tok_emb.weight
     ids = ids_of()
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids), untied_hf[1](ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours(ids)[0], untied_hf[1](ids).logits, rtol=1e-5, atol=1e-5)
     r = run_cli("info", untied_ckpt)
     assert "lm_head (untied)" in r.output
 
@@ -107,7 +107,7 @@ def test_previous_version_checkpoint_still_loads_with_its_logits():
         # Not bit for bit: the expected logits were computed on another CPU, and CPUs with different vector units
         # get different matmul kernels, whose summation order differs in the last bit (measured: 6e-8 at most). A
         # checkpoint that loaded wrongly (a missed transpose, a lost bias, a swapped tensor) is off by ~1.
-        torch.testing.assert_close(model(expected["ids"]), expected["logits"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model(expected["ids"])[0], expected["logits"], rtol=1e-5, atol=1e-6)
 
 
 # --- save_from ---------------------------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ def test_a_fine_tuned_untied_head_is_kept_not_retied(tiny_ckpt, tmp_path):
     back = GPT.from_pretrained(out)
     ids = ids_of()
     with torch.no_grad():
-        torch.testing.assert_close(back(ids), model(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(back(ids)[0], model(ids), rtol=1e-5, atol=1e-5)
     assert torch.equal(back.lm_head.weight, model.output_projection.weight)
     gpt2port.export(out, tmp_path / "hf", to="hf")  # and on to transformers, head and all
     from transformers import GPT2LMHeadModel

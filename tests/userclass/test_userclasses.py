@@ -36,7 +36,8 @@ def hand_loaded(case: Case, ckpt, **build):
 
 @pytest.fixture(scope="module")
 def reference(tiny_ckpt):
-    return GPT.from_pretrained(tiny_ckpt)
+    model = GPT.from_pretrained(tiny_ckpt)
+    return lambda idx: model(idx)[0]
 
 
 @pytest.mark.parametrize("case", FAITHFUL, ids=lambda c: c.id)
@@ -66,12 +67,12 @@ def test_nanogpt_erf_gelu_is_its_only_difference(tiny_ckpt, tmp_path):
     erf.load_state_dict(GPT.from_pretrained(tiny_ckpt).state_dict())
     idx = tokens(config)
     with torch.no_grad():
-        torch.testing.assert_close(NANOGPT_ERF.logits(model, idx), erf(idx), **TOL)
+        torch.testing.assert_close(NANOGPT_ERF.logits(model, idx), erf(idx)[0], **TOL)
     # ...and once GELU's inputs are as large as a trained model's, that difference shows beyond 1e-5.
     loud = amplify_mlp(tiny_ckpt, tmp_path / "loud")
     model, _ = hand_loaded(NANOGPT_ERF, loud)
     with torch.no_grad():
-        gap = (NANOGPT_ERF.logits(model, idx) - GPT.from_pretrained(loud)(idx)).abs().max().item()
+        gap = (NANOGPT_ERF.logits(model, idx) - GPT.from_pretrained(loud)(idx)[0]).abs().max().item()
     assert 1e-5 < gap < 1e-2
 
 
@@ -86,7 +87,7 @@ def test_biasless_class_is_gpt2_without_the_biases_it_lacks(case, tiny_ckpt, ref
     idx = tokens(config)
     with torch.no_grad():
         got = case.logits(model, idx)
-        torch.testing.assert_close(got, stripped(idx), **TOL)
+        torch.testing.assert_close(got, stripped(idx)[0], **TOL)
         assert (got - reference(idx)).abs().max().item() > 1e-3  # the dropped biases matter
 
 
@@ -121,4 +122,4 @@ def test_syds_hand_loaded_at_124m_shape(gpt2_ckpt):
     assert config.n_embd == 768 and config.n_layer == 12
     idx = tokens(config, T=8, B=1)
     with torch.no_grad():
-        torch.testing.assert_close(case.logits(model, idx), GPT.from_pretrained(gpt2_ckpt)(idx), **TOL)
+        torch.testing.assert_close(case.logits(model, idx), GPT.from_pretrained(gpt2_ckpt)(idx)[0], **TOL)

@@ -38,7 +38,7 @@ class Mutant(nn.Module):
         self.qkv, self.proj, self.n_head = attn.qkv, attn.proj, attn.n_head
         self.scale, self.mask_shift, self.swap_qk = scale, mask_shift, swap_qk
 
-    def forward(self, x, cache=None, layer=0):
+    def forward(self, x, cache=None, layer=0, pos=0):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
         if self.swap_qk:

@@ -1,0 +1,76 @@
+"""The decode step (gpt2port/fast/graph.py): the model's forward, called as it is, or recorded as a CUDA graph. A graph
+records the forward's static-shape form (the position a tensor, attention over every slot of the cache, masked):
+on the CPU that form is held to the forward with the position a number, logits and cache, for a batch with left
+padding; the recording itself needs a CUDA device (those tests skip without one; scripts/gpu_check.sh runs them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpt2port import GPT, GPTConfig
+from gpt2port.fast import OFF, Settings, decode_step
+from gpt2port.generate import _left_pad, generate
+from gpt2port.model import KVCache
+from tests.realistic import make_realistic_
+
+CONFIG = GPTConfig(n_layer=3, n_head=4, n_embd=32, vocab_size=300, n_positions=48)
+PROMPTS = [[5, 17, 250, 3, 99, 12, 7], [42], [8, 8, 9, 100]]  # rows 1 and 2 are left-padded
+pytestmark = pytest.mark.usefixtures("one_thread")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def model_on(device: str = "cpu", dtype: torch.dtype = torch.float32) -> GPT:
+    return make_realistic_(GPT(CONFIG), seed=0).eval().to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one row", "left-padded batch"])
+def test_the_static_shape_forward_is_the_forward(prompts):
+    """pos a (1,) tensor (what a graph records) against pos a number: the same logits and the same cache."""
+    model = model_on()
+    tokens, pad = _left_pad(prompts, "cpu")
+    caches = [KVCache(CONFIG, len(prompts), tokens.size(1) + 6, pad=pad) for _ in range(2)]
+    with torch.inference_mode():
+        logits = [model(tokens, cache=c, last_only=True)[0] for c in caches]
+        for pos in range(tokens.size(1), tokens.size(1) + 6):
+            nxt = logits[0][:, -1].argmax(-1, keepdim=True)
+            logits = [model(nxt, cache=caches[0], pos=pos, last_only=True)[0],
+                      model(nxt, cache=caches[1], pos=torch.tensor([pos]), last_only=True)[0]]
+            torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)
+
+
+def test_on_the_cpu_the_step_is_the_forward_as_it_is():
+    model = model_on()
+    cache = KVCache(CONFIG, 1, 8)
+    step = decode_step(model, cache, Settings(cuda_graph=True), "attention on SDPA (switched off)")
+    assert step.description == "the model's forward; attention on SDPA (switched off)"
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2]]), cache=cache)
+        torch.testing.assert_close(step(torch.tensor([[3]]), 2),
+                                   model(torch.tensor([[1, 2, 3]]))[0][:, -1:], rtol=1e-5, atol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_graph_generates_what_the_forward_does(dtype):
+    model = model_on("cuda", dtype)
+    report = []
+    got = generate(model, PROMPTS, 12, temperature=0, stop_token=None, fast=Settings(cuda_graph=True), report=report)
+    assert report[-1].startswith("the model's forward, recorded as a CUDA graph"), report
+    assert got == generate(model, PROMPTS, 12, temperature=0, stop_token=None, fast=OFF)
+
+
+@cuda
+def test_the_graph_declines_hooks_and_training_and_says_why():
+    model = model_on("cuda")
+    hook = model.blocks[0].register_forward_hook(lambda *a: None)
+    try:
+        report = []
+        generate(model, PROMPTS, 3, temperature=0, fast=Settings(cuda_graph=True), report=report)
+        assert "no CUDA graph: it has forward hooks" in report[-1], report
+    finally:
+        hook.remove()
+    cache = KVCache(CONFIG, 1, 8, device="cuda")
+    assert "training mode" in decode_step(model.train(), cache, Settings(cuda_graph=True)).description
