@@ -109,11 +109,10 @@ def _shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list[list
         cache = KVCache(config, len(conts), length + width, param.dtype, param.device, pad[owner])
         cache.k[:, :, :, :length] = one.k.index_select(1, owner.to(param.device))  # one copy per continuation
         cache.v[:, :, :, :length] = one.v.index_select(1, owner.to(param.device))
-        cache.length = length
         idx = torch.zeros(len(conts), width, dtype=torch.long)
         for r, k in enumerate(conts):
             idx[r, : len(k) - 1] = torch.tensor(k[:-1])
-        out = logits(model, idx.to(param.device), cache=cache)
+        out = logits(model, idx.to(param.device), cache=cache, pos=length)
     judged = [_judge(last[owner[r]] if out is None else torch.cat([last[owner[r]], out[r, : len(k) - 1]]), k)
               for r, k in enumerate(conts)]
     found, r = [], 0

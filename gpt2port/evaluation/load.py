@@ -32,9 +32,10 @@ class Loaded:
     notes: list[str]
 
 
-def logits(model: GPT, idx: torch.Tensor, cache=None) -> torch.Tensor:
-    """(B, T) token ids -> (B, T, vocab) logits: every call of a model in evaluation goes through here."""
-    return model(idx, cache=cache)
+def logits(model: GPT, idx: torch.Tensor, cache=None, pos: int = 0) -> torch.Tensor:
+    """(B, T) token ids (at positions pos.. of the cache, if one) -> (B, T, vocab) logits: every call of a model in
+    evaluation goes through here."""
+    return model(idx, cache=cache, pos=pos)[0]
 
 
 def pick_device(device: str | None, dtype: str | None) -> str:

@@ -104,9 +104,8 @@ def deltas_of(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, f
 
 
 def logits_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """The model's logits for idx, whether its forward returns logits alone or (logits, loss)."""
-    out = model(idx)
-    return out[0] if isinstance(out, tuple) else out
+    """The model's logits for idx (its forward returns (logits, loss))."""
+    return model(idx)[0]
 
 
 @torch.no_grad()
