@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpt2port.fsio import STAGE_MARK
 from tests.support import assert_one_line_error, assert_valid_checkpoint, leftovers, run_cli, snapshot
@@ -31,8 +32,6 @@ def corpus(tmp_path_factory) -> Path:
 def stopped(tmp_path_factory, tiny_ckpt, corpus) -> Path:
     """What a fine-tuning run stopped at step 1 leaves: tokens/, train_state/, train_log.jsonl (made by training
     for real, its state kept)."""
-    import torch
-
     from gpt2port.training import state
     from gpt2port.training.finetune import Settings, finetune
 
@@ -258,3 +257,40 @@ def test_out_nested_2000_directories_deep(make_hf_repo, tmp_path, monkeypatch):
             assert "RecursionError" not in line and "internal error" not in line and "d/d/d" in line, line
     finally:
         subprocess.run(["rm", "-rf", "d"], check=True)  # shutil.rmtree recurses once per level
+
+
+# --- one place per fact: a target's files are its REGISTRY row's ----------------------------------------------------
+
+def write(job) -> int:
+    """The writer of the throwaway target below: every tensor's bytes, one after another, in toy.bin."""
+    with job.staged() as stage:
+        with open(stage / "toy.bin", "wb") as f:
+            for _, dtype, _, produce in job.items:
+                f.write(produce().to(dtype).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        job.write_manifest(stage, "toy")
+        return (stage / "toy.bin").stat().st_size
+
+
+def test_a_new_target_is_one_registry_row_and_force_follows_it(tiny_ckpt, tmp_path, monkeypatch):
+    """Registered in targets.REGISTRY only (its writer is this module's write): exported, replaced with --force, and
+    refused over a user's file; fsio/ownership learn its file names from the row."""
+    from gpt2port import targets
+    from gpt2port.conversion import export
+    from gpt2port.errors import GPT2PortError
+
+    monkeypatch.setitem(targets.REGISTRY, "toy", targets.Target("toy", __name__, targets.FLOATS, layout="gpt2port",
+                                                                files=("toy.bin", "manifest.json")))
+    out = tmp_path / "toy"
+    export(tiny_ckpt, out, to="toy")
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "toy.bin"]
+    export(tiny_ckpt, out, to="toy", dtype="fp16", force=True)
+    assert json.loads((out / "manifest.json").read_text())["dtype"] == "fp16"
+    (out / "notes.txt").write_text("mine\n")
+    before = snapshot(out)
+    with pytest.raises(GPT2PortError, match=r"did not write \(notes.txt\)"):
+        export(tiny_ckpt, out, to="toy", force=True)
+    assert snapshot(out) == before
+    (out / "notes.txt").unlink()
+    (out / "toy.bin").write_bytes(b"swapped")  # no longer the size its manifest records
+    with pytest.raises(GPT2PortError, match=r"toy.bin \(7 bytes; manifest.json records"):
+        export(tiny_ckpt, out, to="toy", force=True)
