@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.ownership import OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours, kind
+from gpt2port.filekind import kind
+from gpt2port.ownership import OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours
 from gpt2port.signals import deferred
 
 __all__ = ["OLD_MARK", "PARTIAL_MARK", "STAGE_MARK", "check_replaceable"]  # the rule itself is ownership.py's

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.ownership import refuse_special
+from gpt2port.filekind import refuse_special
 
 MAX_DEPTH = 64  # the deepest gpt2port's own files go is 4 (a manifest); tokenizer.json is about 6
 

@@ -31,7 +31,8 @@ import stat
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.targets import REGISTRY, TOKENIZER
+from gpt2port.filekind import kind
+from gpt2port.registry import REGISTRY, TOKENIZER
 
 PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
 OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
@@ -48,30 +49,6 @@ SCRATCH = ".gpt2port-"  # the prefix of the scratch directories made inside a bu
 # Every name gpt2port gives a file in an output, a build directory or a run (shell patterns).
 _FILE_NAMES = (*(p for t in REGISTRY.values() for p in t.files), *RUN_FILES, *TOKENS_FILES)
 _TAG_LIMIT = 64 << 20  # bytes: far above any manifest or meta.json gpt2port writes
-_KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
-          (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-          (stat.S_ISBLK, "block device"))
-
-
-def kind(path: Path, follow: bool = False) -> str | None:
-    """What is at `path` ("file", "directory", "symbolic link", "FIFO", ...), None if nothing."""
-    try:
-        mode = (os.stat if follow else os.lstat)(path).st_mode
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise GPT2PortError(f"{path}: cannot look at it: {e.strerror or e}") from None
-    return next((name for test, name in _KINDS if test(mode)), "special file")
-
-
-def refuse_special(path: Path) -> None:
-    """Refuse, before opening it, an input or output that is a FIFO, socket or device (reached through links too):
-    opening one may block for ever, and what it yields is no file's content."""
-    what = kind(path, follow=True)
-    if what not in (None, "file", "directory"):
-        raise GPT2PortError(f"{path}: is a {what}, not a regular file; gpt2port does not open it")
-
-
 def check_replaceable(dest: Path) -> None:
     """Refuse, in one line naming the first foreign paths, to replace a directory gpt2port did not write."""
     dest = Path(dest)

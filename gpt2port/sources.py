@@ -20,7 +20,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.formats import Reader
 from gpt2port.formats.tf_bundle import STATE_FILE, index_for
 from gpt2port.fsio import scratch_directory
-from gpt2port.ownership import refuse_special
+from gpt2port.filekind import refuse_special
 from gpt2port.hashing import Hashes
 from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise

@@ -13,7 +13,7 @@ from gpt2port.formats import WEIGHT_FILES, Reader
 from gpt2port.formats.llmc import open_bin
 from gpt2port.formats.safetensors import SafetensorsReader
 from gpt2port.formats.shards import INDEX_SUFFIX, ShardedReader
-from gpt2port.ownership import refuse_special
+from gpt2port.filekind import refuse_special
 from gpt2port.readers.llmc import LlmcReader
 from gpt2port.readers.torch_pickle import ModelPickleReader
 
