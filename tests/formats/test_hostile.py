@@ -395,4 +395,4 @@ def test_fuzz_script_runs_and_finds_nothing(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     facts = json.loads(report.read_text())
     assert facts["cases"] == 20 and facts["failures"] == [], facts["failures"]
-    assert len(facts["formats"]) >= 8
+    assert len(facts["formats"]) >= 8 and facts["formats"]["ownership"] == 4  # what --force must leave alone
