@@ -180,13 +180,14 @@ def _leftover(d: Path, rel: str, nested: bool) -> list[str]:
     m = LEFTOVER.fullmatch(d.name)
     if m is None:
         return whole
-    if m.group(2) == ".partial":
-        mark = _json(d, STAGE_MARK, _list(d)) or {}
-        if mark.get("tool") != "gpt2port" or mark.get("stage") != d.name:
-            return whole
-        return _stage_dir(d, rel)
-    if nested:  # an output moved aside holds no outputs moved aside
+    entries = _list(d)
+    if m.group(2) == ".partial" and STAGE_MARK in entries:
+        mark = _json(d, STAGE_MARK, entries) or {}
+        return _stage_dir(d, rel) if mark.get("tool") == "gpt2port" and mark.get("stage") == d.name else whole
+    if nested or not entries:  # an output moved aside holds no outputs moved aside
         return whole
+    # A moved-aside output, or a finished build directory (its stage mark is removed just before the renames that
+    # put it in place, and a kill may fall between them): checked as any output.
     return whole if output_problems(d, rel) else []
 
 
