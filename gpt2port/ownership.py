@@ -4,8 +4,8 @@ A directory is gpt2port's only if every entry in it, at every depth, is somethin
 kind it makes (a regular file where gpt2port writes a file, a directory where it writes one; never a link, FIFO,
 socket or device), and is claimed by a mark that checks out against what it describes:
 
-- manifest.json ("tool": "gpt2port") claims the files it lists, each under a name its layout's target writes
-  (targets.REGISTRY) and at the size it records; a checkpoint's also claims its tokenizer files;
+- manifest.json ("tool": "gpt2port") claims itself and the files it lists, each under a name its layout's target
+  writes (registry.REGISTRY) and at the size it records;
 - a checkpoint's config.json ("format": "gpt2port") claims itself, the tokenizer files, and the weights when no
   manifest records them;
 - a fine-tuning run's tokens/meta.json claims tokens/ when train.bin and val.bin have the sizes its counts and dtype
@@ -88,9 +88,8 @@ def output_problems(d: Path, rel: str = "") -> list[str]:
                 claims[name] = None
             else:
                 problems[name] = f"{rel}{name} ({actual:,} bytes; {MANIFEST} records {size:,})"
-        checkpoint = target.name == "gpt2port"
         run = _finetuned(manifest)
-    if config.get("format") == "gpt2port":
+    if config.get("format") == "gpt2port":  # a checkpoint (its tokenizer files are listed nowhere: claimed by name)
         checkpoint = True
         claims[CONFIG] = None
         if listed is None or WEIGHTS not in listed:

@@ -125,15 +125,18 @@ def test_a_forged_tokens_mark_does_not_make_a_users_folder_replaceable(make_hf_r
     assert "did not write (config.json, corpus.txt, tokens)" in line, line
 
 
-@pytest.mark.parametrize("forged", [{"tool": "gpt2port"}, {"tool": "gpt2port", "layout": "hf",
-                                                            "files": {"notes.txt": 11}}])
-def test_a_forged_manifest_claims_nothing_gpt2port_does_not_write(forged, make_hf_repo, tmp_path):
+@pytest.mark.parametrize("forged, name", [({"tool": "gpt2port"}, "merges.txt"),
+                                          ({"tool": "gpt2port", "layout": "llmc", "files": {"vocab.json": 11}},
+                                           "vocab.json")])
+def test_a_forged_manifest_claims_nothing_gpt2port_did_not_write(forged, name, make_hf_repo, tmp_path):
+    """A manifest claims only what it lists under its layout's own names: not a tokenizer file it does not list, not
+    a name llm.c's export never writes."""
     home = tmp_path / "home"
     home.mkdir()
-    (home / "notes.txt").write_text("my notes\n\n")
+    (home / name).write_text("my notes\n\n")
     (home / "manifest.json").write_text(json.dumps(forged))
     line = refused(["convert", make_hf_repo("hub"), "--out", home, "--force", "-q"], home, names=[home])
-    assert "did not write (notes.txt)" in line, line
+    assert f"did not write ({name})" in line, line
 
 
 def test_weights_swapped_into_a_checkpoint_are_not_replaced(tiny_ckpt, make_hf_repo, tmp_path):
