@@ -297,3 +297,12 @@ def test_a_new_target_is_one_registry_row_and_force_follows_it(tiny_ckpt, tmp_pa
     (out / "toy.bin").write_bytes(b"swapped")  # no longer the size its manifest records
     with pytest.raises(GPT2PortError, match=r"toy.bin \(7 bytes; manifest.json records"):
         export(tiny_ckpt, out, to="toy", force=True)
+
+
+def test_finetune_into_a_link_to_an_empty_directory_names_it(tiny_ckpt, corpus, tmp_path):
+    real = tmp_path / "big-disk" / "run"
+    real.mkdir(parents=True)
+    link = tmp_path / "run"
+    link.symlink_to(real)
+    line = refused(["finetune", tiny_ckpt, "--data", corpus, "--out", link, *TINY_FINETUNE], real, names=[link])
+    assert "symbolic link" in line and "rmtree" not in line, line
