@@ -217,10 +217,10 @@ class Fetcher:
         digests, bad = self._hash_all(names)
         if bad and not self.offline:
             for name, got, want in bad:
+                self._evict(name)  # first: a blob that is not the cache's own is refused, not announced as removed
                 self.warnings.append(f"{self.where}: {name} arrived corrupted ({got} instead of the announced "
                                      f"{want}); removed it from the cache and downloaded it again")
                 self.log(f"warning: {self.warnings[-1]}")
-                self._evict(name)
                 self.fetch(name)
             again, bad = self._hash_all([b[0] for b in bad])
             digests.update(again)
