@@ -22,7 +22,7 @@ from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
-from gpt2port.fsio import copy_file, real, refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import STAGE_MARK, copy_file, real, refuse_overlap, staged_directory, write_json
 from gpt2port.hashing import BackgroundHasher, Hashes
 from gpt2port.layouts import canonical
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE, metadata_for
@@ -229,7 +229,7 @@ def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict],
 def write_export_manifest(stage: Path, layout: str, provenance: dict) -> None:
     """manifest.json of an export in another layout (hf, llmc, gguf): where its weights came from, what it holds,
     and gpt2port's mark on the directory (what --force may replace)."""
-    files = {p.name: p.stat().st_size for p in sorted(Path(stage).iterdir()) if p.is_file()}
+    files = {p.name: p.stat().st_size for p in sorted(Path(stage).iterdir()) if p.is_file() and p.name != STAGE_MARK}
     write_json(Path(stage) / MANIFEST, {**provenance, "tool": "gpt2port", "layout": layout, "files": files})
 
 

@@ -66,6 +66,13 @@ def _handle_errors(fn):
             what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             click.echo(f"error: {what}; no partial output was left", err=True)
             sys.exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
+        except MemoryError:
+            if debug:
+                raise
+            from gpt2port.outfile import out_of_memory
+
+            click.echo(f"error: {out_of_memory(f'gpt2port {ctx.info_name}')}", err=True)
+            sys.exit(EXIT_FAILURE)
         except Exception as e:  # the last line of defence of the one-line promise
             if debug:
                 raise

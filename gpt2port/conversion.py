@@ -90,7 +90,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
     src, out = Path(src), Path(out)
     if to not in REGISTRY:
         raise GPT2PortError(f"unknown output layout {to!r} (known: {', '.join(REGISTRY)})")
-    target, writer = get_layout(to), REGISTRY[to].writer()
+    target, writer = get_layout(REGISTRY[to].layout or to), REGISTRY[to].writer()
     encoding = dtype.lower() if isinstance(dtype, str) and dtype.lower() in REGISTRY[to].encodings else None
     if encoding:  # produced in fp32; the writer encodes
         options, dtype = {**(options or {}), "encoding": encoding}, torch.float32

@@ -12,16 +12,17 @@ import contextvars
 import errno
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.filekind import kind
+from gpt2port.ownership import OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours
 from gpt2port.signals import deferred
 
-PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
-OLD_MARK = ".replaced-"  # a checkpoint being replaced, kept until the new one is in place
+__all__ = ["OLD_MARK", "PARTIAL_MARK", "STAGE_MARK", "check_replaceable"]  # the rule itself is ownership.py's
+
 # The output this thread is building, and the scratch directories made inside it (see scratch_directory).
 _STAGE: contextvars.ContextVar = contextvars.ContextVar("gpt2port_stage", default=None)
 
@@ -65,22 +66,19 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
         # (renaming the link itself aside would leave the link behind as a leftover and the target orphaned).
         dest = real(dest)
     parent = dest.parent
-    created = missing_parents(parent)  # removed again on failure: a failed run leaves no trace, not even those
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise GPT2PortError(f"{parent}: cannot create output directory: {os_reason(e)}") from None
+    created = make_dirs(parent)  # removed again on failure: a failed run leaves no trace, not even those
     stage = parent / f".{dest.name}{PARTIAL_MARK}{os.getpid()}"
     try:
         sweep_leftovers(dest)
-        if dest.exists() and not dest.is_dir():
-            raise GPT2PortError(f"{dest}: exists and is not a directory")
-        if dest.is_dir() and any(dest.iterdir()):
+        what = kind(dest)
+        if what not in (None, "directory"):
+            raise GPT2PortError(f"{dest}: exists and is a {what}, not a directory")
+        if what and any(dest.iterdir()):
             if not force:
                 raise GPT2PortError(f"{dest}: already exists (use --force to replace it)")
             check_replaceable(dest)
         try:
-            stage.mkdir()  # exclusive: a stage of this name (another thread of ours) is never taken over
+            make_stage(stage)  # exclusive: a stage of this name (another thread of ours) is never taken over
         except OSError as e:
             raise GPT2PortError(f"{parent}: cannot write here: {os_reason(e)}") from None
     except BaseException:
@@ -93,6 +91,7 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
         for d in scratch:
             if d.exists():
                 shutil.rmtree(d)
+        os.unlink(stage / STAGE_MARK)  # the finished output carries its own marks
         _fsync_dir(stage)
         _swap_in(stage, dest, force)
     except BaseException:
@@ -113,6 +112,31 @@ def scratch_directory(prefix: str) -> Path:
     stage, scratch = active
     scratch.append(Path(tempfile.mkdtemp(prefix=f".{prefix}", dir=stage)))
     return scratch[-1]
+
+
+def make_stage(stage: Path) -> None:
+    """Create the build directory `stage` (exclusively: never one that exists) with gpt2port's mark written first
+    into it: the next run sweeps a killed run's build directory only when it carries the mark naming it."""
+    make_dirs(stage.parent)
+    stage.mkdir()
+    try:
+        write_json(stage / STAGE_MARK, {"tool": "gpt2port", "stage": stage.name})
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def make_dirs(path: Path) -> list[Path]:
+    """mkdir -p without recursion (pathlib's recurses once per missing level: 2,000 of them end in RecursionError).
+    Returns the directories made, innermost first."""
+    created = missing_parents(path)
+    for d in reversed(created):
+        try:
+            d.mkdir(exist_ok=True)
+        except OSError as e:
+            remove_if_empty(created)
+            raise GPT2PortError(f"{d}: cannot create output directory: {os_reason(e)}") from None
+    return created
 
 
 def missing_parents(path: Path) -> list[Path]:
@@ -169,8 +193,9 @@ def _rename(src: Path, dst: Path) -> None:
 
 
 def sweep_leftovers(dest: Path) -> list[Path]:
-    """Remove build directories that a killed run left beside `dest` (their process is gone); restore a
-    checkpoint that was moved aside if its replacement never arrived."""
+    """Remove build directories that a killed run left beside `dest` (their process is gone, and the whole
+    directory is gpt2port's: ownership.is_ours); restore a checkpoint that was moved aside if its replacement never
+    arrived."""
     removed = []
     try:
         siblings = list(dest.parent.iterdir())
@@ -179,9 +204,10 @@ def sweep_leftovers(dest: Path) -> list[Path]:
     for p in siblings:
         for mark in (PARTIAL_MARK, OLD_MARK):
             # Exact names only: a glob would let a destination called 'run*' take '.run1.replaced-N' for its own.
+            # Only what carries gpt2port's mark, checked through its whole tree: a user's look-alike stays.
             prefix = f".{dest.name}{mark}"
             pid = p.name[len(prefix):]
-            if p.name.startswith(prefix) and pid.isdigit() and not _pid_alive(pid):
+            if p.name.startswith(prefix) and pid.isdigit() and not _pid_alive(pid) and is_ours(p):
                 if mark == OLD_MARK and not dest.exists():
                     _rename(p, dest)
                 else:
@@ -256,79 +282,6 @@ def refuse_hf_cache(out: Path) -> None:
     cache = hf_cache_dir()
     if is_inside(out, cache):
         raise GPT2PortError(f"{out}: output must not be inside the Hugging Face cache ({cache})")
-
-
-# --- what --force may replace ------------------------------------------------------------------------------------
-
-# Every name a gpt2port writer gives what it puts in an output directory (a checkpoint, an hf/llmc/gguf export, a
-# fine-tuning run) or leaves there while working (loss.png: the chart of runs made before it became loss.svg).
-# A directory holding anything else is not replaced.
-_WRITTEN = re.compile(r"""(model\.safetensors|config\.json|manifest\.json|model\.gguf|gpt2_\w+\.bin
-    |vocab\.json|merges\.txt|tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json|encoder\.json|vocab\.bpe
-    |train_log\.jsonl|loss\.svg|loss\.png|tokens|train_state|adapter|adapter\.gguf|\.train_state\.(partial|old)|\.checkpoint
-    |\..+(\.partial|\.replaced)-\d+)""", re.X)
-_TAG_LIMIT = 64 << 20  # bytes: far above any manifest or meta.json gpt2port writes
-
-
-def check_replaceable(dest: Path) -> None:
-    """Refuse, in one line, to replace a directory gpt2port did not write. It may replace a checkpoint, an export or
-    a fine-tuning run: a directory holding only the names those are made of, and marked as gpt2port's by a
-    manifest.json (tool "gpt2port"), a gpt2port config.json, a run's tokens/ or train_state/ meta.json, or (exports
-    written before exports had a manifest) an export's own files."""
-    dest = Path(dest)
-    try:
-        names = sorted(p.name for p in dest.iterdir())
-    except OSError as e:
-        raise GPT2PortError(f"{dest}: cannot list it: {os_reason(e)}") from None
-    foreign = [n for n in names if not _WRITTEN.fullmatch(n)] or ([] if _marked(dest, names) else names)
-    if foreign:
-        shown = ", ".join(foreign[:4]) + (", …" if len(foreign) > 4 else "")
-        raise GPT2PortError(f"{dest}: holds files gpt2port did not write ({shown}); choose another --out or remove "
-                            f"it yourself")
-
-
-def _marked(dest: Path, names: list[str]) -> bool:
-    if (_json_object(dest / "manifest.json") or {}).get("tool") == "gpt2port":
-        return True
-    if (_json_object(dest / "config.json") or {}).get("format") == "gpt2port":
-        return True
-    for meta in ("tokens/meta.json", "train_state/meta.json", ".train_state.old/meta.json"):
-        if str((_json_object(dest / meta) or {}).get("format", "")).startswith("gpt2port-"):
-            return True
-    if any(PARTIAL_MARK in n or OLD_MARK in n for n in names) and all(n.startswith(".") for n in names):
-        return True  # only what a killed run of ours left behind
-    return _old_export(dest, names)
-
-
-def _old_export(dest: Path, names: list[str]) -> bool:
-    """An export by a version that wrote no manifest, told by its files: an hf export's config.json (gpt2port adds
-    "dtype", transformers always writes "transformers_version"), or a GGUF that gpt2port named "GPT-2". llm.c's
-    files are not among them: gpt2port writes them byte for byte as llm.c's own train_gpt2.py does, so a directory
-    of them may be the user's; it is refused, naming the files."""
-    if names == ["model.gguf"]:
-        head = _head(dest / "model.gguf", 4096)
-        return head.startswith(b"GGUF") and b"general.name\x08\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00GPT-2" in head
-    config = _json_object(dest / "config.json") or {}
-    return "model.safetensors" in names and config.get("model_type") == "gpt2" and "dtype" in config \
-        and "transformers_version" not in config
-
-
-def _head(path: Path, n: int) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read(n)
-    except OSError:
-        return b""
-
-
-def _json_object(path: Path) -> dict | None:
-    try:
-        if not path.is_file() or path.stat().st_size > _TAG_LIMIT:
-            return None
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def refuse_replacing_reads(out: Path, reads) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 
 import click
@@ -22,6 +23,7 @@ from gpt2port.tokenizer import StreamDecoder
 # The machine is called busy when decoding averaged BUSY_FACTOR times slower than its fastest step (over at least
 # BUSY_STEPS steps): on a quiet machine the steps stay within ~1.5x of each other, a growing context included.
 BUSY_FACTOR, BUSY_STEPS = 3, 8
+THREADS_PER_CORE = 4  # --threads beyond this many per core is refused: more only wait for each other
 
 
 def run_generate(ckpt, prompt: str, options: Options, num_samples: int = 1, dtype: str | None = None,
@@ -32,6 +34,10 @@ def run_generate(ckpt, prompt: str, options: Options, num_samples: int = 1, dtyp
     for name, value in (("--temperature", options.temperature), ("--top-p", options.top_p)):
         if value is not None and not math.isfinite(value):
             raise GPT2PortError(f"{name} {value}: must be a finite number")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads is not None and threads > THREADS_PER_CORE * cores:  # OpenMP may die starting them (a signal)
+        raise GPT2PortError(f"--threads {threads}: at most {THREADS_PER_CORE * cores} on this machine "
+                            f"({THREADS_PER_CORE} per core, {cores} cores); threads beyond the cores only wait")
     device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.outfile import start_thread
 
 HASH_CHUNK = 16 << 20
 OFFERED = 1 << 16  # pieces waiting for the hasher at most (views of a reader's buffer: they cost no memory)
@@ -84,7 +85,7 @@ class FileHash:
         self._digest: str | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"gpt2port-sha256-{self.path.name}", daemon=True)
-        self._thread.start()
+        start_thread(self._thread, self.path)
 
     def offer(self, offset: int, data) -> int | None:
         """The file's bytes at `offset`, as a reader read them (any buffer); or, as an int, the count of bytes there
@@ -125,8 +126,8 @@ class FileHash:
         self._done(self)
 
     def _run(self) -> None:
-        buffer = memoryview(bytearray(HASH_CHUNK))
         try:
+            buffer = memoryview(bytearray(HASH_CHUNK))  # inside: no memory for it is the caller's error too
             with open(self.path, "rb", buffering=0) as f:
                 while self.pos < self.size and not self._stop.is_set():
                     waiting = self._fed and not self._last.is_set()

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.filekind import refuse_special
 
 MAX_DEPTH = 64  # the deepest gpt2port's own files go is 4 (a manifest); tokenizer.json is about 6
 
@@ -35,6 +36,7 @@ def loads(data: bytes | str, where, invalid: str = "not valid JSON") -> object:
 def read(path: Path, what: type | None = dict) -> object:
     """The JSON value of the file at `path`; refused unless it is a `what` (a JSON object by default; None: any)."""
     path = Path(path)
+    refuse_special(path)
     try:
         data = path.read_bytes()
     except FileNotFoundError:

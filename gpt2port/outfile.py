@@ -24,6 +24,8 @@ import os
 import queue
 import threading
 
+from gpt2port.errors import GPT2PortError
+
 BLOCK = 4096  # alignment of O_DIRECT offsets, lengths and buffers: a page, a multiple of every device block
 CHUNK = 16 << 20  # bytes per write() call: large enough that the device streams
 WRITERS = 2  # direct writes in flight at once: the device takes one while the other completes (docs/performance.md)
@@ -47,25 +49,36 @@ def open_append(path, direct: bool | None = None):
             if e.errno != errno.EINVAL:  # this filesystem refuses O_DIRECT; anything else is the caller's error
                 raise
         else:
-            return DirectAppend(fd)
-    return BufferedAppend(open(path, "xb"))
+            return DirectAppend(fd, path)
+    return BufferedAppend(open(path, "xb"), path)
 
 
 class DirectAppend:
     """Appends through O_DIRECT: bytes gathered into page-aligned chunks, written whole by writer threads."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, path=None):
         self._fd = fd
         self._free: queue.Queue = queue.Queue()
-        for _ in range(CHUNKS):
-            self._free.put(mmap.mmap(-1, CHUNK))  # anonymous mappings are page-aligned, as O_DIRECT wants
+        self._threads: list[threading.Thread] = []
+        try:
+            for _ in range(CHUNKS):
+                self._free.put(mmap.mmap(-1, CHUNK))  # anonymous mappings are page-aligned, as O_DIRECT wants
+        except OSError as e:
+            self.abort()
+            if e.errno != errno.ENOMEM:
+                raise
+            raise out_of_memory(path, f"cannot map {CHUNKS} write buffers of {CHUNK >> 20} MB") from None
         self._full: queue.Queue = queue.Queue()
         self._error: OSError | None = None
         self._chunk, self._fill, self._size, self._offset = self._free.get(), 0, 0, 0
         self._threads = [threading.Thread(target=self._run, name="gpt2port-writer", daemon=True)
                          for _ in range(WRITERS)]
-        for t in self._threads:
-            t.start()
+        try:
+            for t in self._threads:
+                start_thread(t, path)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, data) -> int:
         if self._fd < 0:
@@ -147,10 +160,11 @@ class DirectAppend:
                 pass
 
     def _stop(self) -> None:
-        for _ in (t for t in self._threads if t.is_alive()):
+        for _ in (t for t in self._threads if t.ident is not None and t.is_alive()):
             self._full.put(None)
         for t in self._threads:
-            t.join()
+            if t.ident is not None:  # started
+                t.join()
 
 
 def _write_all(fd: int, view: memoryview, offset: int) -> None:
@@ -182,9 +196,9 @@ _flag_lock = threading.Lock()  # one writer at a time drops O_DIRECT
 class BufferedAppend:
     """Appends through the page cache (write_in_slices, BackgroundFlusher below)."""
 
-    def __init__(self, file):
+    def __init__(self, file, path=None):
         self._file = file
-        self._flusher = BackgroundFlusher(file.fileno())
+        self._flusher = BackgroundFlusher(file.fileno(), path)
 
     def write(self, data) -> int:
         write_in_slices(self._file, data, self._flusher)
@@ -235,8 +249,9 @@ class BackgroundFlusher:
 
     FLUSH_EVERY = 256 << 20
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, path=None):
         self._fd = fd
+        self._path = path
         self._pending = 0
         self._wake = threading.Event()
         self._done = False
@@ -249,7 +264,7 @@ class BackgroundFlusher:
             self._pending = 0
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True)
-                self._thread.start()
+                start_thread(self._thread, self._path)
             self._wake.set()
 
     def _run(self) -> None:
@@ -279,3 +294,22 @@ class BackgroundFlusher:
             self.finish()
         except OSError:
             pass
+
+
+def start_thread(thread: threading.Thread, what) -> None:
+    """thread.start(), refused in one line naming `what` (the file it works on) when the system starts no thread:
+    Python's RuntimeError when there is no memory, or no address space under a `ulimit -v`, for its stack."""
+    try:
+        thread.start()
+    except RuntimeError:
+        raise out_of_memory(what, "cannot start a thread") from None
+
+
+def out_of_memory(what, doing: str = "out of memory") -> GPT2PortError:
+    """The one line for memory refused (ENOMEM, MemoryError, no thread), with the address-space limit if any."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    limit = "" if soft == resource.RLIM_INFINITY else f" (address space limited to {soft >> 20} MB: ulimit -v)"
+    return GPT2PortError(f"{what}: {doing}: out of memory{limit}" if doing != "out of memory" else
+                         f"{what}: out of memory{limit}")

@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+from gpt2port.outfile import start_thread
+
 
 def show_bars(quiet: bool = False) -> bool:
     return not quiet and sys.stderr.isatty()
@@ -68,7 +70,7 @@ class StatusLine:
         self.ticker = None
         if self.tty and tick:
             self.ticker = threading.Thread(target=self._tick, args=(tick,), daemon=True, name="gpt2port-progress")
-            self.ticker.start()
+            start_thread(self.ticker, label)
 
     def __call__(self, message: str | None) -> None:
         if not self.enabled:

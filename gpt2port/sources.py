@@ -20,6 +20,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.formats import Reader
 from gpt2port.formats.tf_bundle import STATE_FILE, index_for
 from gpt2port.fsio import scratch_directory
+from gpt2port.filekind import refuse_special
 from gpt2port.hashing import Hashes
 from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise
@@ -173,6 +174,7 @@ def _config(reader: Reader, layout: Layout, root: Path) -> tuple[GPTConfig, Path
         check_config_matches_weights(config, shapes, where)
         return config, reader.config_file
     path = root / checkpoint.CONFIG
+    refuse_special(path)
     if not path.is_file():
         return infer_config(shapes, reader.path), None
     if layout is GPT2PORT:

@@ -14,6 +14,13 @@ appended; JSON files get a hostile value at a random key (0, -4, 2.5, NaN, 10**5
 or a deleted key; the TF index gets entries and header re-encoded with a hostile field and valid checksums; a
 safetensors header gets a JSON mutation with its length fixed up.
 
+Ownership cases (--ownership, by default a fifth of --cases, ownership_case below) build what a user keeps next to
+or inside a gpt2port output: a file of theirs at any depth (tokens/, train_state/, .checkpoint/, a build directory),
+a directory under a name gpt2port writes as a file, a FIFO or a link under such a name, marks that do not check out
+(a tokens/meta.json whose counts miss its files, a manifest recording another size or listing a foreign name, a
+stage mark naming another directory), and look-alike .out.partial-PID / .out.replaced-PID siblings; then run
+`convert SRC --out OUT --force`. A failure is also any of the user's files removed or changed.
+
 Each command runs in a child forked from one worker process that has imported gpt2port (a fresh interpreter per case
 would cost seconds), under RLIMIT_AS (--memory, 2 GB) and --timeout. A failure is: a traceback or "internal error",
 a refusal that is not one line starting "error: " and naming a path in the case, a hang, a peak RSS over the worker's
@@ -159,8 +166,90 @@ def commands(fmt: str, src: Path, out: Path, generate: bool = False) -> list[lis
     return [["convert", src, "--out", out]]
 
 
+# --- ownership: what --force must leave alone ---------------------------------------------------------------------
+
+def ownership_case(rng: random.Random, case_dir: Path, checkpoint: Path) -> tuple[list, dict[Path, tuple]]:
+    """A gpt2port checkpoint at case_dir/out with one thing of a user's planted in or beside it (see the module
+    docstring), and the command to run; returns (args, what must survive: path -> state())."""
+    src, out = case_dir / "src", case_dir / "out"
+    shutil.copytree(checkpoint, src)
+    shutil.copytree(checkpoint, out)
+    kind = rng.choice(["nested file", "directory under a file name", "forged tokens mark", "manifest size",
+                       "manifest lists a foreign name", "stage mark of another", "sibling look-alike",
+                       "special file", "link"])
+    mine = b"the user's own bytes " + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+    planted: list[Path] = []
+
+    def plant(path: Path, data: bytes = mine) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        planted.append(path)
+        return path
+
+    if kind == "nested file":
+        where = rng.choice(["", "tokens/", "train_state/", ".checkpoint/", ".train_state.partial/",
+                            ".tokens.partial-4194305/", "..checkpoint.partial-4194305/", "deep/er/"])
+        plant(out / where / rng.choice(["notes.txt", "train.bin", "meta.json", "rng-0.pt", "loss.svg", "x.distcp"]))
+    elif kind == "directory under a file name":
+        name = rng.choice(["config.json", "model.safetensors", "manifest.json", "vocab.json", "merges.txt"])
+        (out / name).unlink(missing_ok=True)
+        plant(out / name / "thesis.tex")
+    elif kind == "forged tokens mark":
+        n_train, n_val, width = rng.randrange(0, 1000), rng.randrange(0, 100), rng.choice([2, 4])
+        meta = {"format": "gpt2port-tokens/1", "dtype": {2: "uint16", 4: "uint32"}[width], "n_train": n_train,
+                "n_val": n_val}
+        (out / "tokens").mkdir()
+        (out / "tokens" / "meta.json").write_text(json.dumps(meta))
+        plant(out / "tokens" / "train.bin", b"\0" * (n_train * width + rng.randrange(1, 9)))
+        plant(out / "tokens" / "val.bin", b"\0" * (n_val * width))
+    elif kind in ("manifest size", "manifest lists a foreign name"):
+        manifest = json.loads((out / "manifest.json").read_text())
+        if kind == "manifest size":
+            manifest["files"]["model.safetensors"] += rng.choice([-1, 1]) * rng.randrange(1, 4096)
+            planted.append(out / "model.safetensors")  # no longer what gpt2port wrote: the user's
+        else:
+            name = rng.choice(["notes.txt", "thesis.tex", "data.csv"])
+            manifest["files"][name] = len(plant(out / name).read_bytes())
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    elif kind == "stage mark of another":
+        stage = out / f".{rng.choice(['x', 'tokens', 'out'])}.partial-{rng.randrange(1, 10 ** 6)}"
+        stage.mkdir()
+        (stage / ".gpt2port-stage.json").write_text(json.dumps({"tool": "gpt2port", "stage": ".other.partial-1"}))
+        plant(stage / rng.choice(["model.safetensors", "notes.txt"]))
+    elif kind == "sibling look-alike":
+        sibling = case_dir / f".out{rng.choice(['.partial-', '.replaced-'])}{rng.randrange(4194305, 2 ** 31)}"
+        plant(sibling / rng.choice(["model.safetensors", "notes.txt", "config.json"]))
+    elif kind == "special file":
+        name = rng.choice(["model.gguf", "vocab.json", "notes.txt", "train_log.jsonl"])
+        (out / name).unlink(missing_ok=True)
+        os.mkfifo(out / name)
+        planted.append(out / name)
+    else:
+        target = plant(case_dir / "elsewhere" / "private.txt")
+        name = rng.choice(["vocab.json", "merges.txt", "tokens", "notes.txt"])
+        if (out / name).exists():
+            (out / name).unlink()
+        (out / name).symlink_to(target)
+        planted.append(out / name)
+    return ["convert", src, "--out", out, "--force"], {p: state(p) for p in planted}
+
+
+def state(p: Path) -> tuple:
+    """What a planted path is, to compare after the run: its kind and bytes, a FIFO, or a link and its target."""
+    if p.is_symlink():
+        return ("link", os.readlink(p))
+    if p.is_fifo():
+        return ("fifo",)
+    return ("file", p.read_bytes()) if p.is_file() else ("missing",)
+
+
+def lost(protected: dict[Path, tuple]) -> str | None:
+    changed = [p for p, was in protected.items() if state(p) != was]
+    return f"a user's file was removed or changed: {changed[0]}" if changed else None
+
+
 def fuzz(cases: int, seed: int, formats: list[str], work: Path, memory: int, timeout: float, rss_bound: int,
-         keep: Path | None, generate: bool = False, log=print) -> dict:
+         keep: Path | None, generate: bool = False, log=print, ownership: int | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     seeds = hostile_files.build(work / "seeds", [f for f in formats if f not in GENERATORS])
     seeds |= {f: GENERATORS[f].build(work / "seeds" / f) for f in formats if f in GENERATORS}
@@ -207,6 +296,30 @@ def fuzz(cases: int, seed: int, formats: list[str], work: Path, memory: int, tim
                         shutil.copytree(case_dir, keep / f"case-{i}", dirs_exist_ok=True)
                 shutil.rmtree(work / f"out-{i}", ignore_errors=True)
             shutil.rmtree(case_dir)
+        for i in range(cases // 5 if ownership is None else ownership):
+            if "gpt2port" not in seeds:
+                break
+            rng = random.Random(f"{seed}:ownership:{i}")
+            case_dir = work / f"ownership-{i}"
+            case_dir.mkdir()
+            args, protected = ownership_case(rng, case_dir, pristine["gpt2port"])
+            counts["ownership"] = counts.get("ownership", 0) + 1
+            before = files_of(case_dir / "src")
+            result = worker.run(args, case_dir, memory, timeout)
+            runs += 1
+            outcomes["accepted" if result["rc"] == 0 else "refused"] += 1
+            why = judge(result, case_dir, rss_bound) or lost(protected)
+            if why is None and files_of(case_dir / "src") != before:
+                why = "the source changed"
+            if why is not None:
+                failures.append({"case": f"ownership-{i}", "format": "ownership", "file": "",
+                                 "mutation": ", ".join(str(p.relative_to(case_dir)) for p in protected),
+                                 "command": "convert --force", "why": why, "rc": result["rc"],
+                                 "output": (result["stderr"] or result["stdout"])[-600:]})
+                log(f"FAIL ownership-{i}: {why}\n    {(result['stderr'] or result['stdout']).strip()[-300:]}")
+                if keep is not None:
+                    shutil.copytree(case_dir, keep / f"ownership-{i}", dirs_exist_ok=True, symlinks=True)
+            subprocess.run(["rm", "-rf", str(case_dir)], check=False)  # FIFOs and links included, never followed
     finally:
         worker.close()
     return {"cases": cases, "runs": runs, **outcomes, "seed": seed, "formats": counts, "failures": failures,
@@ -229,6 +342,9 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="copy each failing case here")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     ap.add_argument("--generate", action="store_true", help="also run `generate` on each gpt2port checkpoint")
+    ap.add_argument("--ownership", type=int, default=None,
+                    help="ownership cases (what --force must leave alone), after the format cases (default: a "
+                         "fifth of --cases)")
     a = ap.parse_args()
     formats = a.formats.split(",")
     unknown = sorted(set(formats) - set(FORMATS))
@@ -237,7 +353,7 @@ def main() -> None:
     work = a.work or Path(tempfile.mkdtemp(prefix="gpt2port-fuzz-"))
     try:
         report = fuzz(a.cases, a.seed, formats, work, int(a.memory * GB), a.timeout, int(a.rss * GB), a.keep,
-                      a.generate)
+                      a.generate, ownership=a.ownership)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:

@@ -145,11 +145,13 @@ def full_disk(monkeypatch, writes: str = "direct") -> None:
 def test_disk_full_injected(where, prev, writes, tiny_src, tiny_ckpt, dest_for, monkeypatch):
     weights_size = (tiny_ckpt / WEIGHTS).stat().st_size
     written = -(-weights_size // outfile_mod.BLOCK) * outfile_mod.BLOCK if writes == "direct" else weights_size
-    _FullDisk.budget[0] = {"header": 0, "mid-data": weights_size // 2, "config.json": written + 10}[where]
-    full_disk(monkeypatch, writes)
     dest = dest_for(prev)
     if prev == "absent, parents too":  # the directories created for --out go again too
         dest = dest.parent / "new" / "deeper" / "ckpt"
+    # The first bytes written are the build directory's stage mark (fsio.make_stage), then the weights.
+    mark = len(json.dumps({"tool": "gpt2port", "stage": f".{dest.name}{PARTIAL_MARK}{os.getpid()}"}, indent=2)) + 1
+    _FullDisk.budget[0] = mark + {"header": 0, "mid-data": weights_size // 2, "config.json": written + 10}[where]
+    full_disk(monkeypatch, writes)
     before_src, before_dest = snapshot(tiny_src), snapshot(dest)
     result = run_cli("convert", tiny_src, "--out", dest, "-q", *force_if(dest))
     line = assert_clean_failure(result, names=["no space left on device"])
@@ -383,19 +385,19 @@ def _dead_pid() -> int:
     return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # above pid_max: no process can have it
 
 
-def test_sweep_touches_only_its_own_destinations_leftovers(tmp_path):
+def test_sweep_touches_only_its_own_destinations_leftovers(tmp_path, tiny_ckpt):
     """A destination named like a glob ('run*', 'ckpt[1]') must not sweep up, or restore into itself, another
     checkpoint's moved-aside directory."""
     theirs = tmp_path / f".run1.replaced-{_dead_pid()}"
-    theirs.mkdir()
-    (theirs / WEIGHTS).write_text("someone else's checkpoint")
+    shutil.copytree(tiny_ckpt, theirs)  # a checkpoint of gpt2port's, moved aside by a run that was killed
+    before = snapshot(theirs)
     for name in ("run*", "run?", "ru[n]1"):
         assert sweep_leftovers(tmp_path / name) == []
         assert not (tmp_path / name).exists()
-    assert (theirs / WEIGHTS).read_text() == "someone else's checkpoint"
+    assert snapshot(theirs) == before
     # while its own name does get it back
     assert sweep_leftovers(tmp_path / "run1") == [theirs]
-    assert (tmp_path / "run1" / WEIGHTS).read_text() == "someone else's checkpoint"
+    assert snapshot(tmp_path / "run1") == before
 
 
 def test_sweep_spares_a_live_runs_directory(tmp_path):

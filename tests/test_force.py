@@ -202,22 +202,28 @@ def test_a_finished_run_is_replaced_by_force(tiny_ckpt, corpus, tmp_path):
     assert expected <= {p.name for p in run.iterdir()}
 
 
-@pytest.mark.parametrize("kind, ours", [("stopped run", True), ("killed while tokenizing", True),
-                                        ("look-alike", False), ("empty", True)])
+@pytest.mark.parametrize("kind, ours", [("tags only", False), ("killed while tokenizing", True),
+                                        ("unmarked build directory", False), ("look-alike", False), ("empty", True)])
 def test_what_a_run_leaves_behind_is_recognised(kind, ours, tmp_path):
-    """A fine-tuning run stopped before it became a checkpoint has no manifest: its meta.json files say whose it is."""
+    """A fine-tuning run stopped before it became a checkpoint has no manifest: its meta.json files say whose it is,
+    and count only when the files they describe check out (tests/test_ownership.py has real stopped runs); a build
+    directory is a killed run's only when it carries the stage mark naming it."""
     from gpt2port.errors import GPT2PortError
-    from gpt2port.fsio import check_replaceable
+    from gpt2port.fsio import STAGE_MARK, check_replaceable
 
     run = tmp_path / "run"
     run.mkdir()
-    if kind == "stopped run":
+    if kind == "tags only":
         for sub, tag in (("tokens", "gpt2port-tokens/1"), ("train_state", "gpt2port-train-state/1")):
             (run / sub).mkdir()
             (run / sub / "meta.json").write_text(json.dumps({"format": tag}))
         (run / "train_log.jsonl").write_text("{}\n")
-    elif kind == "killed while tokenizing":
+    elif kind in ("killed while tokenizing", "unmarked build directory"):
         (run / ".tokens.partial-4194305").mkdir()
+        (run / ".tokens.partial-4194305" / "train.bin").write_bytes(b"\0" * 8)
+        if kind == "killed while tokenizing":
+            (run / ".tokens.partial-4194305" / STAGE_MARK).write_text(
+                json.dumps({"tool": "gpt2port", "stage": ".tokens.partial-4194305"}))
     elif kind == "look-alike":
         (run / "tokens").mkdir()
         (run / "tokens" / "meta.json").write_text(json.dumps({"format": "someone-else/1"}))
@@ -225,7 +231,9 @@ def test_what_a_run_leaves_behind_is_recognised(kind, ours, tmp_path):
     if ours:
         check_replaceable(run)
     else:
-        with pytest.raises(GPT2PortError, match="did not write \\(tokens, train_log.jsonl\\)"):
+        names = {"tags only": "tokens, train_log.jsonl, train_state", "look-alike": "tokens, train_log.jsonl",
+                 "unmarked build directory": ".tokens.partial-4194305"}[kind]
+        with pytest.raises(GPT2PortError, match=f"did not write \\({names}\\)"):
             check_replaceable(run)
 
 

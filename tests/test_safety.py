@@ -522,3 +522,49 @@ def test_unexpected_exception_is_one_line_and_debug_shows_traceback(src, tmp_pat
     assert "RuntimeError" in line and "simulated bug" in line and "--debug" in line
     result = run_cli("--debug", "convert", src, "--out", tmp_path / "o", "-q")
     assert isinstance(result.exception, RuntimeError)  # --debug lets it through, traceback and all
+
+
+# --- limits of the machine and of the options: one line naming what, never "internal error" ------------------------
+
+def _address_space(limit: int):
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return apply
+
+
+@pytest.mark.parametrize("mb", [650, 700, 800])
+def test_convert_under_an_address_space_cap_is_one_line(mb, base_repo, tmp_path):
+    """`ulimit -v`: where the cap leaves no room for a thread's stack or the write buffers, the refusal says so and
+    names the file (it was "internal error: can't start new thread", or a bare "Cannot allocate memory")."""
+    dest = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "gpt2port", "convert", str(base_repo), "--out", str(dest), "-q"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=_address_space(mb << 20))
+    if proc.returncode == 0:
+        assert_valid_checkpoint(dest)
+    else:
+        line = assert_one_line_error(proc.returncode, proc.stderr, proc.stdout)
+        assert "internal error" not in line and f"out of memory (address space limited to {mb} MB" in line, line
+    assert leftovers(tmp_path) == []
+
+
+def test_generate_threads_beyond_the_machine_is_one_line(tiny_ckpt):
+    proc = run_module("generate", tiny_ckpt, "Hi", "-n", "2", "--threads", "100000")
+    line = assert_one_line_error(proc.returncode, proc.stderr, proc.stdout, names=["--threads 100000"])
+    assert "libgomp" not in proc.stderr, line
+
+
+def test_verify_reference_pickle_payload_is_refused_without_torchs_advice(tiny_ckpt, base_repo, tmp_path):
+    """The reference goes through the same loader as a source: torch's invitation to retry with
+    weights_only=False (which would run the payload) is never relayed."""
+    marker = tmp_path / "PWNED"
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    shutil.copy(base_repo / "config.json", ref / "config.json")
+    torch.save({"wte.weight": torch.zeros(2, 2), "h.0.ln_1.weight": _WritesAFile(str(marker))},
+               ref / "pytorch_model.bin")
+    proc = run_module("verify", tiny_ckpt, "--reference", ref, "--no-hf", "-q", timeout=300)
+    line = assert_one_line_error(proc.returncode, proc.stderr, proc.stdout, names=[ref / "pytorch_model.bin"])
+    assert "False" not in line and "safe_globals" not in line and "weights_only=True" in line, line
+    assert not marker.exists()

@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from gpt2port.errors import GPT2PortError
+from gpt2port.outfile import start_thread
 
 TILE = 256  # columns per block of a transposing copy (measured best of 32..512 at GPT-2's sizes)
 CHUNK_BYTES = 16 << 20  # large enough that a write() call's overhead vanishes, small enough to stay in the LLC's reach
@@ -58,7 +59,7 @@ class Prefetcher:
         # between operations (a conversion measured slower with them: docs/performance.md). Restored after.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        self._thread.start()
+        start_thread(self._thread, "reading the weights")
         try:
             for name, *_ in self._items:
                 yield name, self._chunks()

@@ -4,6 +4,7 @@ snapshot with the hashes already checked, verification proves the result."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,8 @@ def download(name: str, revision: str | None = None, out: str | Path | None = No
     repo, default_out = resolve_name(name)
     out = Path(out) if out is not None else default_out
     out_dtype = parse_dtype(dtype)
-    if force and out.is_dir() and any(out.iterdir()):
-        check_replaceable(out)  # before a byte is fetched: --force replaces only what gpt2port wrote
+    if force and out.is_dir() and any(out.iterdir()):  # (a link to one: the conversion replaces its target)
+        check_replaceable(Path(os.path.realpath(out)))  # before a byte is fetched: only what gpt2port wrote
     f = Fetcher(repo, revision, quiet, log)
     f.resolve()
     # Decided before any file moves: a finished checkpoint of this very commit needs nothing; anything else

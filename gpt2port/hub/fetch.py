@@ -217,10 +217,10 @@ class Fetcher:
         digests, bad = self._hash_all(names)
         if bad and not self.offline:
             for name, got, want in bad:
+                self._evict(name)  # first: a blob that is not the cache's own is refused, not announced as removed
                 self.warnings.append(f"{self.where}: {name} arrived corrupted ({got} instead of the announced "
                                      f"{want}); removed it from the cache and downloaded it again")
                 self.log(f"warning: {self.warnings[-1]}")
-                self._evict(name)
                 self.fetch(name)
             again, bad = self._hash_all([b[0] for b in bad])
             digests.update(again)
@@ -254,12 +254,20 @@ class Fetcher:
         return digests, bad
 
     def _evict(self, name: str) -> None:
-        """Remove a bad file from the cache: the blob and this snapshot's link to it."""
+        """Remove a bad file from the cache: the blob and this snapshot's link to it, and nothing outside the
+        cache. A blob that is itself a link (a user's file, a cache spread over disks) is not the cache's own
+        copy: it is left, with its target, and the download refused naming it."""
         pointer = self.paths.get(name)
         if pointer is None:
             return
-        blob = Path(os.path.realpath(pointer))
-        for p in {blob, pointer}:
+        repo_dir = os.path.realpath(self.cache / f"models--{self.repo.replace('/', '--')}")
+        blob = Path(os.path.normpath(pointer.parent / os.readlink(pointer))) if pointer.is_symlink() else pointer
+        real = os.path.realpath(blob)
+        if os.path.islink(blob) or os.path.commonpath([real, repo_dir]) != repo_dir:
+            raise GPT2PortError(f"{blob}: the cached {name} of {self.where} failed its integrity check, and it is "
+                                f"not a file of the cache but a link to {real}; left as it is: remove the link "
+                                f"and run again")
+        for p in dict.fromkeys([blob, pointer]):
             try:
                 p.unlink()
             except FileNotFoundError:
@@ -314,7 +322,7 @@ def _is_connection_error(e: BaseException) -> bool:
 def _cached_file(name: str, path: Path) -> RemoteFile:
     """The cache names each blob after the ETag the Hub announced when it arrived: sha256 for LFS files, the git
     blob sha1 otherwise. That is what a cached file is checked against when the Hub cannot be asked."""
-    blob = Path(os.path.realpath(path)).name
+    blob = Path(os.readlink(path)).name if path.is_symlink() else path.name  # the cache's name, not a link's target's
     size = path.stat().st_size
     if SHA256_RE.match(blob):
         return RemoteFile(name, size, sha256=blob)

@@ -1,37 +1,7 @@
-"""The layouts gpt2port writes: one module per target (its writer), and REGISTRY, the one table that names them.
-
-The table is plain data, so the command line can offer the names and encodings as choices without importing the
-writers (and torch, gguf): a writer's module is imported only when conversion.convert writes that target.
+"""The layouts gpt2port writes: one module per target (its writer); REGISTRY, the one table that names them, is
+gpt2port/registry.py (a top-level module: ownership.py reads it, and the writers here write through fsio).
 """
 
-from __future__ import annotations
+from gpt2port.registry import ENCODINGS, FLOATS, REGISTRY, TARGETS, TOKENIZER, Target
 
-import importlib
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    module: str  # gpt2port.targets.<module>, whose write(job) -> bytes written writes this target
-    dtypes: tuple[str, ...]  # the float dtypes its files hold
-    encodings: tuple[str, ...] = ()  # its own encodings beyond those, produced in fp32 and encoded by its writer
-    options: tuple[str, ...] = ()  # switches its writer takes (convert(..., options=))
-    streamed: bool = False  # its writer (stream_safetensors) takes prefetch.Streamed items, copied in pieces
-    tanh_gelu: bool = False  # its files cannot name the MLP's activation: their readers always compute the tanh GELU
-
-    def writer(self):
-        return importlib.import_module(f"{__name__}.{self.module}").write
-
-
-FLOATS = ("fp32", "fp16", "bf16")
-REGISTRY = {t.name: t for t in (
-    Target("gpt2port", "checkpoint", FLOATS, streamed=True),
-    Target("hf", "hf", FLOATS, streamed=True),
-    Target("llmc", "llmc", ("fp32", "bf16"), options=("debug_state",), tanh_gelu=True),
-    Target("gguf", "gguf", FLOATS, encodings=("q8_0",), options=("output_tensor",), tanh_gelu=True),
-)}
-
-# Views of REGISTRY for the command line.
-TARGETS = tuple(REGISTRY)
-ENCODINGS = {t.name: t.encodings for t in REGISTRY.values() if t.encodings}
+__all__ = ["ENCODINGS", "FLOATS", "REGISTRY", "TARGETS", "TOKENIZER", "Target"]

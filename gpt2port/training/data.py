@@ -22,7 +22,7 @@ import torch
 
 from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import missing_parents, real, remove_if_empty, sweep_leftovers, write_json
+from gpt2port.fsio import make_stage, missing_parents, real, remove_if_empty, sweep_leftovers, write_json
 from gpt2port.progress import StatusLine
 from gpt2port.signals import sigterm_as_interrupt
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
@@ -88,7 +88,7 @@ def _build(files: list[Path], tokenizer_dir: Path, cache_dir: Path, recipe: dict
     try:
         sweep_leftovers(cache_dir)  # a stage left by a run that was killed (its process is gone)
         shutil.rmtree(stage, ignore_errors=True)
-        stage.mkdir(parents=True)
+        make_stage(stage)
         n, docs = 0, 0
         with sigterm_as_interrupt(), open(stage / "train.bin", "wb") as out:
             batch: list[tuple[bool, str]] = []

@@ -100,8 +100,8 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     files = tokens.documents(data)  # refuses bad data (one line) before anything is written
     if saved is None:  # a fresh run empties --out first: it must hold neither the data nor the checkpoint
         refuse_replacing_reads(out, [Path(data), *files, ckpt_dir, *ckpt_dir.iterdir()])
-        if out.is_dir() and any(out.iterdir()):
-            check_replaceable(out)  # --force was given (_check_out): only a run or checkpoint of ours goes
+    if os.path.lexists(out):  # --force or --resume (_check_out): only a run or checkpoint of ours is removed or
+        check_replaceable(out)  # written over, every entry at every depth; never through a link (fsio)
     rt = dist.start(device, fsdp)
     try:
         return _run(ckpt_dir, config, data, out, s, rt, saved, compile, quiet)

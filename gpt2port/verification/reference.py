@@ -23,6 +23,7 @@ from gpt2port.activations import TABLE
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import WEIGHT_FILES
 from gpt2port.formats.shards import INDEX_SUFFIX, shard_names
+from gpt2port.formats.torch_pickle import load_state_dict
 
 # --- which files hold the weights ----------------------------------------------------------------------------------
 # Which files to open is bytes, not meaning: the reference shares the package's one list of HF weight files and its
@@ -199,10 +200,7 @@ class _BinFile:
     read stay mapped: a .bin reference costs up to one more copy of the weights in RSS."""
 
     def __init__(self, f: Path):
-        try:
-            self._sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:
-            self._sd = torch.load(f, map_location="cpu", weights_only=True)
+        self._sd = load_state_dict(f)  # the one pickle loader: its refusal never relays torch's weights_only=False
 
     def keys(self):
         return list(self._sd)

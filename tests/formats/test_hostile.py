@@ -395,5 +395,5 @@ def test_fuzz_script_runs_and_finds_nothing(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     facts = json.loads(report.read_text())
     assert facts["cases"] == 20 and facts["failures"] == [], facts["failures"]
-    assert len(facts["formats"]) >= 8
+    assert len(facts["formats"]) >= 8 and facts["formats"]["ownership"] == 4  # what --force must leave alone
     assert facts["formats"].get("run-state", 0) >= 2  # a fine-tuning run's state (scripts/fuzz_state.py)

@@ -524,3 +524,20 @@ def test_fullsize_gpt2_download(tmp_path_factory, tmp_path, gpt2_hf_repo):
     ref = GPT2LMHeadModel.from_pretrained(gpt2_hf_repo).eval()
     assert_logits_match(tmp_path / "checkpoints" / "gpt2", ref)
 
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_a_cached_blob_that_is_a_link_fails_its_check_and_its_target_survives(offline, hub, tmp_path):
+    """A blob of the cache replaced by a link to a user's file (a cache spread over disks, a mistake): its hash
+    fails, and the user's file is neither removed nor changed; the refusal names the link."""
+    assert download(hub.url, tmp_path, TINY_REPO, "--out", "first").returncode == 0
+    blob = cache_dir(tmp_path, TINY_REPO) / "blobs" / sha256_of(hub, TINY_REPO, "model.safetensors")
+    mine = tmp_path / "thesis.safetensors"
+    mine.write_bytes(b"the user's own file, not the blob")
+    blob.unlink()
+    blob.symlink_to(mine)
+    r = download(hub.url, tmp_path, TINY_REPO, "--out", "second", offline=offline)
+    line = one_error_line(r)
+    assert str(blob) in line and "link" in line and "integrity" in line, line
+    assert mine.read_bytes() == b"the user's own file, not the blob" and blob.is_symlink()
+    assert not (tmp_path / "second").exists()

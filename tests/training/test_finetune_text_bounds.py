@@ -3,6 +3,7 @@ with the run), interruptible by Ctrl-C and SIGTERM at any moment, and a run kill
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gpt2port.fsio import STAGE_MARK
 from gpt2port.tokenizer import from_directory
 from gpt2port.training import data, text
 from tests.support import run_cli, snapshot
@@ -138,6 +140,7 @@ def test_a_stage_left_by_a_killed_run_blocks_no_rerun(tiny_ckpt, tmp_path):
     out = tmp_path / "run"
     stale = out / f".tokens.partial-{dead.pid}"
     stale.mkdir(parents=True)
+    (stale / STAGE_MARK).write_text(json.dumps({"tool": "gpt2port", "stage": stale.name}))  # as fsio.make_stage
     (stale / "train.bin").write_bytes(b"\0" * 64)
     src = _write(tmp_path / "d.txt", WORDS * 40)
     result = run_cli("finetune", tiny_ckpt, "--data", src, "--out", out, "--steps", "1", "--batch-size", "1",

@@ -119,7 +119,8 @@ def test_ten_thousand_points_are_fast_small_and_leave_nothing_else(tmp_path):
 def test_a_finished_runs_chart_is_gpt2ports_to_replace(chart, tmp_path):
     from gpt2port.fsio import check_replaceable
 
-    (tmp_path / "manifest.json").write_text(json.dumps({"tool": "gpt2port"}))
+    # a fine-tuned checkpoint's manifest records the run; that is what claims its log and chart (ownership.py)
+    (tmp_path / "manifest.json").write_text(json.dumps({"tool": "gpt2port", "saves": [{"finetune": {}}]}))
     (tmp_path / "train_log.jsonl").write_text("{}\n")
     (tmp_path / chart).write_bytes(b"chart")
     check_replaceable(tmp_path)

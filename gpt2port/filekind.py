@@ -1,0 +1,35 @@
+"""What is at a path, by lstat/stat only, and the refusal of what must not be opened: a FIFO, socket or device.
+
+A leaf module (it imports only errors), so that the one JSON loader and the readers can ask before opening.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from gpt2port.errors import GPT2PortError
+
+_KINDS = ((stat.S_ISREG, "file"), (stat.S_ISDIR, "directory"), (stat.S_ISLNK, "symbolic link"),
+          (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+          (stat.S_ISBLK, "block device"))
+
+
+def kind(path: Path, follow: bool = False) -> str | None:
+    """What is at `path` ("file", "directory", "symbolic link", "FIFO", ...), None if nothing."""
+    try:
+        mode = (os.stat if follow else os.lstat)(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise GPT2PortError(f"{path}: cannot look at it: {e.strerror or e}") from None
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def refuse_special(path: Path) -> None:
+    """Refuse, before opening it, an input or output that is a FIFO, socket or device (reached through links too):
+    opening one may block for ever, and what it yields is no file's content."""
+    what = kind(path, follow=True)
+    if what not in (None, "file", "directory"):
+        raise GPT2PortError(f"{path}: is a {what}, not a regular file; gpt2port does not open it")
