@@ -136,7 +136,8 @@ def convert(src, out, dtype, force, quiet):
         result = run_convert(src, out, dtype=dtype, force=force, progress=progress)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
-    _succeeded(f"wrote {result.out} ({result.n_params:,} parameters, {_dtype_label(result.dtype)}, "
+    stored = f" dequantized from {result.dequantized}" if result.dequantized else ""
+    _succeeded(f"wrote {result.out} ({result.n_params:,} parameters, {_dtype_label(result.dtype)}{stored}, "
                f"{result.bytes_written / 1e9:.2f} GB) in {result.seconds:.1f}s")
 
 

@@ -39,6 +39,7 @@ class ConvertResult:
     bytes_written: int
     seconds: float
     warnings: list[str] = field(default_factory=list)
+    dequantized: str | None = None  # the source's stored encoding ("q8_0") its weights were dequantized from
 
 
 @dataclass
@@ -106,16 +107,19 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
                                 f"keeps the activation)")
         out_dtype = parse_dtype(dtype) or source.dtype()
         warnings = source.warnings()
+        # Read as the values the file encodes (q8_0: d * q), not the weights it was quantized from: said as such.
+        dequantized = ", ".join(sorted({t.encoding for t in source.reader.tensors.values() if t.encoding})) or None
         items, dropped, head = _items(source, target, out_dtype, warnings, streamed=REGISTRY[to].streamed)
         if out_dtype not in DTYPE_LABELS:
             raise GPT2PortError(f"{source.where}: weights are {out_dtype}; pass --dtype fp32, fp16 or bf16")
         facts = {"dropped_keys": len(dropped), "head": "checked equal to wte" if head else "absent (tied)",
-                 **(provenance or {})}
+                 **({"encoding": dequantized} if dequantized else {}), **(provenance or {})}
         job = Job(source, out, items, out_dtype, force, progress, warnings, facts, known_sha256 or {}, options or {},
                   hashes)
         size = writer(job)
     n_params = sum(math.prod(s) for s in canonical.shapes(source.config).values())
-    return ConvertResult(out, target.name, n_params, encoding or out_dtype, size, time.perf_counter() - t0, warnings)
+    return ConvertResult(out, target.name, n_params, encoding or out_dtype, size, time.perf_counter() - t0, warnings,
+                         dequantized)
 
 
 def export(ckpt, out: str | Path, to: str = "gpt2port", dtype=None, force: bool = False,
@@ -203,6 +207,7 @@ def _plain(source: Source, parts: dict, writes: list, out_dtype: torch.dtype, he
     return {name for name, rs in parts.items()
             if len(rs) == 1 and rs[0].transform.keeps_bytes and name not in moved
             and source.reader.tensors[rs[0].key].dtype == out_dtype
+            and source.reader.tensors[rs[0].key].encoding is None  # q8_0 bytes are not float32's
             and not (head is not None and name == canonical.EMBEDDING)}  # the tied-head check reads it whole
 
 

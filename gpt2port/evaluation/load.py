@@ -64,6 +64,8 @@ def load(ckpt: str, dtype: str | None, device: str) -> Loaded:
             tokenizer = load_tokenizer(scratch / "model")
             model.checkpoint_dir = None
             notes = [f"{ckpt}: converted for this run ({w})" for w in result.warnings]
+            if result.dequantized:  # what is scored: the values the file holds, not the model before quantization
+                notes.append(f"{ckpt}: its {result.dequantized} weights dequantized to fp32 for this run")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     shown = dtype or label(model.tok_emb.weight.dtype)

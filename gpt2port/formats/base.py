@@ -27,6 +27,9 @@ class TensorInfo:
     file: Path
     offset: int = 0  # where its bytes start in `file`, for reading in file order (0 where the format has no order)
     nbytes: int = 0
+    # How the stored bytes encode the values, where they are not plain `dtype` (GGUF's "q8_0", read dequantized to
+    # `dtype`): such bytes are never copied as they are.
+    encoding: str | None = None
 
 
 class Reader:
@@ -136,10 +139,16 @@ class TensorStream:
 
 
 def read_whole(stream: TensorStream, into: torch.Tensor | None, loans: hashing.Loans, piece_bytes: int) -> torch.Tensor:
-    """The whole tensor from `stream`, checked, as a tensor of its dtype and shape: read into `into` when it is a
-    uint8 buffer large enough (the result a view of it, valid until the next read into it; `loans` tracks its
-    regions lent to the source's hash, and each is reclaimed before it is read over), else into fresh memory
-    (reclaimed before it is returned: the caller may change it). Pieces of `piece_bytes`."""
+    """The whole tensor from `stream`, checked, as a tensor of its dtype and shape (see read_bytes)."""
+    info = stream.info
+    return read_bytes(stream, into, loans, piece_bytes).view(info.dtype).reshape(info.shape)
+
+
+def read_bytes(stream: TensorStream, into: torch.Tensor | None, loans: hashing.Loans, piece_bytes: int) -> torch.Tensor:
+    """The whole tensor's stored bytes from `stream`, checked, as uint8: read into `into` when it is a uint8
+    buffer large enough (the result a view of it, valid until the next read into it; `loans` tracks its regions lent
+    to the source's hash, and each is reclaimed before it is read over), else into fresh memory (reclaimed before
+    it is returned: the caller may change it). Pieces of `piece_bytes`."""
     info = stream.info
     fresh = into is None or into.numel() < info.nbytes
     raw = torch.empty(info.nbytes, dtype=torch.uint8) if fresh else into[: info.nbytes]
@@ -155,4 +164,4 @@ def read_whole(stream: TensorStream, into: torch.Tensor | None, loans: hashing.L
         stream.close()
     if fresh:
         loans.reclaim()
-    return raw.view(info.dtype).reshape(info.shape)
+    return raw

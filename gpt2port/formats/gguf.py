@@ -2,11 +2,11 @@
 
 A GGUF file is a header, key/value metadata, tensor infos, then the aligned tensor bytes. Reading: the header is
 walked by formats/gguf_scan.py (bounded by the file's size, and far faster than the `gguf` package's reader), the
-tensors read with pread. Writing: llama.cpp's own `gguf` package, through its public API only, writes the header,
-metadata and tensor infos; the tensors' bytes then follow at the offsets that header gives, each as it is produced,
-so one tensor is in memory at a time. What the keys and tensors mean for GPT-2 is readers/gguf.py's and
-targets/gguf.py's. This module is imported only when a .gguf is read or written: `gguf` costs ~0.3 s to import on
-top of torch, which `import gpt2port` and the CLI's --help should not pay.
+tensors read with pread (Q8_0 ones then dequantized to float32). Writing: llama.cpp's own `gguf` package, through
+its public API only, writes the header, metadata and tensor infos; the tensors' bytes then follow at the offsets that
+header gives, each as it is produced, so one tensor is in memory at a time. What the keys and tensors mean for GPT-2
+is readers/gguf.py's and targets/gguf.py's. This module is imported only when a .gguf is read or written: `gguf`
+costs ~0.3 s to import on top of torch, which `import gpt2port` and the CLI's --help should not pay.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import gguf
 import numpy as np
 import torch
 
+from gpt2port import hashing
 from gpt2port.errors import GPT2PortError
-from gpt2port.formats.base import TensorInfo, refuse_lfs_pointer
+from gpt2port.formats.base import TensorInfo, read_bytes, refuse_lfs_pointer
 from gpt2port.formats.gguf_scan import read_header, value
-from gpt2port.formats.safetensors import PreadReader
+from gpt2port.formats.safetensors import READ_PIECE, PreadReader
 from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
 
@@ -30,6 +31,7 @@ ENCODINGS = {"fp32": Q.F32, "fp16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}  # an
 FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
               Q.BF16: gguf.LlamaFileType.MOSTLY_BF16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
 TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+DEQUANTIZED = {Q.Q8_0: "q8_0"}  # read as float32 values (TensorInfo.encoding names the stored form)
 KEYS = gguf.Keys
 
 
@@ -66,9 +68,9 @@ def _refuse_overlaps(path: Path, tensors) -> None:
 
 
 class GGUFFile(PreadReader):
-    """A GGUF's f32/f16/bf16 tensors (read with pread, as safetensors' are) and its metadata, read on request by
-    key. Subclasses open it in two steps, _open() then _list_tensors(), so that they can check the metadata before
-    the tensors are listed."""
+    """A GGUF's f32/f16/bf16 tensors (read with pread, as safetensors' are; q8_0 ones read so, then dequantized to
+    float32) and its metadata, read on request by key. Subclasses open it in two steps, _open() then _list_tensors(),
+    so that they can check the metadata before the tensors are listed."""
 
     _map = None
 
@@ -96,18 +98,32 @@ class GGUFFile(PreadReader):
             except ValueError:
                 unknown = f"{self.path}: tensor {t.name!r} has an unknown GGML type ({t.ggml_type})"
                 raise GPT2PortError(unknown) from None
-            if qtype not in TORCH_TYPES:
+            if qtype not in TORCH_TYPES and qtype not in DEQUANTIZED:
                 raise GPT2PortError(f"{self.path}: tensor {t.name!r} is quantized ({qtype.name}); gpt2port "
-                                    f"imports F32, F16 and BF16 GGUF files only")
+                                    f"imports F32, F16, BF16 and Q8_0 GGUF files only")
             shape = tuple(reversed(t.dims))
-            nbytes = _nbytes(shape, qtype)
+            block = gguf.GGML_QUANT_SIZES[qtype][0]
+            if block > 1 and (not shape or shape[-1] % block):  # a block never spans two rows
+                raise GPT2PortError(f"{self.path}: tensor {t.name!r} is {qtype.name} with rows of "
+                                    f"{shape[-1] if shape else 0} values; {qtype.name} needs a multiple of {block}")
+            nbytes = _nbytes(shape, qtype)  # the whole blocks' bytes: checked against the file before any is read
             if t.offset + nbytes > self.header.size:
                 raise GPT2PortError(f"{self.path}: truncated: tensor {t.name!r} ends at byte "
                                     f"{t.offset + nbytes}, the file has {self.header.size}")
-            self.tensors[t.name] = TensorInfo(t.name, TORCH_TYPES[qtype], shape, self.path, t.offset, nbytes)
+            dtype, encoding = TORCH_TYPES.get(qtype, torch.float32), DEQUANTIZED.get(qtype)
+            self.tensors[t.name] = TensorInfo(t.name, dtype, shape, self.path, t.offset, nbytes, encoding)
         _refuse_overlaps(self.path, self.tensors.values())
         self.metadata = {}
         self.warnings: list[str] = []
+
+    def read(self, name: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        info = self.tensors[name]
+        if info.encoding is None:
+            return super().read(name, into)
+        if self._loans is None:
+            self._loans = hashing.Loans()
+        # The stored blocks read as every tensor's bytes are (pread, hashed on the way), then dequantized.
+        return dequantize_q8_0(read_bytes(self.stream(name), into, self._loans, READ_PIECE), info.shape)
 
     def _string(self, key: str, required: bool = True) -> str | None:
         field = self.header.fields.get(key)
@@ -150,6 +166,26 @@ class GGUFFile(PreadReader):
             self._map.close()
             self._map = None
         super().close()
+
+
+_Q8_BLOCK, _Q8_BYTES = gguf.GGML_QUANT_SIZES[Q.Q8_0]  # 32 values: an fp16 scale d, then 32 int8 q
+_DEQUANTIZE_BLOCKS = 1 << 16  # blocks per step: the int8->float32 temporaries stay a few MB
+
+
+def dequantize_q8_0(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """GGML Q8_0 bytes (uint8, whole blocks) as float32 of `shape`: each value d * q, computed in float32 as
+    llama.cpp computes it."""
+    count = math.prod(shape)
+    if raw.numel() != count // _Q8_BLOCK * _Q8_BYTES or count % _Q8_BLOCK:
+        raise RuntimeError(f"{raw.numel()} bytes of Q8_0 for {count} values")  # the reader checked both
+    blocks = raw.numpy().reshape(-1, _Q8_BYTES)
+    out = torch.empty(shape, dtype=torch.float32)
+    values = out.numpy().reshape(-1, _Q8_BLOCK)
+    for start in range(0, len(blocks), _DEQUANTIZE_BLOCKS):
+        part = blocks[start : start + _DEQUANTIZE_BLOCKS]
+        scale = np.ascontiguousarray(part[:, :2]).view(np.float16).astype(np.float32)
+        np.multiply(part[:, 2:].view(np.int8), scale, out=values[start : start + _DEQUANTIZE_BLOCKS])
+    return out
 
 
 # --- writing ------------------------------------------------------------------------------------------------------
