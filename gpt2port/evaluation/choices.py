@@ -82,7 +82,7 @@ def _batches(items: list, size, budget: int):
 
 
 def _rows(model, rows: list[tuple[list[int], list[int]]]) -> list[tuple]:
-    device = model.tok_emb.weight.device
+    device = model.pos_emb.weight.device
     idx = torch.zeros(len(rows), max(len(r) for r, _ in rows), dtype=torch.long)
     for r, (tokens, _) in enumerate(rows):
         idx[r, : len(tokens)] = torch.tensor(tokens)
@@ -93,7 +93,7 @@ def _rows(model, rows: list[tuple[list[int], list[int]]]) -> list[tuple]:
 def _shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list[list[tuple]]:
     """Each group's context once (one row each, left-padded: the cache hides the padding, and positions count from
     a row's first token), then every continuation after its context (one row each, right-padded)."""
-    param = model.tok_emb.weight
+    param = model.pos_emb.weight  # the dtype it computes in (an int8 model's matrices are int8)
     config, length = model.config, max(len(c) for c, _ in groups)
     pad = torch.tensor([length - len(c) for c, _ in groups])
     idx = torch.zeros(len(groups), length, dtype=torch.long)

@@ -68,7 +68,7 @@ def load(ckpt: str, dtype: str | None, device: str) -> Loaded:
                 notes.append(f"{ckpt}: its {result.dequantized} weights dequantized to fp32 for this run")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    shown = dtype or label(model.tok_emb.weight.dtype)
+    shown = dtype or label(model.pos_emb.weight.dtype)
     return Loaded(model, tokenizer, str(ckpt), shown, device, notes)
 
 

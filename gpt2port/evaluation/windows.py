@@ -67,7 +67,7 @@ def perplexity(model, ids: list[int], text: str, stride: int | None, base=None, 
     tokens = torch.tensor(ids, dtype=torch.long)
     totals = Totals(against=base is not None)
     per_batch = max(1, tokens_per_batch // context)
-    device = model.tok_emb.weight.device
+    device = model.pos_emb.weight.device
     for i in range(0, len(windows), per_batch):
         if progress:
             progress(f"window {i}/{len(windows)}")
@@ -95,7 +95,7 @@ def _score(model, base, tokens: torch.Tensor, batch, device, totals: Totals) -> 
     totals.nll -= lp.gather(1, target[:, None]).double().sum().item()
     if base is None:
         return
-    lb = torch.log_softmax(logits(base, idx.to(base.tok_emb.weight.device))[rows, cols].float().to(device), dim=-1)
+    lb = torch.log_softmax(logits(base, idx.to(base.pos_emb.weight.device))[rows, cols].float().to(device), dim=-1)
     totals.base_nll -= lb.gather(1, target[:, None]).double().sum().item()
     kl = (lb.exp() * (lb - lp)).sum(-1)  # KL(base || model) per token, nats
     totals.kld += kl.double().sum().item()
