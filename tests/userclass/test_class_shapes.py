@@ -88,13 +88,19 @@ def test_save_from_proves_a_batch_too(narrow, tmp_path):
 
 # --- 2. nn.MultiheadAttention -----------------------------------------------------------------------------------
 
-def test_multihead_attention_class_loads_and_verifies(narrow):
+def loaded_and_verified(narrow, kind):
+    """The class loaded, then verified stage by stage: PASS, with every block's attention and MLP judged."""
     hf, ckpt, config = narrow
-    model = build(config, "mha")
+    model = build(config, kind)
     load_into(model, ckpt)
     report = verify(model, hf)
     assert report.passed, report.to_text()
     assert {"block 1 attention", "block 1 MLP"} <= {s["stage"] for s in report.localization["stages"]}
+    return model
+
+
+def test_multihead_attention_class_loads_and_verifies(narrow):
+    loaded_and_verified(narrow, "mha")
 
 
 def test_multihead_attention_with_a_shifted_mask_is_refused_naming_it(narrow):
@@ -107,15 +113,10 @@ def test_multihead_attention_with_a_shifted_mask_is_refused_naming_it(narrow):
 # --- 3. attention and the MLP written inline ------------------------------------------------------------------------
 
 def test_inline_attention_and_mlp_get_a_verdict_stage_by_stage(narrow):
-    hf, ckpt, config = narrow
-    model = build(config, "inline")
-    load_into(model, ckpt)
-    report = verify(model, hf)
-    assert report.passed, report.to_text()
-    assert {"block 1 attention", "block 1 MLP"} <= {s["stage"] for s in report.localization["stages"]}
+    model = loaded_and_verified(narrow, "inline")
     for block in model.h:
         block.scale = False  # the same class, now without 1/sqrt(d): FAIL, at the stage, with the mistake
-    broken = verify(model, hf)
+    broken = verify(model, narrow[0])
     assert not broken.passed
     text = broken.localization["first_divergence"]
     assert text.startswith("block 0: attention output differs") and "not divided by sqrt(head_dim)" in text, text
@@ -206,3 +207,17 @@ def test_every_shape_is_proven_verified_saved_and_exported(narrow, kind, options
     idx = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel(theirs(idx).logits, model(idx)) < 1e-5
+
+
+@pytest.mark.heavy  # a second size of the batch proof the default run makes at width 64
+@pytest.mark.fullsize
+def test_at_124m_the_proof_covers_1024_positions_and_refuses_a_batch_mixing_class(gpt2_ckpt):
+    config = load_state(gpt2_ckpt)[1]
+    with gpt2port.init_empty():
+        model = build(config)
+    report = load_into(model, gpt2_ckpt)
+    assert "2 sequences of 1024 and 683 tokens, batched and apart" in report.proven, report.proven
+    del model
+    with gpt2port.init_empty():
+        wrong = build(config, merge="permute")
+    assert "the sequences of a batch are mixed" in refusal(wrong, gpt2_ckpt)
