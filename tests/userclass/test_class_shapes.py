@@ -140,6 +140,20 @@ def test_inline_relu_mlp_is_named_relu(narrow):
     assert "closest: exact" not in message, message
 
 
+def test_stages_that_cannot_be_run_apart_still_get_a_verdict(narrow):
+    """Additions the watch does not follow, in a block with no module for either sub-layer: verify judges the
+    class as a whole and says which stages it could not run apart; never an error."""
+    hf, ckpt, config = narrow
+    model = build(config, "inline", alpha=True)
+    load_into(model, ckpt)
+    report = verify(model, hf)
+    assert report.passed, report.to_text()
+    assert any(u.startswith("block 0 attention: ") for u in report.localization["unobserved"])
+    for block in model.h:
+        block.scale = False
+    assert not verify(model, hf).passed
+
+
 # --- 4. a stage named where it is the fault ----------------------------------------------------------------------
 
 def test_a_final_norm_never_called_is_named(narrow):
