@@ -6,8 +6,8 @@ each addition of a tensor of the stream's shape to it starts a branch: the first
 the MLP's. A broadcast addition that follows (`x + y @ W_o + b_o` adds the bias to the sum) belongs to the branch
 before it. This needs no module for attention or the MLP: it reads classes that write both inline (raw
 Parameters, einsum, softmax in the block's forward) as surely as nanoGPT's, and it sees what is really added (a
-branch scaled by 1/sqrt(2) before the addition shows as such). A block whose additions do not follow the stream
-this way (post-LN: the sum is normed before the next one) gives None, and is read at its modules instead.
+branch scaled by 1/sqrt(2) before the addition shows as such). A branch whose addition is not to the stream so
+followed (post-LN norms the first sum before the second addition; `torch.add(..., alpha=)`) is not found: None.
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ _ADDS = {"add", "add_", "__add__", "__radd__", "__iadd__"}
 
 
 class _Stop(Exception):
-    pass
+    """The wanted branch is whole: the rest of the block's forward is not needed."""
 
 
 class _Watch(TorchFunctionMode):
+    """Every tensor operation of one call of a block: the additions to its stream, branch by branch."""
+
     def __init__(self, x: torch.Tensor, want: int):
         super().__init__()
         self.stream, self.want = x, want
         self.branch: list[torch.Tensor] = []  # the current branch's operands
         self.count = 0  # branches started
-        self.got: torch.Tensor | None = None
 
     def _other(self, args):
         if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):

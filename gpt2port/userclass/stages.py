@@ -5,7 +5,8 @@ forward pass (stopped there). A block's attention and MLP are what its forward a
 at the additions themselves (residual.py): the attention's contribution when the block runs on the given input,
 the MLP's when it runs with the attention's contribution left out (so the MLP's LayerNorm sees exactly the given
 stream). That holds for attention and MLPs written inline as for modules, and shows a branch scaled before it is
-added. A block whose additions cannot be told apart (post-LN) is read at its modules' outputs instead. The final
+added. A branch not added to the stream the watch follows (post-LN norms the sum before the next addition) is
+read at its module's output instead, or else judged within the whole block (localize.py lists it). The final
 norm is its module where the forward calls it (and nothing, as the forward does, where it is never called); the
 head is its module.
 """
