@@ -90,8 +90,8 @@ class Localizer:
         message = _divergence_message(first) if first else None
         if message and self.diagnosis is not None:
             message += "; " + describe(self.diagnosis)
-        return {"first_divergence": message, "stages": self.stages, "stream": self.stream,
-                "diagnosis": self.diagnosis, "unobserved": self.unobserved}
+        out = {"first_divergence": message, "stages": self.stages, "stream": self.stream, "diagnosis": self.diagnosis}
+        return {**out, "unobserved": self.unobserved} if self.unobserved else out  # only where a stage was not run
 
 
 _PART_WORDS = {"embeddings": "embeddings differ", "attention": "attention output differs",
