@@ -80,6 +80,7 @@ class UserLayout:
     missing_bias_targets: set[str] = field(default_factory=set)  # GPT-2's biases they would hold ('{}': layer)
     unknown: list[str] = field(default_factory=list)  # config fields neither shapes nor attributes told ("n_head")
     before_load: bool = False  # read by layout_of: notes say what loading will do
+    unsettled: str | None = None  # settle.py: no reading computes GPT-2; this one is the closest
 
     def __str__(self) -> str:
         return self.table()

@@ -61,7 +61,7 @@ class LoadReport:
         p = self.proof
         if not p:
             return "nothing proven"
-        line = f"logits equal {p['against']} to {p['rel']:.2g} relative on {p['tokens']} tokens"
+        line = f"logits equal {p['against']} to {p['rel']:.2g} relative on {p['words']}"
         if p.get("gpt2_rel") is not None:
             line += f"; against GPT-2's own tanh GELU they differ by {p['gpt2_rel']:.2g}"
         return line
@@ -174,9 +174,12 @@ def _prove(model: nn.Module, lay: UserLayout, path, config: GPTConfig, zeroed: s
 
     with reference(path, config, load_all, zeroed, erf) as ref:
         proof = prove(model, lay, ref)
+    if lay.unsettled:
+        where = f"; read so, on {proof['words']}: {proof['first_divergence']}" if not proof["passed"] else ""
+        raise LoadRefused(lay.model_name, [lay.unsettled + where], "does not compute GPT-2 in any reading")
     if not proof["passed"]:
-        raise LoadRefused(lay.model_name, [f"{proof['first_divergence']} on a {proof['tokens']}-token input; its "
-                                           f"parameters now hold GPT-2's weights"],
+        raise LoadRefused(lay.model_name, [f"on {proof['words']}: {proof['first_divergence']}; its parameters "
+                                           f"now hold GPT-2's weights"],
                           "holds GPT-2's weights but does not compute GPT-2")
     proof["against"] = "GPT-2's" + (" with the exact (erf) GELU" if erf else "") + \
         (" without the dropped biases" if zeroed else "")

@@ -97,9 +97,9 @@ def call_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def probe_ids(model: nn.Module, vocab: int, length: int, seed: int = 0) -> torch.Tensor:
+def probe_ids(model: nn.Module, vocab: int, length: int, seed: int = 0, rows: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (1, length), generator=g).to(device_of(model))
+    return torch.randint(0, vocab, (rows, length), generator=g).to(device_of(model))
 
 
 def trace(model: nn.Module, ids: torch.Tensor) -> Trace:

@@ -8,8 +8,8 @@ has and the class lacks is written as zeros, which computes exactly the class.
 
 Nothing is guessed: sizes come from the loaded layout or from the class itself, and its head count, activation
 and LayerNorm eps are measured (facts.py); what cannot be is asked for (config=...). The checkpoint is written to
-a staging directory, loaded into gpt2port's GPT and compared with the class on a short input; only a checkpoint
-that computes the class takes the output's place.
+a staging directory, loaded into gpt2port's GPT and compared with the class on two sequences over its whole
+context (batched and apart); only a checkpoint that computes the class takes the output's place.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from gpt2port.userclass.activation import identify
 from gpt2port.userclass.facts import Found, Missed, eps_hints, measure
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.record import loaded
-from gpt2port.userclass.observe import probe_ids
+from gpt2port.userclass.proof import proof_ids, proof_words
 from gpt2port.userclass.roles import FACTS, as_config, context, own_layout
 from gpt2port.userclass.settle import run
 
-PROOF_TOKENS = 16
 # fp32 rounding grows with depth and activation scale (past 1e-5 at 124M with trained-scale weights); a wrong head
 # count, GELU or bias costs 1e-3 and more. fp16/bf16 on either side: 3e-2.
 PROOF_REL = {torch.float32: 1e-4, torch.float64: 1e-4}
@@ -101,7 +100,7 @@ class SaveReport:
     def proven(self) -> str:
         how = "exactly" if self.max_rel == 0 else f"to {self.max_rel:.1g} (max relative)"
         return f"gpt2port's GPT over the saved checkpoint gives logits equal to {self.model_name}'s {how} on " \
-               f"{self.tokens} tokens"
+               f"{proof_words(self.tokens)}"
 
     def __str__(self) -> str:
         return "\n".join([f"saved {self.model_name} to {self.path}", f"proven: {self.proven}"] +
@@ -171,16 +170,18 @@ def prove(model: nn.Module, lay: UserLayout, ckpt: Path) -> tuple[float, int]:
     from gpt2port.model import GPT
 
     ref = GPT.from_pretrained(ckpt, dtype=torch.float32)
-    T = min(PROOF_TOKENS, context(model, lay))
-    ids = probe_ids(model, lay.config.vocab_size, T, seed=3)
+    T = context(model, lay)
+    ids, L, words = proof_ids(model, lay.config.vocab_size, T)  # the class's whole context, batched and apart
     got, want = run(model, ids), run(ref, ids.cpu())
+    got = torch.cat([got[0], got[1, :L], run(model, ids[1:, :L])[0]])
+    want = torch.cat([want[0], want[1, :L], want[1, :L]])
     saved_dtype = checkpoint.load_state(ckpt)[2][canonical.EMBEDDING].dtype
     own_dtype = next(model.parameters()).dtype
     tol = max(PROOF_REL.get(saved_dtype, 3e-2), PROOF_REL.get(own_dtype, 3e-2))
     rel = float((got - want).abs().max() / want.abs().max()) if got.shape == want.shape else float("inf")
     if not rel <= tol:
         raise GPT2PortError(f"{lay.model_name}: the checkpoint written from it does not compute it: gpt2port's GPT "
-                            f"over it differs from the class by {rel:.3g} (relative, logits on {T} tokens; allowed "
+                            f"over it differs from the class by {rel:.3g} (relative, logits on {words}; allowed "
                             f"{tol:g}); nothing was saved. " + _hint(lay))
     return rel, T
 
@@ -276,4 +277,4 @@ def diagnosis(model: nn.Module, closest: Found) -> str | None:
         return None
     ref = Float64GPT2(lay.model_name, files=CanonicalFiles(state, cfg.to_hf_config(), lay.model_name))
     proof = load_proof(model, lay, ref)
-    return None if proof["passed"] else f"{proof['first_divergence']} (on a {proof['tokens']}-token input)"
+    return None if proof["passed"] else f"{proof['first_divergence']} (on {proof['words']})"

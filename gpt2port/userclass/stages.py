@@ -1,10 +1,14 @@
 """A user's class as verify's Stages: each stage run through the class's own modules, found by its layout.
 
 Every stage is computed by the user's code, not re-implemented: the embeddings are what reaches block 0 in a
-forward pass (stopped there); a block's attention is its attention module's output when the block runs on the
-given input; its MLP is the MLP module's output when the block runs with the attention's output replaced by zeros
-(so the MLP's LayerNorm sees exactly the given residual stream); where attention or the MLP is written inline in
-the block's forward, its last projection's output stands for it. The final norm and head are their modules.
+forward pass (stopped there). A block's attention and MLP are what its forward adds to the residual stream, seen
+at the additions themselves (residual.py): the attention's contribution when the block runs on the given input,
+the MLP's when it runs with the attention's contribution left out (so the MLP's LayerNorm sees exactly the given
+stream). That holds for attention and MLPs written inline as for modules, and shows a branch scaled before it is
+added. A branch not added to the stream the watch follows (post-LN norms the sum before the next addition) is
+read at its module's output instead, or else judged within the whole block (localize.py lists it). The final
+norm is its module where the forward calls it (and nothing, as the forward does, where it is never called); the
+head is its module.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from torch import nn
 from gpt2port.errors import GPT2PortError
 from gpt2port.userclass.facts import stated_eps
 from gpt2port.userclass.layout import UserLayout
-from gpt2port.userclass.observe import call_logits, first_tensor
+from gpt2port.userclass.observe import call_logits, first_tensor, probe_ids
+from gpt2port.userclass.residual import branches
 from gpt2port.verification.stages import Stages
 
 
@@ -36,6 +41,7 @@ class ModelStages(Stages):
         self.dtype, self.device = first.dtype, first.device
         self.n_params = sum(p.numel() for p in model.parameters())
         self.stated_eps = tuple(stated_eps(model, layout))  # the diagnosis names these where fp32 cannot tell eps apart
+        self._final_runs: bool | None = None
 
     def _sub(self, name: str | None) -> nn.Module | None:
         return self.model.get_submodule(name) if name else None
@@ -106,17 +112,38 @@ class ModelStages(Stages):
         return module
 
     def attention(self, layer, x):
+        seen = branches(self._block(layer), x, 1)
+        if seen is not None:
+            return seen
         attn = self._part(layer, self.mods.attn, self.mods.attn_out, "attention")
         return self._capture(lambda: self._block(layer)(x), attn)
 
     def mlp(self, layer, x):
-        # The attention's contribution replaced by zeros: the MLP's LayerNorm sees exactly the given stream.
+        # The attention's contribution left out: the MLP's LayerNorm sees exactly the given stream.
+        seen = branches(self._block(layer), x, 2)
+        if seen is not None:
+            return seen
         attn = self._part(layer, self.mods.attn, self.mods.attn_out, "attention")
         mlp = self._part(layer, self.mods.mlp, self.mods.mlp_out, "MLP")
-        return self._capture(lambda: self._block(layer)(x), mlp, {attn: torch.zeros_like})
+        return self._capture(lambda: self._block(layer)(x), mlp, {attn: _zeros})
 
     def final_norm(self, x):
-        return self._sub(self.mods.final_norm)(x)
+        return self._sub(self.mods.final_norm)(x) if self.final_runs() else x
+
+    def final_runs(self) -> bool:
+        """Whether the forward calls the final norm (a class may define one and never call it)."""
+        if self._final_runs is None:
+            ran = []
+            h = self._sub(self.mods.final_norm).register_forward_hook(lambda *a: ran.append(True))
+            try:
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    call_logits(self.model, probe_ids(self.model, self.vocab_size, 4))
+                self._final_runs = bool(ran)
+            except Exception:  # noqa: BLE001 - a forward that cannot run is judged elsewhere; take the module
+                self._final_runs = True
+            finally:
+                h.remove()
+        return self._final_runs
 
     def head(self, x):
         head = self._sub(self.mods.head)
@@ -124,6 +151,13 @@ class ModelStages(Stages):
             return head(x)
         wte = self.model.get_parameter(next(a.param for a in self.layout.assignments if a.target == "tok_emb.weight"))
         return x @ wte.t()  # a head written inline as the tied embedding's transpose
+
+
+def _zeros(out):
+    """A module's output with its first tensor replaced by zeros (nn.MultiheadAttention returns a tuple)."""
+    if isinstance(out, tuple):
+        return (torch.zeros_like(out[0]), *out[1:])
+    return torch.zeros_like(out)
 
 
 def stages_for(model: nn.Module, reference=None, report=None) -> ModelStages:

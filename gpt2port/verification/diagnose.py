@@ -52,6 +52,21 @@ def _final(norm):
     return lambda ref, w, x, layer, ids: norm(ref, w, x)
 
 
+def _mlp_act(act):
+    """GPT-2's MLP with another activation (one the float64 reference does not name: typed out wrong, ReLU²)."""
+    def run(ref, w, x, layer, ids):
+        h = _ln("ln_2")(ref, w, x) @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]
+        return act(h) @ w["mlp.c_proj.weight"] + w["mlp.c_proj.bias"]
+    return run
+
+
+def _gelu_tanh(c: float):
+    return lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + c * x.pow(3))))
+
+
+ACT_ADVICE = "GPT-2's MLP activation is the tanh GELU: nn.GELU(approximate='tanh')"
+
+
 def _positions_from_1(ref: Float64GPT2, w, x, layer, ids):
     """wte[ids] + wpe[1:T+1]; an input filling the whole context has no row for its last position, which gets the
     last row (a model counting from 1 could not run it at all)."""
@@ -80,6 +95,16 @@ def _suspects(stated_eps=()) -> list[Suspect]:
         Suspect("q and k swapped", "attention",
                 "q is the first third of GPT-2's c_attn (W_query), k the second (W_key)", _attention(swap_qk=True)),
         Suspect("positions counted from 1", "embeddings", "position ids are torch.arange(0, T)", _positions_from_1),
+        Suspect("ReLU instead of GPT-2's GELU", "mlp", ACT_ADVICE, _mlp_act(torch.relu)),
+        Suspect("ReLU² (squared ReLU) instead of GPT-2's GELU", "mlp", ACT_ADVICE,
+                _mlp_act(lambda x: torch.relu(x).square())),
+        Suspect("SiLU instead of GPT-2's GELU", "mlp", ACT_ADVICE, _mlp_act(lambda x: x * torch.sigmoid(x))),
+        Suspect("GELU's constant typed 0.44715 instead of 0.044715", "mlp",
+                "0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), or nn.GELU(approximate='tanh')",
+                _mlp_act(_gelu_tanh(0.44715))),
+        Suspect("the final LayerNorm is never applied (defined, but not called in forward)", "final_norm",
+                "call it on the last block's output before the head: x = self.ln_f(x)",
+                lambda ref, w, x, layer, ids: x),
     ]
     for part, ln, wrap in (("attention", "ln_1", _attention), ("mlp", "ln_2", _mlp), ("final_norm", "ln_f", _final)):
         out.append(Suspect("LayerNorm with unbiased variance", part, var_advice, wrap(_ln(ln, unbiased=True))))
@@ -198,6 +223,7 @@ def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: 
             alt = [s.run(ref, st.weights, x, st.layer, i) for x, i in zip(xs, ids)]
             rel = _error(list(zip(ours, alt)))
         tried.append((s.name, s.advice, rel, "against the reference making that mistake", full))
+    tried += _scaled(part, ours, refs)
     tried.sort(key=lambda t: t[2])
     best = min((t for t in tried if t[4]), key=lambda t: t[2], default=None)
     own = next((t for t in tried if t[4] and t[0] in stated and t[2] <= tol), None)
@@ -216,6 +242,24 @@ def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: 
             "measured_against": best[3] if best else None, "history": False,
             "tried": [{"mistake": name, "rel": rel, "on": "every input" if full else "the smallest input"}
                       for name, _, rel, _, full in tried]}
+
+
+def _scaled(part: str, ours: list, refs: list) -> list[tuple]:
+    """A sub-layer whose output is GPT-2's times a constant (a residual branch scaled before it is added), with the
+    constant fitted by least squares over every input and then measured like any mistake."""
+    if part not in ("attention", "mlp") or not refs or refs[0] is None:
+        return []
+    o = [t.to(torch.float64) for t in ours]
+    num = sum(float((a * r).sum()) for a, r in zip(o, refs))
+    den = sum(float((r * r).sum()) for r in refs)
+    if not den or not math.isfinite(num):
+        return []
+    c = num / den
+    said = " (1/sqrt(2))" if abs(c - 0.5 ** 0.5) < 1e-3 else ""
+    what = "attention" if part == "attention" else "MLP"
+    return [(f"the {what}'s output multiplied by {c:.4g}{said} before it is added to the residual stream",
+             f"add the {what}'s output to the residual stream as it is: x = x + {part}(ln(x))",
+             _error([(a, c * r) for a, r in zip(o, refs)]), "against GPT-2's output times that constant", True)]
 
 
 def describe(d: dict) -> str:

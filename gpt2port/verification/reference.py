@@ -363,10 +363,10 @@ class Float64GPT2:
         del hs
         head = wte if cfg.tied else self.files.get("lm_head.weight")
         del wte
-        return [_logits64(f, head) for f in finals]
+        return [logits64(f, head) for f in finals]
 
 
-def _logits64(x: torch.Tensor, head: torch.Tensor, rows: int = 8192) -> torch.Tensor:
+def logits64(x: torch.Tensor, head: torch.Tensor, rows: int = 8192) -> torch.Tensor:
     """x @ head.T in float64, the head converted a slice of rows at a time: a float64 copy of the whole vocabulary
     (0.6 GB at gpt2-xl) never exists beside the model under test."""
     return torch.cat([x @ head[s:s + rows].to(torch.float64).T for s in range(0, head.shape[0], rows)], dim=-1)

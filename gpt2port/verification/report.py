@@ -207,6 +207,7 @@ def _localization_excerpt(loc: dict) -> list[str]:
     stages = loc["stages"]
     first = next((k for k, s in enumerate(stages) if not s["passed"]), None)
     lines = ["  localization (each stage fed the reference's own input; rel = max|diff| / max|ref|)"]
+    lines += [f"    not run apart (judged within the whole): {u}" for u in loc.get("unobserved", [])[:2]]
     if first is None:
         lines.append("    every stage matches in isolation: the difference comes from how forward() wires them")
         return lines

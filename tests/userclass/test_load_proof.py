@@ -95,10 +95,11 @@ def test_every_load_reports_its_measured_agreement(narrow, source):
     model = seedstyle(config, act="tanh")
     report = load_into(model, ckpt if source == "ckpt" else hf)
     p = report.proof
-    assert p["passed"] and p["tokens"] == 16
+    assert p["passed"] and p["tokens"] == config.n_positions == 64 and p["lengths"] == (64, 43)
     assert 0 <= p["rel"] <= 1e-5
-    assert re.search(r"proof: logits equal GPT-2's to \S+ relative on 16 tokens", str(report)), str(report)
-    idx = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+    assert re.search(r"proof: logits equal GPT-2's to \S+ relative on 2 sequences of 64 and 43 tokens, batched and "
+                     r"apart", str(report)), str(report)
+    idx = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert rel(model(idx), GPT.from_pretrained(ckpt)(idx)[0]) <= 1e-5
 

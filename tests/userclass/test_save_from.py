@@ -115,7 +115,7 @@ def test_a_class_trained_from_scratch_is_saved_with_its_own_head_count(tmp_path)
     assert "n_head=4," in str(gpt2port.layout_of(model)).splitlines()[0]
     out = gpt2port.save_from(model, tmp_path / "mini")
     assert json.loads((out / "config.json").read_text())["model"]["n_head"] == 4
-    assert "on 16 tokens" in out.report.proven
+    assert "on 2 sequences of 64 and 43 tokens, batched and apart" in out.report.proven  # its whole context
     hf, _ = in_transformers(out, tmp_path)
     with torch.no_grad():
         assert rel(hf(ids()).logits, model(ids())) < REL
@@ -285,7 +285,7 @@ def test_a_class_loaded_with_drop_biases_is_saved_with_zero_biases(tmp_path, rea
         assert not state[name].any(), name
     assert any("saved as zeros" in n for n in out.report.notes), out.report.notes
     entry = json.loads((out / "manifest.json").read_text())["saves"][-1]
-    assert "blocks.{i}.mlp.fc.bias" in entry["zero_biases"] and entry["proof"]["tokens"] == 16
+    assert "blocks.{i}.mlp.fc.bias" in entry["zero_biases"] and entry["proof"]["tokens"] == 64
     hf, _ = in_transformers(out, tmp_path)
     with torch.no_grad():
         assert rel(hf(ids()).logits, model(ids())[0]) < REL
