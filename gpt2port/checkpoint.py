@@ -20,9 +20,10 @@ import torch
 from gpt2port.config import ConfigError, GPTConfig, canonical_name, is_known_name, read_json
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
+from gpt2port.filekind import real
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
-from gpt2port.fsio import STAGE_MARK, copy_file, real, refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import STAGE_MARK, copy_file, refuse_overlap, staged_directory, write_json
 from gpt2port.hashing import BackgroundHasher, Hashes
 from gpt2port.layouts import canonical
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE, metadata_for

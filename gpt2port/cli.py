@@ -14,7 +14,7 @@ import sys
 import click
 
 from gpt2port.targets import ENCODINGS, TARGETS
-from gpt2port.errors import GPT2PortError
+from gpt2port.errors import GPT2PortError, one_line
 from gpt2port.evaluation.options import eval_options
 from gpt2port.lora import commands as lora
 from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
@@ -54,7 +54,7 @@ def _handle_errors(fn):
         except (GPT2PortError, OSError) as e:
             if debug:
                 raise
-            click.echo(f"error: {_one_line(e)}", err=True)
+            click.echo(f"error: {one_line(e)}", err=True)
             sys.exit(EXIT_FAILURE)
         except KeyboardInterrupt as e:
             if DONE in ctx.meta:  # the result is (being) printed: the work is done
@@ -76,21 +76,11 @@ def _handle_errors(fn):
         except Exception as e:  # the last line of defence of the one-line promise
             if debug:
                 raise
-            click.echo(f"error: internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
+            click.echo(f"error: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)
 
     return wrapper
-
-
-def _one_line(e: BaseException) -> str:
-    if isinstance(e, OSError) and not isinstance(e, GPT2PortError):
-        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
-        reason = e.strerror or str(e)
-        return f"{where}: {reason}" if where else reason
-    # A message that spans lines (torch's do) is folded onto one; spaces inside a line (a path's) stay as they are.
-    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    return text or type(e).__name__
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -101,12 +91,9 @@ def main(debug: bool) -> None:
 
 
 def run() -> None:
-    """The `gpt2port` program: main(), then a quick exit. The interpreter's exit walks every object still alive
-    looking for cycles to collect, and torch's import leaves a few hundred thousand (a pause after every
-    command: docs/performance.md); freezing them first (gc.freeze) takes them out of that walk. Nothing relies on
-    a collection at exit: a command has closed its files and put its outputs in place before it returns. (Tests
-    call main() itself.)
-    Ctrl-C and SIGTERM are held until the command has loaded torch, and from the end of its work (signals.py)."""
+    """The `gpt2port` program: main(), then a quick exit (gc.freeze: the exit's walk of torch's objects skipped,
+    docs/performance.md). Ctrl-C and SIGTERM are held until the command has loaded torch and from the end of its
+    work (signals.py). Tests call main() itself."""
     program_start()
     try:
         main()

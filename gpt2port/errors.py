@@ -3,3 +3,15 @@
 
 class GPT2PortError(Exception):
     """A user-facing failure. The message names the file, key or repo at fault and the cause."""
+
+
+def one_line(e: BaseException) -> str:
+    """Any failure as the one line the CLI prints: an OSError with the paths it names, a message of several lines
+    folded onto one."""
+    if isinstance(e, OSError) and not isinstance(e, GPT2PortError):
+        where = " -> ".join(str(f) for f in (e.filename, e.filename2) if f)
+        reason = e.strerror or str(e)
+        return f"{where}: {reason}" if where else reason
+    # A message that spans lines (torch's do) is folded onto one; spaces inside a line (a path's) stay as they are.
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return text or type(e).__name__

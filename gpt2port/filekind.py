@@ -1,10 +1,12 @@
-"""What is at a path, by lstat/stat only, and the refusal of what must not be opened: a FIFO, socket or device.
+"""What is at a path, by lstat/stat only (and where it really is: real), and the refusal of what must not be opened:
+a FIFO, socket or device.
 
 A leaf module (it imports only errors), so that the one JSON loader and the readers can ask before opening.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -33,3 +35,14 @@ def refuse_special(path: Path) -> None:
     what = kind(path, follow=True)
     if what not in (None, "file", "directory"):
         raise GPT2PortError(f"{path}: is a {what}, not a regular file; gpt2port does not open it")
+
+
+def real(path) -> Path:
+    """`path` absolute, every symbolic link followed; a path not there (yet) as far as it exists. A link loop is
+    raised as the OSError (ELOOP) naming it: Path.resolve before Python 3.13 raised a RuntimeError for it instead."""
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise
+        return Path(os.path.realpath(path))

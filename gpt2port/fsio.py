@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.filekind import kind
+from gpt2port.filekind import kind, real
 from gpt2port.ownership import OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours
 from gpt2port.signals import deferred
 
@@ -243,17 +243,6 @@ def os_reason(e: OSError) -> str:
 
 
 # --- where things live -----------------------------------------------------------------------------------------
-
-def real(path) -> Path:
-    """`path` absolute, every symbolic link followed; a path not there (yet) as far as it exists. A link loop is
-    raised as the OSError (ELOOP) naming it: Path.resolve before Python 3.13 raised a RuntimeError for it instead."""
-    try:
-        return Path(os.path.realpath(path, strict=True))
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise
-        return Path(os.path.realpath(path))
-
 
 def hf_cache_dir() -> Path:
     """The Hugging Face hub cache, found as huggingface_hub finds it (HF_HUB_CACHE, else HF_HOME/hub, else

@@ -29,7 +29,7 @@ from tiktoken_ext.openai_public import r50k_pat_str
 
 from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import real
+from gpt2port.filekind import real
 
 ENDOFTEXT = "<|endoftext|>"
 ENDOFTEXT_ID = 50256  # GPT-2's id for it

@@ -22,7 +22,8 @@ import torch
 
 from gpt2port import jsonio
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import make_stage, missing_parents, real, remove_if_empty, sweep_leftovers, write_json
+from gpt2port.filekind import real
+from gpt2port.fsio import make_stage, missing_parents, remove_if_empty, sweep_leftovers, write_json
 from gpt2port.progress import StatusLine
 from gpt2port.signals import sigterm_as_interrupt
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory

@@ -24,7 +24,8 @@ from torch import nn
 from gpt2port import checkpoint
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import real, refuse_overlap, staged_directory, write_json
+from gpt2port.filekind import real
+from gpt2port.fsio import refuse_overlap, staged_directory, write_json
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import merge
 from gpt2port.activations import DISTINCT, TABLE, words
