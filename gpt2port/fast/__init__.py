@@ -9,7 +9,8 @@ What is here, one module per concern:
 - native.py    gpt2port's own C kernels (matvec.c: one row times a weight; attention.c: attention for one new
                token), built on purpose into a per-machine cache and registered as torch.ops.gpt2port.*.
 - kernels.py   `choose`, the one function that picks each product's kernel, and `accelerate`, which replaces the
-               model's linear layers by ones that use it (same Parameters, same product).
+               model's linear layers by ones that use it (same Parameters, same product), and its dropouts by
+               ones that skip F.dropout out of training.
 - cache.py     the KV cache generation hands the model: one new token's attention on gpt2port's kernel where it
                computes what model.KVCache.attend does.
 - graph.py     the decode step: the model's own forward, on a GPU optionally recorded as a CUDA graph.

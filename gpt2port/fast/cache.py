@@ -27,10 +27,23 @@ class KernelCache(KVCache):
         if isinstance(pos, int) and q.size(0) == 1 and q.size(2) == 1 and self.pad is None and \
                 q.dtype == self.k.dtype and pos < self.max_len and not torch.is_grad_enabled():
             H, D = q.size(1), q.size(3)
-            qkv = torch.cat((q, k, v)).view(-1)  # (3, H, 1, D): q, k, v in the layout attend_one reads
+            C = H * D
+            if _adjacent(q, k, v, C):  # views of the row the model's qkv layer wrote: attend_one reads it as it is
+                qkv = q.as_strided((3 * C,), (1,))
+            else:
+                qkv = torch.cat((q, k, v)).view(-1)  # (3, H, 1, D): q, k, v in the layout attend_one reads
             y = torch.ops.gpt2port.attend_one(qkv, self.k[layer], self.v[layer], pos, scale)
             return y.view(1, 1, H, D).transpose(1, 2)  # (1, H, 1, D), as SDPA returns it
         return super().attend(layer, q, k, v, pos, scale)
+
+
+def _adjacent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, C: int) -> bool:
+    """Whether q, k and v (1, H, 1, D) lie one right after the other, each contiguous, within q's own storage (so
+    that a view of it spans all three)."""
+    size = q.element_size()
+    at, end = q.data_ptr(), (q.storage_offset() + 3 * C) * size
+    return k.data_ptr() == at + C * size and v.data_ptr() == at + 2 * C * size and \
+        q.untyped_storage().nbytes() >= end and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
 
 
 def new_cache(config, batch_size: int, max_len: int, dtype, device, pad: torch.Tensor | None,

@@ -59,19 +59,25 @@ class FastLinear(nn.Linear):
         new = kind.__new__(kind)
         nn.Module.__init__(new)  # not nn.Linear's: that would make new Parameters
         new.in_features, new.out_features = layer.in_features, layer.out_features
-        new.weight, new.bias = layer.weight, layer.bias
+        new.weight = layer.weight
+        new.register_parameter("bias", layer.bias)  # None too, as nn.Linear does: forward reads it from _parameters
         new.train(layer.training)
         if settings is not None:
             new.settings = settings
             new.one_row = choose(new.weight, new.bias, 1, settings)
             new.rows = choose(new.weight, new.bias, 2, settings)
             new.chosen_for = (new.weight.dtype, new.weight.device)
-            # A decode step makes ~50 of these calls: the one-row kernel is looked up once, not per call.
-            new.matvec = torch.ops.gpt2port.matvec.default if new.one_row == NATIVE else None
+            # A decode step makes ~50 of these calls: the one-row kernel is looked up once, not per call, and
+            # called through its C++ entry (the overload's Python __call__ is a frame more per product).
+            new.matvec = None
+            if new.one_row == NATIVE:
+                op = torch.ops.gpt2port.matvec.default
+                new.matvec = getattr(op, "_op", op)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
+        params = self._parameters  # read, not through nn.Module.__getattr__: a Python call less per name
+        weight, bias = params["weight"], params["bias"]
         dtype, device = self.chosen_for
         if torch.is_grad_enabled() or x.dtype is not dtype or weight.dtype is not dtype or x.device != device:
             return F.linear(x, weight, bias)
@@ -95,7 +101,23 @@ class FastInt8Linear(Int8Linear):
         return product(choose(weight, bias, rows.size(0), self.settings), rows, weight, bias)
 
 
+class FastDropout(nn.Dropout):
+    """nn.Dropout that, out of training, returns its input as it is, as F.dropout does, without calling it: a decode
+    step passes ~40 of these."""
+
+    @classmethod
+    def of(cls, layer: nn.Dropout, fast: bool = True) -> nn.Dropout:
+        """A layer of this class (nn.Dropout itself where not fast) with `layer`'s settings."""
+        new = (cls if fast else nn.Dropout)(layer.p, layer.inplace)
+        return new.train(layer.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if self.training else x
+
+
 def _fast(layer: nn.Module, settings: Settings) -> nn.Module:
+    if type(layer) is nn.Dropout:
+        return FastDropout.of(layer)
     if type(layer) is nn.Linear:
         return FastLinear.of(layer, settings)
     fast = FastInt8Linear.of(layer)
@@ -107,11 +129,13 @@ def _plain(layer: nn.Module) -> nn.Module:
     """The plain layer computing what `layer` does, over its tensors (the layer itself if it is plain)."""
     if type(layer) is FastLinear:
         return FastLinear.of(layer)
+    if type(layer) is FastDropout:
+        return FastDropout.of(layer, fast=False)
     return Int8Linear.of(layer) if type(layer) is FastInt8Linear else layer
 
 
 # Exact types only: a user's subclass (whose forward may compute something else) keeps its own.
-PLAIN_LAYERS, FAST_LAYERS = (nn.Linear, Int8Linear), (FastLinear, FastInt8Linear)
+PLAIN_LAYERS, FAST_LAYERS = (nn.Linear, Int8Linear, nn.Dropout), (FastLinear, FastInt8Linear, FastDropout)
 
 
 def _swappable(model: nn.Module, kinds: tuple = PLAIN_LAYERS + FAST_LAYERS) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -123,7 +147,8 @@ def _swappable(model: nn.Module, kinds: tuple = PLAIN_LAYERS + FAST_LAYERS) -> l
 
 def accelerate(model: nn.Module, settings: Settings | None = None) -> nn.Module:
     """Replace the model's linear layers (exactly nn.Linear or Int8Linear, without hooks) by fast ones computing
-    the same product on choose's kernels, in place, and return it. Each new layer holds the old one's Parameters
+    the same product on choose's kernels, and its dropouts (exactly nn.Dropout) by FastDropout, in place, and return
+    it. Each new layer holds the old one's Parameters
     and buffers (so a state_dict, a tied head, an optimizer's references are the same); it is set where the old one
     was, as a submodule (a layer given alone is returned replaced). With native kernels asked for, they are
     built or loaded here (once per machine, with a line on stderr). Calling it again re-chooses with the new

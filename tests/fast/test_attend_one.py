@@ -172,3 +172,25 @@ def test_training_and_autograd_keep_pytorchs_attention():
     assert calls(lambda: model(torch.tensor([[4]]), cache=cache, pos=3))["gpt2port::attend_one"] == 0  # autograd on
     with torch.inference_mode():
         assert calls(lambda: model(torch.tensor([[4]]), cache=cache, pos=3))["gpt2port::attend_one"] == CONFIG.n_layer
+
+
+@needs_kernel
+def test_the_kernel_reads_the_row_the_qkv_layer_wrote_without_copying_it():
+    """q, k, v as the model makes them (views of one qkv row) go to the kernel as that row, no torch.cat; q, k, v
+    that lie elsewhere are joined first; both give what KVCache.attend gives."""
+    torch.manual_seed(0)
+    H, D = CONFIG.n_head, CONFIG.head_dim
+    row = torch.randn(1, 1, 3 * H * D)
+    views = row.view(1, 1, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)  # as CausalSelfAttention splits it
+    apart = [t.clone() for t in views]  # the same numbers, in three tensors of their own
+    results = []
+    with torch.inference_mode():
+        for q, k, v in (views, apart):
+            cache, _ = new_cache(CONFIG, 1, 8, torch.float32, "cpu", None, Settings())
+            plain = KVCache(CONFIG, 1, 8, dtype=torch.float32)
+            with torch.profiler.profile() as prof:
+                got = cache.attend(0, q, k, v, 3, None)
+            results.append(sum(e.name == "aten::cat" for e in prof.events()))
+            torch.testing.assert_close(got, plain.attend(0, q, k, v, 3, None), rtol=1e-5, atol=1e-5)
+            assert torch.equal(cache.k, plain.k) and torch.equal(cache.v, plain.v)
+    assert results == [0, 1]
