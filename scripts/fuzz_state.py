@@ -12,6 +12,8 @@ import json
 import os
 import pickle
 import random
+import signal
+import types
 from pathlib import Path
 
 from scripts.fuzz_mutate import MUTATORS
@@ -42,7 +44,7 @@ def build(root: Path) -> Path:
 
     @contextlib.contextmanager
     def requested():
-        yield {"set": True}
+        yield types.SimpleNamespace(caught=[signal.SIGINT])  # as signals.stop_requests records a Ctrl-C
 
     real, loop.stop_requests = loop.stop_requests, requested
     try:

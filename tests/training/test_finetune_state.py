@@ -10,6 +10,8 @@ import json
 import os
 import pickle
 import shutil
+import signal
+import types
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +37,7 @@ def stopped(tiny_ckpt, tmp_path_factory) -> tuple[Path, Path]:
 
     @contextlib.contextmanager
     def requested():
-        yield {"set": True}
+        yield types.SimpleNamespace(caught=[signal.SIGINT])  # as signals.stop_requests records a Ctrl-C
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(loop, "stop_requests", requested)
