@@ -136,15 +136,17 @@ def load_into(model: nn.Module, source, *, tie: bool | None = None, crop_positio
                 cpk.choices[MASK] = list(MASK_FILLS)
             return _retarget(cand, untied_source), cpk
 
+        meta_masks = (f"; its buffers ({', '.join(list(masks)[:2])}{' ...' if len(masks) > 2 else ''}) were built "
+                      f"on the meta device, without values, and no causal mask rebuilt in them computes GPT-2: build "
+                      f"the class under gpt2port.init_empty() (parameters on meta, buffers real)")
         try:
             lay = settle(model, lay, candidates, build, ref, kept, config, fill)
         except GPT2PortError as e:
             if not masks:
                 raise
-            raise GPT2PortError(f"{e}; its buffers ({', '.join(list(masks)[:2])}{' ...' if len(masks) > 2 else ''}) "
-                                f"were built on the meta device, without values, and no causal mask rebuilt in "
-                                f"them computes GPT-2: build the class under gpt2port.init_empty() (parameters on "
-                                f"meta, buffers real)") from e
+            raise GPT2PortError(f"{e}{meta_masks}") from e
+        if lay.unsettled and masks:
+            lay.unsettled += meta_masks
     lay.notes += [n for n in act_notes if n not in lay.notes]
     notes = list(lay.notes)
     if tie and not lay.tied:
