@@ -99,8 +99,12 @@ def output_problems(d: Path, rel: str = "") -> list[str]:
         claims.update((n, None) for n in _tokenizer_names())
     if listed is None and not checkpoint:
         claims.update((n, None) for n in _old_export(d, entries, config))
-    if entries.get(TOKENS) == "directory" and _tokens_ok(d / TOKENS):
-        claims[TOKENS], run = _tokens_dir, True
+    if entries.get(TOKENS) == "directory":
+        unclaimed = _tokens_unclaimed(d / TOKENS)
+        if unclaimed is None:
+            claims[TOKENS], run = _tokens_dir, True
+        elif unclaimed:  # marked as gpt2port's, but the mark does not describe the files: say which
+            problems[TOKENS] = f"{rel}{TOKENS}/{unclaimed}"
     for name in STATES:
         if entries.get(name) == "directory" and _state_ok(d / name):
             claims[name], run = _state_dir, True
@@ -122,7 +126,7 @@ def output_problems(d: Path, rel: str = "") -> list[str]:
             problems[name] = f"{rel}{name} (a {what}, where gpt2port writes a directory)"
         elif claims[name] is not None:
             problems.update((p, p) for p in claims[name](d / name, f"{rel}{name}/"))
-    return list(problems.values())
+    return [problems[name] for name in sorted(problems)]  # in the order of the names, however found
 
 
 # --- the parts of an output ------------------------------------------------------------------------------------------
@@ -220,18 +224,24 @@ def _finetuned(manifest: dict) -> bool:
     return isinstance(last, dict) and "finetune" in last
 
 
-def _tokens_ok(d: Path) -> bool:
-    """A run's tokens/: meta.json names the format, and the token files have the sizes its counts give."""
+def _tokens_unclaimed(d: Path) -> str | None:
+    """None when a run's tokens/ is gpt2port's (meta.json names the format and the token files have the sizes its
+    counts give); else why not: "" where there is no mark (or not one gpt2port writes), the file and its sizes
+    where the mark does not describe the files."""
     entries = _list(d)
     meta = _json(d, "meta.json", entries) or {}
     if not str(meta.get("format", "")).startswith("gpt2port-tokens/"):
-        return False
+        return ""
     width = {"uint16": 2, "uint32": 4}.get(meta.get("dtype"))
     counts = meta.get("n_train"), meta.get("n_val")
     if width is None or not all(type(n) is int and n >= 0 for n in counts):
-        return False
-    return all(entries.get(f) == "file" and os.lstat(d / f).st_size == n * width
-               for f, n in zip(("train.bin", "val.bin"), counts))
+        return ""
+    for f, n in zip(("train.bin", "val.bin"), counts):
+        if entries.get(f) != "file":
+            return f"{f} (missing or not a file; meta.json counts {n:,} tokens)"
+        if (size := os.lstat(d / f).st_size) != n * width:
+            return f"{f} ({size:,} bytes; meta.json gives {n * width:,})"
+    return None
 
 
 def _state_ok(d: Path) -> bool:
