@@ -147,3 +147,15 @@ def test_the_stopped_run_itself_resumes(stopped, tiny_ckpt, tmp_path):
     assert r.exit_code == 0, r.output
     assert [json.loads(x)["step"] for x in (run / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert all(bool(torch.isfinite(p).all()) for p in GPT.from_pretrained(run).parameters())
+
+
+def test_a_state_saved_before_lora_existed_resumes(stopped, tiny_ckpt, tmp_path):
+    """A run stopped by the previous version (its meta.json has no lora_* settings) resumes as a full fine-tune."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped[0], run)
+    _edit_meta(run, lambda meta: [meta["settings"].pop(k) for k in list(meta["settings"]) if k.startswith("lora")])
+    settings = json.loads((run / "train_state" / "meta.json").read_text())["settings"]
+    assert not any(k.startswith("lora") for k in settings)
+    r = run_cli("finetune", tiny_ckpt, "--data", stopped[1], "--out", run, "--resume", "--quiet")
+    assert r.exit_code == 0, r.output
+    assert [json.loads(x)["step"] for x in (run / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
