@@ -182,7 +182,10 @@ class GPT(nn.Module):
         T = idx.size(1)
         if isinstance(pos, int) and pos + T > P:
             raise GPT2PortError(f"sequence of {pos + T} tokens exceeds the model's context of {P}")
-        if idx.device.type == "cpu" and not 0 <= int(idx.min()) <= int(idx.max()) < V:  # elsewhere: a sync per call
+        # Checked on the CPU (elsewhere: a sync per call), not under torch.compile (a captured forward replays no
+        # Python; generation's ids come from the vocabulary)
+        checked = idx.device.type == "cpu" and not torch.compiler.is_compiling()
+        if checked and not 0 <= int(idx.min()) <= int(idx.max()) < V:
             raise GPT2PortError(f"token ids {int(idx.min())}..{int(idx.max())} are outside the vocabulary (0..{V - 1})")
         positions = pos + torch.arange(T, device=idx.device)
         if pad is not None:  # left-padded rows count positions from their first real token (padding gets 0)

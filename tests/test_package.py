@@ -294,10 +294,19 @@ def test_importing_the_name_tables_registers_no_operators():
                     "assert not fast, fast\n")
 
 
-def test_no_torchscript_in_the_package():
-    """TorchScript is deprecated (each scripted module warns); the decode step is plain Python."""
-    users = [name for name, path in _modules().items() if "torch.jit" in path.read_text()]
-    assert not users, users
+def test_no_torchscript_in_the_package_but_the_trace_of_the_forward():
+    """TorchScript is deprecated: no scripted code anywhere. Its tracer is used in one place, fast/graph.py, to capture
+    the model's own forward on the CPU (what a CUDA graph is on a GPU); elsewhere code may only ask whether it runs
+    under that trace."""
+    import re
+
+    found = []
+    for name, path in _modules().items():
+        for use in re.findall(r"torch\.jit\.(\w+)", path.read_text()):
+            if use != "is_tracing" and not (path.name == "graph.py" and path.parent.name == "fast" and
+                                            use in ("trace", "optimized_execution", "ScriptModule")):
+                found.append(f"{name}: torch.jit.{use}")
+    assert not found, found
 
 
 def _message_matches(tree: ast.AST) -> list[int]:

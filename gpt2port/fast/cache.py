@@ -1,7 +1,8 @@
 """The KV cache generation hands the model: model.KVCache, with attention for one new token of one unpadded row on
 gpt2port's kernel (attention.c, torch.ops.gpt2port.attend_one), which also writes the new key and value into the
 cache. The model's attention calls `cache.attend` for its arithmetic over the cache; this cache answers the one case
-the kernel serves and leaves every other (a prompt, a batch, padding, autograd, a position tensor) to KVCache.
+the kernel serves (the position a number, or a one-element tensor that the kernel reads when it runs: a traced
+forward's) and leaves every other (a prompt, a batch, padding, autograd) to KVCache.
 
 The kernel stands in for KVCache.attend only where it computes the same: before it is used it is run beside
 KVCache.attend (the code in model.py as it is now, edits included) on random numbers at the cache's own shapes, at
@@ -24,17 +25,28 @@ class KernelCache(KVCache):
     """KVCache whose attend() runs one token of one unpadded row on gpt2port's kernel (see the module's docstring)."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos, scale):
-        if isinstance(pos, int) and q.size(0) == 1 and q.size(2) == 1 and self.pad is None and \
-                q.dtype == self.k.dtype and pos < self.max_len and not torch.is_grad_enabled():
+        # pos a number, or a one-element tensor (a traced forward's: the kernel reads it at each replay)
+        at = pos < self.max_len if isinstance(pos, int) else _position(pos)
+        if at and q.size(0) == 1 and q.size(2) == 1 and self.pad is None and q.dtype == self.k.dtype and \
+                not torch.is_grad_enabled():
             H, D = q.size(1), q.size(3)
             C = H * D
-            if _adjacent(q, k, v, C):  # views of the row the model's qkv layer wrote: attend_one reads it as it is
+            # views of the row the model's qkv layer wrote: attend_one reads it as it is (torch.compile cannot see
+            # where a tensor lies: there the three are joined)
+            if not torch.compiler.is_compiling() and _adjacent(q, k, v, C):
                 qkv = q.as_strided((3 * C,), (1,))
             else:
                 qkv = torch.cat((q, k, v)).view(-1)  # (3, H, 1, D): q, k, v in the layout attend_one reads
-            y = torch.ops.gpt2port.attend_one(qkv, self.k[layer], self.v[layer], pos, scale)
+            # named overloads: a one-element tensor would pass for the number too, and be traced as a constant
+            attend = torch.ops.gpt2port.attend_one.default if isinstance(pos, int) else torch.ops.gpt2port.attend_one.at
+            y = attend(qkv, self.k[layer], self.v[layer], pos, scale)
             return y.view(1, 1, H, D).transpose(1, 2)  # (1, H, 1, D), as SDPA returns it
         return super().attend(layer, q, k, v, pos, scale)
+
+
+def _position(pos) -> bool:
+    """Whether pos is a position the kernel reads from a tensor: one int64 number on the CPU."""
+    return isinstance(pos, torch.Tensor) and pos.numel() == 1 and pos.dtype == torch.long and pos.device.type == "cpu"
 
 
 def _adjacent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, C: int) -> bool:
@@ -73,13 +85,14 @@ def _why_not_kernel(config, batch_size, max_len, dtype, device, pad, settings: S
 @functools.cache
 def agrees(H: int, D: int, max_len: int, dtype: torch.dtype) -> bool:
     """Whether the kernel computes what KVCache.attend does for one new token, at positions 0 and max_len - 1 over
-    random keys and values (a private generator), with the default scale and with 1.0: output and cache alike."""
+    random keys and values (a private generator), with the default scale and with 1.0, the position a number and a
+one-element tensor: output and cache alike."""
     g = torch.Generator().manual_seed(0)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     shape = SimpleNamespace(n_layer=1, n_head=H, head_dim=D, n_positions=max_len)  # all a KVCache reads
 
     with torch.inference_mode():
-        for pos in sorted({0, max_len - 1}):
+        for pos in [p for at in sorted({0, max_len - 1}) for p in (at, torch.tensor([at]))]:
             for scale in (None, 1.0):
                 caches = [KVCache(shape, 1, max_len, dtype), KernelCache(shape, 1, max_len, dtype)]
                 keys, values = (torch.randn(1, 1, H, max_len, D, generator=g).to(dtype) for _ in range(2))

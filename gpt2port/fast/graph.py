@@ -1,19 +1,36 @@
-"""The decode step: the model's own forward for one new token per row, called as it is, or on a GPU recorded once
-as a CUDA graph and replayed per token.
+"""The decode step: the model's own forward for one new token per row, called as it is, traced on the CPU, or on a
+GPU recorded as a CUDA graph; both captures are replayed per token. Nothing here computes any of the model: a trace
+and a graph are the forward, recorded.
 
-Why a graph: on a GPU a step is a few hundred small kernels each launched from Python, bound by launches rather than
-by memory; a graph records them once and replays them with one launch. A graph replays fixed kernels on fixed
-memory, so what it records is the forward's static-shape form: GPT.forward with the position a (1,) tensor, which
-KVCache.attend writes at by index_copy_ and reads over every slot of the cache, masked. Nothing here computes any of
-the model: a graph is the forward, recorded. Before a recorded step is trusted, its first replay is checked against
-the forward called as it is, at the same position; where they differ, or the forward cannot be recorded, decoding
-goes on without the graph and says why.
+Why a trace on the CPU: a step is ~400 small operations, called from Python through ~140 module calls, and that
+Python is a visible share of a step (docs/performance.md). PyTorch's tracer (torch.jit.trace) records every
+operation the forward ran, on the kernels it ran them on (the swapped layers' included), and its interpreter replays
+them without the Python between them. It is the one capture that does so without compiling: torch.compile's
+backends either run the captured graph from Python again or compile for minutes (docs/architecture.md). The trace
+is taken where gpt2port's attention kernel serves the cache (one unpadded row); elsewhere attention over the cache
+would be recorded over every slot, masked. What a trace cannot hold: Python that reads a tensor's value (an `if` on
+a tensor, an `int(t)`) is frozen at the value it had while tracing; the checks below see it where the value changes
+by then (as a position does), and Settings(trace=False) or GPT2PORT_TRACE=0 keeps to the forward as it is.
+
+Why a graph on a GPU: a step is a few hundred small kernels each launched from Python, bound by launches rather than
+by memory; a graph records them once and replays them with one launch.
+
+Both replay fixed operations, so what they record is the forward's static-shape form: GPT.forward with the position
+a (1,) tensor, which the cache's attention reads when it runs (gpt2port's kernel on the CPU; on a GPU, KVCache.attend
+writes at it by index_copy_ and reads over every slot of the cache, masked). Before a capture is trusted, its first
+replays are checked against the forward called as it is, at the same positions (a trace at two, so that a frozen
+position shows); where they differ, or the forward cannot be captured, decoding goes on without it and says why
+(`generate -v`).
 """
 
 from __future__ import annotations
 
-import torch
+import warnings
 
+import torch
+import torch.nn as nn
+
+from gpt2port.fast.cache import KernelCache
 from gpt2port.fast.settings import Settings
 from gpt2port.model import KVCache
 
@@ -84,23 +101,98 @@ class Graphed(Forward):
         self.graph = graph
 
 
+TRACE_CHECKS = 2  # positions at which a trace is checked: one that froze the position agrees at the first only
+
+
+class _Step(nn.Module):
+    """What is traced: the model's forward for one token at a tensor position. The cache's tensors are buffers here,
+    so the trace reads and writes them, not copies of them."""
+
+    def __init__(self, model, cache: KVCache):
+        super().__init__()
+        self.model, self.cache = model, cache
+        self.register_buffer("keys", cache.k, persistent=False)
+        self.register_buffer("values", cache.v, persistent=False)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, cache=self.cache, pos=pos, last_only=True)[0]
+
+
+class Traced(Forward):
+    """The same forward traced on its first call, replayed on the later ones (one unpadded row on the CPU)."""
+
+    def __init__(self, model, cache: KVCache, attention: str = ""):
+        super().__init__(model, cache, "the model's forward, traced once and replayed", attention)
+        self.pos = torch.zeros(1, dtype=torch.long)
+        self.trace: torch.jit.ScriptModule | None = None
+        self.unchecked = TRACE_CHECKS
+        self.declined = False
+
+    def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.declined or torch.is_grad_enabled():
+            return super().__call__(ids, pos)
+        self.pos.fill_(pos)
+        if self.trace is None:
+            self._take(ids)  # its run writes slot `pos`, which the replay below writes again
+            if self.declined:
+                return super().__call__(ids, pos)
+        if not self.unchecked:
+            return self._replay(ids)
+        # Checked: the forward as it is, at the same position, from the cache as it was (a wrong trace may have
+        # written anywhere in it)
+        self.unchecked -= 1
+        kept = self.cache.k.clone(), self.cache.v.clone()
+        logits = self._replay(ids)
+        self.cache.k.copy_(kept[0])
+        self.cache.v.copy_(kept[1])
+        eager = self.model(ids, cache=self.cache, pos=self.pos, last_only=True)[0]  # what was traced, as it is
+        if not torch.equal(logits, eager):
+            self._decline(f"its trace disagreed with it at position {pos}")
+        return eager
+
+    def _replay(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.jit.optimized_execution(False):  # the operations as recorded: nothing fused or reordered
+            return self.trace(ids, self.pos)
+
+    def _take(self, ids: torch.Tensor) -> None:
+        # The tracer's warnings are not for the user: that it is deprecated (it is kept as the one capture replayed
+        # without Python), and one per shape the forward looks at (shapes are fixed here; values the checks see).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                self.trace = torch.jit.trace(_Step(self.model, self.cache), (ids, self.pos), check_trace=False)
+            except (RuntimeError, TypeError, ValueError) as e:  # the forward cannot be traced: it runs as it is
+                self._decline(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
+    def _decline(self, why: str) -> None:
+        self.declined, self.trace = True, None
+        self.how = f"the model's forward (not traced: {why})"
+
+
 def decode_step(model, cache: KVCache, settings: Settings, attention: str = "") -> Forward:
-    """How generation runs one token per row: the model's forward, recorded as a CUDA graph on a CUDA device when
-    settings.cuda_graph and nothing forbids it. `.description` says which (and `attention`, what the cache said)."""
-    why = _why_no_graph(model, cache, settings)
+    """How generation runs one token per row: the model's forward, traced on the CPU for one unpadded row when
+    settings.trace, recorded as a CUDA graph on a CUDA device when settings.cuda_graph, where nothing forbids it.
+    `.description` says which (and `attention`, what the cache said)."""
+    on_cuda = cache.k.device.type == "cuda"
+    why = _why_not_captured(model, cache, settings.cuda_graph if on_cuda else settings.trace)
     if why is None:
-        return Graphed(model, cache, attention)
-    return Forward(model, cache, "the model's forward" + (f" (no CUDA graph: {why})" if why else ""), attention)
+        return (Graphed if on_cuda else Traced)(model, cache, attention)
+    kind = "CUDA graph" if on_cuda else "trace"
+    return Forward(model, cache, "the model's forward" + (f" (no {kind}: {why})" if why else ""), attention)
 
 
-def _why_no_graph(model, cache: KVCache, settings: Settings) -> str | None:
-    """None where the forward may be recorded, "" where no graph was asked for, else why not."""
-    if not settings.cuda_graph or cache.k.device.type != "cuda":
+def _why_not_captured(model, cache: KVCache, asked: bool) -> str | None:
+    """None where the forward may be captured, "" where no capture was asked for, else why not."""
+    if not asked or cache.k.device.type not in ("cpu", "cuda"):
         return ""
+    if cache.k.device.type == "cpu" and not isinstance(cache, KernelCache):  # a batch, or the kernel declined
+        return "attention is not on gpt2port's kernel"
+    if not hasattr(torch.jit, "trace") and cache.k.device.type == "cpu":
+        return f"this PyTorch ({torch.__version__}) has no tracer"
     if any(m.training for m in model.modules()):
         return "the model is in training mode"
     if hooked(model):
-        return "it has forward hooks: a graph replays kernels, never Python"
+        return "it has forward hooks: a capture replays operations, never Python"
     return None
 
 

@@ -82,13 +82,15 @@ class FastLinear(nn.Linear):
         if torch.is_grad_enabled() or x.dtype is not dtype or weight.dtype is not dtype or x.device != device:
             return F.linear(x, weight, bias)
         if x.numel() == self.in_features:
-            if self.matvec is not None:
+            if self.matvec is not None and not torch.compiler.is_compiling():
                 return self.matvec(x, weight, bias)
             kind = self.one_row
         else:
             kind = self.rows
         if kind == ONEDNN and torch.compiler.is_compiling():  # a private op the compiler cannot trace
             return F.linear(x, weight, bias)
+        if kind == ONEDNN and torch.jit.is_tracing():  # nor the tracer record (fast.graph.Traced says so)
+            raise RuntimeError("an fp32 product runs on oneDNN, whose arguments the tracer cannot record")
         return product(kind, x, weight, bias)
 
 

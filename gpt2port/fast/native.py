@@ -106,9 +106,12 @@ def _define_ops() -> None:
     _OPS = torch.library.Library("gpt2port", "DEF")
     _OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
     _OPS.define("attend_one(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int length, float? scale) -> Tensor")
+    # the position as a one-element tensor: what a traced forward replays with a new value each step
+    _OPS.define("attend_one.at(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor length, float? scale) -> Tensor")
     _OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(*x.shape[:-1], weight.size(0)), "Meta")
-    _OPS.impl("attend_one", lambda qkv, keys, values, length, scale:
-              qkv.new_empty(*qkv.shape[:-1], qkv.size(-1) // 3), "Meta")
+    for name in ("attend_one", "attend_one.at"):
+        _OPS.impl(name, lambda qkv, keys, values, length, scale: qkv.new_empty(*qkv.shape[:-1], qkv.size(-1) // 3),
+                  "Meta")
 
 
 def _matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -359,7 +362,11 @@ def _attends_right() -> bool:
             want_keys[:, :, length], want_values[:, :, length] = k[:, :, 0], v[:, :, 0]
             want = F.scaled_dot_product_attention(q.float(), want_keys[:, :, :length + 1].float(),
                                                   want_values[:, :, :length + 1].float(), scale=scale).view(-1)
+            at = (keys.clone(), values.clone())
             y = torch.ops.gpt2port.attend_one(qkv, keys, values, length, scale)
+            y_at = torch.ops.gpt2port.attend_one.at(qkv, *at, torch.tensor([length]), scale)
+            if not (torch.equal(y, y_at) and torch.equal(at[0], keys) and torch.equal(at[1], values)):
+                return False
             if not (torch.equal(keys, want_keys) and torch.equal(values, want_values) and y.dtype == dtype and
                     torch.allclose(y.float(), want, rtol=tolerance, atol=tolerance)):
                 return False

@@ -108,9 +108,19 @@ at::Tensor attend_one(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &value
   return y;
 }
 
+// The same, the position held in a one-element int64 tensor: a traced forward reads it anew at each replay.
+at::Tensor attend_one_at(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &values, const at::Tensor &length,
+                         std::optional<double> scale) {
+  TORCH_CHECK_VALUE(length.numel() == 1 && length.scalar_type() == at::kLong && length.device().is_cpu(),
+                    "gpt2port::attend_one.at takes the position as one int64 number on the CPU; got ", shape(length),
+                    " ", length.scalar_type());
+  return attend_one(qkv, keys, values, *length.const_data_ptr<int64_t>(), scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gpt2port, CPU, m) {
   m.impl("matvec", matvec);
   m.impl("attend_one", attend_one);
+  m.impl("attend_one.at", attend_one_at);
 }

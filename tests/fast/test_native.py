@@ -268,10 +268,11 @@ def first_calls(env: dict) -> tuple[list[str], str]:
 @needs_cxx
 def test_nothing_is_built_or_registered_until_asked_for(tmp_path):
     out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(native.cache_dir())})
-    assert out == ["[] False", "['gpt2port::attend_one', 'gpt2port::matvec'] True", "True None"]
+    assert out == ["[] False", "['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True",
+                   "True None"]
     assert err == ""  # from the cache: no build, no message
     out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(tmp_path)})  # an empty cache: built, and said so once
-    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::matvec'] True", "True None"]
+    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True", "True None"]
     assert err == native.BUILD_MESSAGE + "\n"
 
 
@@ -279,7 +280,7 @@ def test_nothing_is_built_or_registered_until_asked_for(tmp_path):
 def test_without_a_cpp_compiler_the_python_kernel_serves(tmp_path):
     why = "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)"
     out, _ = first_calls({"CXX": str(tmp_path / "no-such-compiler")})
-    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::matvec'] True", f"False {why}"]
+    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True", f"False {why}"]
 
 
 def test_processes_building_at_once_build_once(tmp_path):
@@ -342,8 +343,9 @@ def test_without_a_compiler_generation_runs_on_pytorchs_kernels(tmp_path):
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["True", "no C compiler found (cc, gcc or clang on the PATH, or $CC)",
-                                        "the model's forward; attention on SDPA (no C compiler found (cc, gcc or "
-                                        "clang on the PATH, or $CC))"]
+                                        "the model's forward (no trace: attention is not on gpt2port's kernel); "
+                                        "attention on SDPA (no C compiler found (cc, gcc or clang on the PATH, or "
+                                        "$CC))"]
 
 
 def test_doctor_builds_and_reports(tmp_path, monkeypatch, capsys):
