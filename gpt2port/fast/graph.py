@@ -26,6 +26,7 @@ position shows); where they differ, or the forward cannot be captured, decoding 
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -113,18 +114,29 @@ class _Holder(torch.nn.Module):
         return self.function(*args)
 
 
-TRACE_CHECKS = 2  # positions at which a trace is checked: one that froze the position agrees at the first only
+TRACE_CHECKS = 2  # positions at which a new trace is checked: one that froze the position agrees at the first only
+# Traces kept while their model lives, by what decides the operations traced (the settings, the cache's dtype, the
+# C++ objects a trace holds): a later generation replays one after checking it at its first step, and traces anew
+# where it disagrees (the model changed since).
+_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Traced(Forward):
     """The same forward traced on its first call, replayed on the later ones (one unpadded row on the CPU)."""
 
-    def __init__(self, model, cache: KVCache, attention: str = ""):
+    def __init__(self, model, cache: KVCache, settings: Settings, attention: str = ""):
         super().__init__(model, cache, "the model's forward, traced once and replayed", attention)
         self.pos = torch.zeros(1, dtype=torch.long)
-        self.trace = None  # the traced function, on the first call
-        self.tensors: tuple[torch.Tensor, ...] = ()
-        self.unchecked = TRACE_CHECKS
+        # The trace's inputs besides the token and position: the model's tensors and the cache's, read and written
+        # where they are, not copied
+        self.tensors = (*dict.fromkeys([*model.parameters(), *model.buffers()]), cache.k, cache.v)
+        # Objects of PyTorch's C++ classes the forward passes to operators (fbgemm's packed int8 weights) can be no
+        # input: a trace holds them
+        self.objects = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.ScriptObject)]
+        self.key = (settings, cache.k.dtype, tuple(map(id, self.objects)))
+        self.trace = _TRACES.get(model, {}).get(self.key)
+        self.reused = self.trace is not None
+        self.unchecked = 1 if self.reused else TRACE_CHECKS
         self.declined = False
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
@@ -143,13 +155,20 @@ class Traced(Forward):
             return eager if eager is not None else super().__call__(ids, pos)
         for t, old in zip(written, kept):
             t.copy_(old)
-        logits = self._replay(ids)
-        if not torch.equal(logits, eager):
+        try:
+            logits = self._replay(ids)
+        except RuntimeError:  # a kept trace that no longer fits the model
+            logits = None
+        if logits is not None and torch.equal(logits, eager):
+            return logits
+        for t, old in zip(written, kept):
+            t.copy_(old)
+        if self.reused:  # kept from an earlier generation, of a model that changed since: traced again next step
+            _TRACES[self.model].pop(self.key, None)
+            self.trace, self.reused, self.unchecked = None, False, TRACE_CHECKS
+        else:
             self._decline(f"its trace disagreed with it at position {pos}")
-            for t, old in zip(written, kept):
-                t.copy_(old)
-            return super().__call__(ids, pos)
-        return logits
+        return super().__call__(ids, pos)
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids, cache=self.cache, pos=self.pos, last_only=True)[0]  # what is traced, as it is
@@ -159,29 +178,26 @@ class Traced(Forward):
             return self.trace(ids, self.pos, *self.tensors)
 
     def _take(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Trace the step at self.pos and return what that run of the forward computed (None if it failed). The
-        model's tensors and the cache's are the trace's inputs: it reads and writes them, not copies (and a trace of
-        a function is made in a fifth of the time of a trace of the module tree)."""
-        self.tensors = (*dict.fromkeys([*self.model.parameters(), *self.model.buffers()]), self.cache.k, self.cache.v)
+        """Trace the step at self.pos and return what that run of the forward computed (None if it failed). A trace
+        of a function, its tensors inputs, is made in a fifth of the time of a trace of the module tree."""
         ran: list[torch.Tensor] = []
 
         def step(ids: torch.Tensor, pos: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
             ran.append(self.model(ids, cache=self.cache, pos=pos, last_only=True)[0])
             return ran[-1]
 
-        # Objects of PyTorch's C++ classes the forward passes to operators (fbgemm's packed int8 weights) can be
-        # no input: they are known to the tracer as attributes of the module traced, which is only this holder
-        objects = [v for m in self.model.modules() for v in vars(m).values() if isinstance(v, torch.ScriptObject)]
         # The tracer's warnings are not for the user: that it is deprecated (it is kept as the one capture replayed
         # without Python), and one per shape the forward looks at (shapes are fixed here; values the checks see).
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                self.trace = torch.jit.trace(_Holder(step, objects) if objects else step,
+                self.trace = torch.jit.trace(_Holder(step, self.objects) if self.objects else step,
                                              (ids, self.pos, *self.tensors), check_trace=False)
             except (RuntimeError, TypeError, ValueError) as e:  # the forward cannot be traced: it runs as it is
                 self._decline(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return ran[-1] if ran else None
+                return ran[-1] if ran else None
+        _TRACES.setdefault(self.model, {})[self.key] = self.trace
+        return ran[-1]
 
     def _decline(self, why: str) -> None:
         self.declined, self.trace = True, None
@@ -195,7 +211,7 @@ def decode_step(model, cache: KVCache, settings: Settings, attention: str = "") 
     on_cuda = cache.k.device.type == "cuda"
     why = _why_not_captured(model, cache, settings.cuda_graph if on_cuda else settings.trace)
     if why is None:
-        return (Graphed if on_cuda else Traced)(model, cache, attention)
+        return Graphed(model, cache, attention) if on_cuda else Traced(model, cache, settings, attention)
     kind = "CUDA graph" if on_cuda else "trace"
     return Forward(model, cache, "the model's forward" + (f" (no {kind}: {why})" if why else ""), attention)
 

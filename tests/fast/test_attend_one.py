@@ -116,6 +116,23 @@ def test_refuses_what_it_would_read_or_write_wrong():
     assert torch.equal(keys, torch.zeros_like(keys))  # nothing written by a refused call
 
 
+@needs_kernel
+def test_the_position_as_a_tensor_is_the_position_as_a_number():
+    """attend_one.at (what a traced forward calls: the position read when it runs) against attend_one, and its own
+    refusals of a position that is not one int64 number."""
+    g = torch.Generator().manual_seed(3)
+    keys, values = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(2))
+    qkv = torch.randn(24, generator=g)
+    for length in (0, 5, 7):
+        caches = [(keys.clone(), values.clone()) for _ in range(2)]
+        want = torch.ops.gpt2port.attend_one(qkv, *caches[0], length, None)
+        got = torch.ops.gpt2port.attend_one.at(qkv, *caches[1], torch.tensor([length]), None)
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(*caches))
+    for bad in (torch.tensor([1.0]), torch.tensor([1, 2]), torch.tensor([8]), torch.tensor([1], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="gpt2port::attend_one"):
+            torch.ops.gpt2port.attend_one.at(qkv, keys, values, bad, None)
+
+
 def calls(fn) -> dict[str, int]:
     """How many times fn() calls each of gpt2port's operators and PyTorch's attention (seen by the profiler)."""
     names = ("gpt2port::attend_one", "aten::scaled_dot_product_attention")

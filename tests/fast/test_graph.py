@@ -103,6 +103,27 @@ def test_a_trace_that_froze_the_position_is_caught_and_the_cache_kept(native_ker
     torch.testing.assert_close(cache.k, plain.k, rtol=1e-5, atol=1e-5)  # the wrong replay's writes were undone
 
 
+def test_a_trace_is_kept_for_the_model_and_taken_again_once_the_model_changed(native_kernels):
+    """A later generation replays the trace an earlier one took (any length: the cache is an input), after checking
+    it at its first step; once the model computes something else, that check sends it back to be traced again."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
+    from gpt2port.fast import graph
+
+    model = model_on()
+    for prompt, n in ((PROMPTS[0][:2], 4), (PROMPTS[0], 20)):
+        report = []
+        got = generate(model, [prompt], n, temperature=0, stop_token=None, report=report)
+        assert report[-1].startswith("the model's forward, traced once and replayed"), report
+        assert got == generate(model, [prompt], n, temperature=0, stop_token=None, fast=Settings(trace=False))
+    kept = list(graph._TRACES[model].values())
+    assert len(kept) == 1  # one trace, taken by the first generation, replayed by the second
+    model.blocks[1].mlp.act = torch.tanh  # what the model computes changed after it was traced
+    got = generate(model, [PROMPTS[0]], 20, temperature=0, stop_token=None)
+    assert got == generate(model, [PROMPTS[0]], 20, temperature=0, stop_token=None, fast=Settings(trace=False))
+    assert list(graph._TRACES[model].values()) != kept  # traced again
+
+
 def test_the_trace_declines_hooks_and_training_and_says_why(native_kernels):
     if not native_kernels.attend_one:
         pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
