@@ -131,11 +131,11 @@ class Int8Linear(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == self.in_features and self._packed is not None:  # one row: fbgemm takes it in any shape
+            x = x if x.dtype == torch.float32 else x.float()
+            return fbgemm_linear(x if self.in_scale is None else x * self.in_scale, self._packed, _reduce_range())
         rows = x.reshape(-1, self.in_features)
-        if rows.size(0) == 1 and self._packed is not None:
-            rows = rows.float() if self.in_scale is None else rows.float() * self.in_scale
-            y = fbgemm_linear(rows, self._packed, _reduce_range())
-        elif rows.size(0) <= FEW_ROWS:
+        if rows.size(0) <= FEW_ROWS:
             y = torch._weight_int8pack_mm(rows.to(ACTIVATION_DTYPE), self.weight, self.kernel_scale).float()
             y = y if self.bias is None else y + self.bias
         else:
