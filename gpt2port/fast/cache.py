@@ -24,12 +24,17 @@ from gpt2port.model import KVCache
 class KernelCache(KVCache):
     """KVCache whose attend() runs one token of one unpadded row on gpt2port's kernel (see the module's docstring)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # numbers, not sizes read from q (which a trace records, and replays the arithmetic of, every step)
+        self.heads, self.head_dim = int(self.k.size(2)), int(self.k.size(4))
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos, scale):
         # pos a number, or a one-element tensor (a traced forward's: the kernel reads it at each replay)
         at = pos < self.max_len if isinstance(pos, int) else _position(pos)
         if at and q.size(0) == 1 and q.size(2) == 1 and self.pad is None and q.dtype == self.k.dtype and \
                 not torch.is_grad_enabled():
-            H, D = q.size(1), q.size(3)
+            H, D = self.heads, self.head_dim
             C = H * D
             # views of the row the model's qkv layer wrote: attend_one reads it as it is (torch.compile cannot see
             # where a tensor lies: there the three are joined)
