@@ -121,6 +121,20 @@ TRACE_CHECKS = 2  # positions at which a new trace is checked: one that froze th
 _TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _fold_shapes(trace, args: tuple) -> None:
+    """The trace's arithmetic on sizes folded into numbers, in place: a step's shapes are fixed, and the tracer records
+    each size the forward reads (~half of a step's operations). PyTorch's own graph passes, which are private: where
+    they fail the trace stays as it was; what they leave is checked with the rest of the trace."""
+    graph, inputs = (trace.forward.graph, (trace._c, *args)) if hasattr(trace, "forward") else (trace.graph, args)
+    try:
+        torch._C._jit_pass_complete_shape_analysis(graph, inputs, False)
+        torch._C._jit_pass_peephole(graph, False)
+        torch._C._jit_pass_constant_propagation(graph)
+        torch._C._jit_pass_dce(graph)
+    except (AttributeError, RuntimeError):
+        pass
+
+
 class Traced(Forward):
     """The same forward traced on its first call, replayed on the later ones (one unpadded row on the CPU)."""
 
@@ -196,6 +210,7 @@ class Traced(Forward):
             except (RuntimeError, TypeError, ValueError) as e:  # the forward cannot be traced: it runs as it is
                 self._decline(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 return ran[-1] if ran else None
+        _fold_shapes(self.trace, (ids, self.pos, *self.tensors))
         _TRACES.setdefault(self.model, {})[self.key] = self.trace
         return ran[-1]
 
