@@ -304,7 +304,7 @@ def test_no_torchscript_in_the_package_but_the_trace_of_the_forward():
     for name, path in _modules().items():
         for use in re.findall(r"torch\.jit\.(\w+)", path.read_text()):
             if use != "is_tracing" and not (path.name == "graph.py" and path.parent.name == "fast" and
-                                            use in ("trace", "optimized_execution", "ScriptModule")):
+                                            use in ("trace", "optimized_execution")):
                 found.append(f"{name}: torch.jit.{use}")
     assert not found, found
 
