@@ -194,10 +194,11 @@ class Traced(Forward):
     def _take(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Trace the step at self.pos and return what that run of the forward computed (None if it failed). A trace
         of a function, its tensors inputs, is made in a fifth of the time of a trace of the module tree."""
-        ran: list[torch.Tensor] = []
+        # The traced function keeps this one, and what it holds: the model and the cache, weakly
+        model, cache, ran = weakref.ref(self.model), weakref.ref(self.cache), []
 
         def step(ids: torch.Tensor, pos: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-            ran.append(self.model(ids, cache=self.cache, pos=pos, last_only=True)[0])
+            ran.append(model()(ids, cache=cache(), pos=pos, last_only=True)[0])
             return ran[-1]
 
         # The tracer's warnings are not for the user: that it is deprecated (it is kept as the one capture replayed
@@ -209,12 +210,14 @@ class Traced(Forward):
                                              (ids, self.pos, *self.tensors), check_trace=False)
             except (RuntimeError, TypeError, ValueError) as e:  # the forward cannot be traced: it runs as it is
                 self._decline(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                return ran[-1] if ran else None
+                return ran.pop() if ran else None
         _fold_shapes(self.trace, (ids, self.pos, *self.tensors))
         _TRACES.setdefault(self.model, {})[self.key] = self.trace
-        return ran[-1]
+        return ran.pop()
 
     def _decline(self, why: str) -> None:
+        if self.trace is not None:  # not kept for a later generation either
+            _TRACES.get(self.model, {}).pop(self.key, None)
         self.declined, self.trace = True, None
         self.how = f"the model's forward (not traced: {why})"
 

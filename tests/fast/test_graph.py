@@ -124,6 +124,24 @@ def test_a_trace_is_kept_for_the_model_and_taken_again_once_the_model_changed(na
     assert list(graph._TRACES[model].values()) != kept  # traced again
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_a_kept_trace_does_not_keep_its_model_alive(dtype, tmp_path, native_kernels):
+    import gc
+    import weakref
+
+    from gpt2port.fast import graph
+
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
+    model = traced_model(dtype, tmp_path)
+    generate(model, PROMPTS[:1], 4, temperature=0, stop_token=None)
+    assert model in graph._TRACES
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
 def test_the_trace_declines_hooks_and_training_and_says_why(native_kernels):
     if not native_kernels.attend_one:
         pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
