@@ -21,7 +21,7 @@ from gpt2port.model import KVCache
 
 TOKENS_PER_BATCH = 4096
 WASTE = 1 / 8  # the padding a batch may add to its examples' own tokens
-MIN_TOKENS = 512  # ... or up to this many tokens in all
+MIN_TOKENS = 128  # ... or up to this many tokens in all
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -59,7 +59,7 @@ def score(model, tokenizer, pairs: list[Pair], nanogpt: bool = False, progress=N
             shared.append((i, encoded[0][0], [k for _, k in encoded]))
         else:
             loose += [(i, j, (c + k)[-(n_ctx + 1):][:-1], k) for j, (c, k) in enumerate(encoded)]
-    shared.sort(key=lambda g: (-len(g[1]), -max(map(len, g[2]))))
+    shared.sort(key=lambda g: -len(g[1]))
     loose.sort(key=lambda r: -len(r[2]))
     found, number = {}, 0  # (pair, continuation) -> result; the batch's number, over both kinds
     for start, batch in _batches(shared, _shared_tokens, tokens_per_batch):
@@ -82,11 +82,10 @@ def score(model, tokenizer, pairs: list[Pair], nanogpt: bool = False, progress=N
 
 
 def _shared_tokens(batch) -> tuple[int, int]:
-    """(tokens run, tokens each example would run alone) of a batch of shared contexts: the contexts padded to the
-    longest, every ending to the longest ending (alone: to its example's longest)."""
-    longest = [max(map(len, ks)) for _, _, ks in batch]
-    real = sum(len(c) + len(ks) * n for (_, c, ks), n in zip(batch, longest))
-    return len(batch) * max(len(c) for _, c, _ in batch) + sum(len(ks) for _, _, ks in batch) * max(longest), real
+    """(tokens run, tokens of the examples' own) of a batch of shared contexts: the contexts padded to the longest,
+    the endings (batched by their own length) about their own."""
+    endings = sum(len(k) for _, _, ks in batch for k in ks)
+    return len(batch) * max(len(c) for _, c, _ in batch) + endings, sum(len(c) for _, c, _ in batch) + endings
 
 
 def _batches(items: list, tokens, budget: int):
@@ -120,7 +119,8 @@ def _rows(model, rows: list[tuple[list[int], list[int]]]) -> list[tuple]:
 
 def _shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list[list[tuple]]:
     """Each group's context once (one row each, left-padded: the cache hides the padding, and positions count from
-    a row's first token), then every continuation after its context (one row each, right-padded)."""
+    a row's first token), then every continuation after its context (one row each, right-padded), in batches of
+    like length whatever their context."""
     param = model.pos_emb.weight  # the dtype it computes in (an int8 model's matrices are int8)
     config, length = model.config, max(len(c) for c, _ in groups)
     pad = torch.tensor([length - len(c) for c, _ in groups])
@@ -129,20 +129,26 @@ def _shared(model, groups: list[tuple[list[int], list[list[int]]]]) -> list[list
         idx[r, length - len(ctx):] = torch.tensor(ctx)
     one = KVCache(config, len(groups), length, param.dtype, param.device, pad)
     last = logits(model, idx.to(param.device), cache=one, keep=1)  # each context's prediction of its first token
-    owner = torch.tensor([g for g, (_, conts) in enumerate(groups) for _ in conts])
+    owner = [g for g, (_, conts) in enumerate(groups) for _ in conts]
     conts = [k for _, ks in groups for k in ks]
-    width = max(len(k) for k in conts) - 1
-    out = None
-    if width:
-        cache = KVCache(config, len(conts), length + width, param.dtype, param.device, pad[owner])
-        cache.k[:, :, :, :length] = one.k.index_select(1, owner.to(param.device))  # one copy per continuation
-        cache.v[:, :, :, :length] = one.v.index_select(1, owner.to(param.device))
-        idx = torch.zeros(len(conts), width, dtype=torch.long)
-        for r, k in enumerate(conts):
-            idx[r, : len(k) - 1] = torch.tensor(k[:-1])
-        out = logits(model, idx.to(param.device), cache=cache, pos=length)
-    judged = [_judge(last[owner[r]] if out is None else torch.cat([last[owner[r]], out[r, : len(k) - 1]]), k)
-              for r, k in enumerate(conts)]
+    judged = [None] * len(conts)
+    longest_first = sorted(range(len(conts)), key=lambda r: -len(conts[r]))
+    for _, rows in _batches(longest_first, lambda b: (len(b) * len(conts[b[0]]), sum(len(conts[r]) for r in b)),
+                            TOKENS_PER_BATCH):
+        width = len(conts[rows[0]]) - 1  # what a continuation reads after its context: all but its last token
+        out = None
+        if width:
+            of = torch.tensor([owner[r] for r in rows])
+            cache = KVCache(config, len(rows), length + width, param.dtype, param.device, pad[of])
+            cache.k[:, :, :, :length] = one.k.index_select(1, of.to(param.device))  # one copy per continuation
+            cache.v[:, :, :, :length] = one.v.index_select(1, of.to(param.device))
+            idx = torch.zeros(len(rows), width, dtype=torch.long)
+            for n, r in enumerate(rows):
+                idx[n, : len(conts[r]) - 1] = torch.tensor(conts[r][:-1])
+            out = logits(model, idx.to(param.device), cache=cache, pos=length)
+        for n, r in enumerate(rows):
+            first = last[owner[r]]
+            judged[r] = _judge(first if out is None else torch.cat([first, out[n, : len(conts[r]) - 1]]), conts[r])
     found, r = [], 0
     for _, ks in groups:
         found.append(judged[r : r + len(ks)])
