@@ -331,7 +331,9 @@ def eval_(ckpt, as_json, model_card, quiet, **settings):
     """Score CKPT (anything convert reads) by perplexity, LAMBADA or HellaSwag, as the published figures were made."""
     from gpt2port.evaluation.run import command_output
 
-    _succeeded(command_output(ckpt, settings, as_json, model_card, quiet))
+    text = command_output(ckpt, settings, as_json, model_card, quiet)
+    if text is not None:  # None: a rank of torchrun but the first
+        _succeeded(text)
 
 
 @main.command()

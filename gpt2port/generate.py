@@ -154,7 +154,7 @@ def _decode(model: GPT, prompts, options: Options, fast: Settings, report: list[
     # Room for exactly what this call can use: a short generation never allocates the whole context.
     cache, attention = new_cache(model.config, B, min(n_ctx, tokens.size(1) + o.max_new_tokens), param.dtype,
                                  param.device, pad, fast)
-    logits, _ = model(tokens, cache=cache, last_only=True)
+    logits, _ = model(tokens, cache=cache, logits_to_keep=1)
     step_one = decode_step(model, cache, fast, attention)  # the model's forward, one new token per row
     try:
         yield from _loop(model, tokens, pad, logits, cache, step_one, o, keep, generator, check_finite)
@@ -182,7 +182,7 @@ def _loop(model: GPT, tokens: torch.Tensor, pad: torch.Tensor, logits: torch.Ten
         else:  # the context is full: slide the window and prefill it again
             tokens, pad = _slide(tokens, pad, n_ctx, keep)
             cache.reset(pad)
-            logits, _ = model(tokens, cache=cache, last_only=True)
+            logits, _ = model(tokens, cache=cache, logits_to_keep=1)
             pos = tokens.size(1)
 
 

@@ -193,18 +193,25 @@ class GPT(nn.Module):
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
-                pos: int | torch.Tensor = 0, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                pos: int | torch.Tensor = 0, logits_to_keep: int | torch.Tensor = 0,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) int64 -> (logits (B, T, vocab), loss): the mean cross-entropy against targets (B, T), or None.
 
         With a cache, idx holds the tokens at positions pos.. (their keys and values are stored there; attention
         sees every position before them): a prompt at pos 0, then one token per call. pos may be a (1,) tensor (a
-        static-shape step, as a CUDA graph records it). last_only computes the final position's logits only.
+        static-shape step, as a CUDA graph records it).
+
+        logits_to_keep (as transformers names it): 0 computes the logits at every position; k > 0 at the last k only
+        (1: the next token's); a (B, K) index tensor at the K positions it names in each row, giving (B, K, vocab).
+        The head is a third of a forward's work at 124M: generation and evaluation ask only for what they read.
         """
         x = self.embed(idx, pos, None if cache is None else cache.pad)
         for i, block in enumerate(self.blocks):
             x = block(x, cache, i, pos)
-        if last_only:
-            x = x[:, -1:, :]
+        if isinstance(logits_to_keep, torch.Tensor):
+            x = x.gather(1, logits_to_keep.unsqueeze(-1).expand(-1, -1, x.size(-1)))
+        elif logits_to_keep:
+            x = x[:, -logits_to_keep:, :]
         logits = self.lm_head(self.final_norm(x))
         if targets is None:
             return logits, None

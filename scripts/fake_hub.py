@@ -3,7 +3,8 @@
 No machine in this project reaches the real Hub, so the download path is tested against this server, over real
 HTTP. It speaks just enough of the Hub's protocol for `HfApi.model_info` / `repo_info` / `resolve_revision`,
 `list_repo_tree`, `get_paths_info`, `hf_hub_download` and `snapshot_download` (huggingface_hub 2.x, plain HTTP:
-set HF_HUB_DISABLE_XET=1), with the Hub's status codes and X-Error-Code headers.
+set HF_HUB_DISABLE_XET=1), with the Hub's status codes and X-Error-Code headers; and `hf_hub_download` of a dataset
+repo's file (ROOT/datasets/<org>/<name>/<revision>/...).
 
 On-disk layout (scripts/fill_fake_hub.py writes it):
 
@@ -113,10 +114,11 @@ class Store:
         self._lock = threading.Lock()
 
     def repo_dir(self, repo_id: str) -> Path:
+        """A model repo "org/name" is ROOT/org/name; a dataset repo ("datasets/org/name") ROOT/datasets/org/name."""
         parts = repo_id.split("/")
-        if len(parts) != 2 or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        if len(parts) != 2 + (parts[0] == "datasets") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
             raise HubError(404, "RepoNotFound", f"Repository {repo_id} not found")
-        d = self.root / parts[0] / parts[1]
+        d = self.root.joinpath(*parts)
         if not d.is_dir() or not any(p.is_dir() for p in d.iterdir()):
             raise HubError(404, "RepoNotFound", f"Repository {repo_id} not found")
         return d
@@ -301,9 +303,10 @@ def _handler_for(hub: FakeHub):
                 return self._control(method, segs[1:])
             if segs[:1] == ["_cdn"] and len(segs) >= 5 and method in ("GET", "HEAD"):
                 self._entry["kind"] = "cdn"
-                repo_id = "/".join(segs[1:3])
-                commit, rev_dir = hub.store.resolve(repo_id, segs[3])
-                f = hub.store.file(rev_dir, "/".join(segs[4:]), commit)
+                n = 3 + (segs[1] == "datasets")  # the segments up to the repo's name
+                repo_id = "/".join(segs[1:n])
+                commit, rev_dir = hub.store.resolve(repo_id, segs[n])
+                f = hub.store.file(rev_dir, "/".join(segs[n + 1:]), commit)
                 return self._send_file(method, f, commit, cdn=True)
             if segs == ["api", "agent-harnesses"] and method == "GET":
                 # huggingface_hub >= 2 fetches this registry once a day (best effort); an empty one detects nothing.
@@ -322,12 +325,13 @@ def _handler_for(hub: FakeHub):
                     return self._tree(repo_id, rest[1], "/".join(rest[2:]), query)
                 if len(rest) == 2 and rest[0] == "paths-info" and method == "POST":
                     return self._paths_info(repo_id, rest[1])
-            if len(segs) >= 5 and segs[2] == "resolve" and method in ("GET", "HEAD"):
+            n = 2 + (segs[:1] == ["datasets"])  # /datasets/org/name/resolve/...: a dataset repo's file
+            if len(segs) >= n + 3 and segs[n] == "resolve" and method in ("GET", "HEAD"):
                 self._entry["kind"] = "resolve"
                 self._check_auth()
-                repo_id = "/".join(segs[:2])
-                commit, rev_dir = hub.store.resolve(repo_id, segs[3])
-                f = hub.store.file(rev_dir, "/".join(segs[4:]), commit)
+                repo_id = "/".join(segs[:n])
+                commit, rev_dir = hub.store.resolve(repo_id, segs[n + 1])
+                f = hub.store.file(rev_dir, "/".join(segs[n + 2:]), commit)
                 self._entry["file"] = f.relpath
                 return self._resolve(method, repo_id, commit, f)
             raise HubError(404, None, f"Sorry, we can't find the page you are looking for: {self.path}")

@@ -112,11 +112,11 @@ def test_greedy_equals_hf_generate_124m(gpt2_hf_repo, gpt2_ckpt):
     tokens, pad = _left_pad(prompts, "cpu")
     cache = KVCache(ours.config, len(prompts), L + N_NEW, torch.float32, "cpu", pad)
     with torch.inference_mode():
-        logits = ours(tokens, cache=cache, last_only=True)[0][:, -1]
+        logits = ours(tokens, cache=cache, logits_to_keep=1)[0][:, -1]
         for step, hf_logits in enumerate(ref.logits):
             torch.testing.assert_close(logits, hf_logits, rtol=1e-4, atol=1e-4 * float(hf_logits.abs().max()))
             logits = ours(ref.sequences[:, L + step : L + step + 1], cache=cache, pos=L + step,
-                          last_only=True)[0][:, -1]
+                          logits_to_keep=1)[0][:, -1]
 
 
 def test_onednn_linear_computes_what_f_linear_does(lively, monkeypatch):
@@ -166,7 +166,7 @@ def test_cached_logits_equal_full_recompute_every_step(lively, dtype, tol):
     cache = KVCache(model.config, len(rows), 40, dtype, "cpu", pad)
     worst = 0.0
     with torch.inference_mode():
-        logits = model(tokens, cache=cache, last_only=True)[0][:, -1]
+        logits = model(tokens, cache=cache, logits_to_keep=1)[0][:, -1]
         for step in range(30):
             for i, row in enumerate(rows):
                 ref = model(torch.tensor([row]))[0][0, -1].float()
@@ -174,7 +174,7 @@ def test_cached_logits_equal_full_recompute_every_step(lively, dtype, tol):
             nxt = logits.argmax(-1)
             for row, t in zip(rows, nxt.tolist()):
                 row.append(t)
-            logits = model(nxt.view(-1, 1), cache=cache, pos=tokens.size(1) + step, last_only=True)[0][:, -1]
+            logits = model(nxt.view(-1, 1), cache=cache, pos=tokens.size(1) + step, logits_to_keep=1)[0][:, -1]
     assert worst < tol, f"largest difference, relative to the largest logit: {worst:.2e}"
 
 

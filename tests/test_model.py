@@ -118,3 +118,18 @@ def test_config_accepts_exactly_the_activations_the_model_implements():
                                   "activation_function": "mish"})
     x = torch.linspace(-3, 3, 13)
     torch.testing.assert_close(ACTIVATIONS["gelu_new"](x), F.gelu(x, approximate="tanh"))
+
+
+def test_logits_to_keep_computes_those_positions_logits():
+    """The forward's logits_to_keep: the last k positions, or (B, K) positions per row; the same numbers as the
+    full forward's at those positions (generation asks for the last one, evaluation for the positions it scores)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=97, n_positions=16)).eval()
+    idx = torch.randint(0, 97, (3, 11))
+    with torch.no_grad():
+        full = model(idx)[0]
+        assert torch.equal(model(idx, logits_to_keep=0)[0], full)
+        torch.testing.assert_close(model(idx, logits_to_keep=1)[0], full[:, -1:])
+        torch.testing.assert_close(model(idx, logits_to_keep=4)[0], full[:, -4:])
+        at = torch.tensor([[0, 5], [10, 10], [3, 2]])
+        torch.testing.assert_close(model(idx, logits_to_keep=at)[0], full[torch.arange(3)[:, None], at])

@@ -6,6 +6,7 @@ reads, at any dtype it runs, and a model judged against its base (KL divergence,
     windows.py   perplexity over one long text: the sliding window, batched; --against
     choices.py   log-likelihoods of continuations: LAMBADA and HellaSwag (the harness's and nanoGPT's protocols)
     published.py names of published datasets (fetched, hash-checked, cached; or the line saying to pass a file)
+    ranks.py     under torchrun: the batches dealt over the ranks, the results gathered
     report.py    the table, the JSON and the model card's model-index block
     run.py       the command: load, score, report
 """

@@ -11,11 +11,12 @@ from pathlib import Path
 from gpt2port.errors import GPT2PortError
 
 
-def read_text(path: str | Path) -> str:
+def read_text(path: str | Path, data: bytes | None = None) -> str:
+    """The file's text (data: its bytes, when they were read from an archive)."""
     path = Path(path)
-    if path.is_dir():
+    if data is None and path.is_dir():
         raise GPT2PortError(f"{path}: is a directory; --data takes a file")
-    data = path.read_bytes()
+    data = path.read_bytes() if data is None else data
     if not data.strip():
         raise GPT2PortError(f"{path}: is empty")
     try:

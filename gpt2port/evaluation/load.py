@@ -32,10 +32,11 @@ class Loaded:
     notes: list[str]
 
 
-def logits(model: GPT, idx: torch.Tensor, cache=None, pos: int = 0) -> torch.Tensor:
-    """(B, T) token ids (at positions pos.. of the cache, if one) -> (B, T, vocab) logits: every call of a model in
-    evaluation goes through here."""
-    return model(idx, cache=cache, pos=pos)[0]
+def logits(model: GPT, idx: torch.Tensor, cache=None, pos: int = 0, keep: int | torch.Tensor = 0) -> torch.Tensor:
+    """(B, T) token ids (at positions pos.. of the cache, if one) -> (B, T, vocab) logits, or only those `keep` says
+    (the forward's logits_to_keep: the last k, or (B, K) positions per row): every call of a model in evaluation
+    goes through here."""
+    return model(idx, cache=cache, pos=pos, logits_to_keep=keep)[0]
 
 
 def pick_device(device: str | None, dtype: str | None) -> str:

@@ -7,19 +7,12 @@ import time
 from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.evaluation import choices, data
+from gpt2port.evaluation import choices, data, published
 from gpt2port.evaluation.load import load, pick_device
+from gpt2port.evaluation.ranks import start
 
 TASKS = ("perplexity", "lambada", "hellaswag")
 PROTOCOLS = ("harness", "nanogpt")
-# Published datasets by name: where each is published, for the line that says to fetch it and pass the file.
-PUBLISHED = {
-    "wikitext-2": ("perplexity", "wikitext-2-raw-v1's wiki.test.raw (Salesforce/wikitext on the Hugging Face Hub)"),
-    "wikitext-103": ("perplexity", "wikitext-103-raw-v1's wiki.test.raw (Salesforce/wikitext on the Hugging Face Hub)"),
-    "lambada": ("lambada", "https://openaipublic.blob.core.windows.net/gpt-2/data/lambada_test.jsonl"),
-    "hellaswag": ("hellaswag", "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"),
-}
-
 
 def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None, against: str | None = None,
              protocol: str | None = None, dtype: str | None = None, device: str | None = None,
@@ -33,19 +26,21 @@ def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None,
         raise GPT2PortError("--stride goes with --task perplexity")
     if protocol is not None and task != "hellaswag":
         raise GPT2PortError("--protocol goes with --task hellaswag")
-    path = _data_file(data_path, task)
+    path, fetched = _data_file(data_path, task, progress)
     pairs = None  # read and checked before a model loads: a bad line costs no load
     if task == "lambada":
         pairs = data.lambada(path)
     elif task == "hellaswag":
         pairs = data.hellaswag(path, protocol or "harness")
     else:
-        text = data.read_text(path)
-    device = pick_device(device, dtype)
+        text = data.read_text(path, fetched and fetched.text)
+    ranks, device = start(pick_device(device, dtype))
     t0 = time.perf_counter()
     loaded = load(ckpt, dtype, device)
     result = {"task": task, "model": loaded.name, "dtype": loaded.dtype, "device": device, "data": str(path),
               "dataset": Path(path).name}
+    if fetched is not None:  # a published dataset by name: where it came from, and the hash it was checked by
+        result.update(data=fetched.source, dataset=data_path, data_sha256=fetched.sha256)
     if task == "perplexity":
         from gpt2port.evaluation.windows import TOKENS_PER_BATCH, perplexity
 
@@ -56,10 +51,11 @@ def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None,
         if against is not None:
             base = load(against, None, device).model  # at its file's dtype: the reference the model is judged by
             result["against"] = against
-        result.update(perplexity(loaded.model, ids, text, stride, base, progress, batch_tokens or TOKENS_PER_BATCH))
+        result.update(perplexity(loaded.model, ids, text, stride, base, progress, batch_tokens or TOKENS_PER_BATCH,
+                                 ranks))
     else:
         scores = choices.score(loaded.model, loaded.tokenizer, pairs, protocol == "nanogpt", progress,
-                               batch_tokens or choices.TOKENS_PER_BATCH)
+                               batch_tokens or choices.TOKENS_PER_BATCH, ranks)
         if task == "lambada":
             result.update(choices.lambada_figures(scores))
         else:
@@ -71,35 +67,39 @@ def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None,
                             f"half precision? try --dtype fp32")
     result["seconds"] = time.perf_counter() - t0
     result["notes"] = loaded.notes
+    if ranks.world > 1:
+        result["ranks"] = ranks.world
     return result
 
 
-def _data_file(data_path: str, task: str) -> Path:
+def _data_file(data_path: str, task: str, progress=None) -> tuple[Path, published.Fetched | None]:
+    """The file --data names, or the published dataset of that name (fetched, checked, cached)."""
     path = Path(data_path)
-    if path.exists() or data_path not in PUBLISHED:
+    if path.exists() or data_path not in published.NAMES:
         if not path.exists():
             raise GPT2PortError(f"--data {data_path}: no such file (published datasets by name: "
-                                f"{', '.join(PUBLISHED)})")
-        return path
-    kind, where = PUBLISHED[data_path]
-    if kind != task:
-        raise GPT2PortError(f"--data {data_path}: a {kind} dataset, not one for --task {task}")
-    raise GPT2PortError(f"--data {data_path}: this version does not download datasets; fetch {where} and pass "
-                        f"--data FILE")
+                                f"{', '.join(published.NAMES)})")
+        return path, None
+    fetched = published.fetch(data_path, task, quiet=not getattr(progress, "enabled", False))
+    return fetched.path, fetched
 
 
-def command_output(ckpt: str, settings: dict, as_json: bool, model_card: bool, quiet: bool) -> str:
-    """What the command prints: the table, the JSON or the model card; progress and notes go to stderr."""
+def command_output(ckpt: str, settings: dict, as_json: bool, model_card: bool, quiet: bool) -> str | None:
+    """What the command prints: the table, the JSON or the model card (None: a rank of torchrun but the first,
+    which prints nothing); progress and notes go to stderr."""
     import click
 
     from gpt2port.evaluation import report
+    from gpt2port.evaluation.ranks import first
     from gpt2port.progress import StatusLine
 
     if as_json and model_card:
         raise GPT2PortError("--json and --model-card: choose one")
-    progress = StatusLine("eval", quiet, lines=True, tick=1.0)
+    progress = StatusLine("eval", quiet or not first(), lines=True, tick=1.0)
     result = run_eval(ckpt, settings.pop("task"), settings.pop("data"), progress=progress, **settings)
     progress(None)
+    if not first():
+        return None
     for note in result["notes"]:
         click.echo(f"note: {note}", err=True)
     if as_json:

@@ -20,6 +20,7 @@ import torch
 
 from gpt2port.errors import GPT2PortError
 from gpt2port.evaluation.load import logits
+from gpt2port.evaluation.ranks import ONE, Ranks
 
 TOKENS_PER_BATCH = 4096  # windows per forward: 4 at GPT-2's context (0.8 GB of fp32 logits)
 
@@ -53,10 +54,20 @@ class Totals:
     top1: int = 0
     against: bool = False
 
+    def add(self, part: "Totals") -> None:
+        self.tokens += part.tokens
+        self.nll += part.nll
+        self.base_nll += part.base_nll
+        self.kld += part.kld
+        self.kld_max = max(self.kld_max, part.kld_max)
+        self.top1 += part.top1
+
 
 def perplexity(model, ids: list[int], text: str, stride: int | None, base=None, progress=None,
-               tokens_per_batch: int = TOKENS_PER_BATCH) -> dict:
-    """The figures over `ids` (the tokens of `text`); with `base`, also KL(base || model) and top-1 agreement."""
+               tokens_per_batch: int = TOKENS_PER_BATCH, ranks: Ranks = ONE) -> dict:
+    """The figures over `ids` (the tokens of `text`); with `base`, also KL(base || model) and top-1 agreement.
+    Under torchrun each rank scores its share of the batches; the sums are added in batch order, as one process
+    adds them."""
     context = model.config.n_positions
     for what in ("n_positions", "vocab_size") if base is not None else ():
         if getattr(base.config, what) != getattr(model.config, what):
@@ -65,20 +76,27 @@ def perplexity(model, ids: list[int], text: str, stride: int | None, base=None, 
     stride = check_stride(stride, context)
     windows = plan(len(ids), context, stride)
     tokens = torch.tensor(ids, dtype=torch.long)
-    totals = Totals(against=base is not None)
     per_batch = max(1, tokens_per_batch // context)
     device = model.pos_emb.weight.device
-    for i in range(0, len(windows), per_batch):
+    found = {}
+    for number, i in enumerate(range(0, len(windows), per_batch)):
         if progress:
             progress(f"window {i}/{len(windows)}")
-        _score(model, base, tokens, windows[i:i + per_batch], device, totals)
+        if ranks.mine(number):
+            found[number] = _score(model, base, tokens, windows[i:i + per_batch], device)
     if progress:
         progress(None)
+    found = ranks.gather(found)
+    totals = Totals(against=base is not None)
+    for number in sorted(found):
+        totals.add(found[number])
     return figures(totals, text, stride, context, len(windows))
 
 
 @torch.no_grad()
-def _score(model, base, tokens: torch.Tensor, batch, device, totals: Totals) -> None:
+def _score(model, base, tokens: torch.Tensor, batch, device) -> Totals:
+    """The sums over one batch of windows."""
+    totals = Totals()
     width = max(end - 1 - a for a, _, end in batch)
     idx = torch.zeros(len(batch), width, dtype=torch.long)
     rows, cols, targets = [], [], []
@@ -90,17 +108,21 @@ def _score(model, base, tokens: torch.Tensor, batch, device, totals: Totals) -> 
     rows, cols = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
     target = torch.cat(targets).to(device)
     idx = idx.to(device)
-    lp = torch.log_softmax(logits(model, idx)[rows, cols].float(), dim=-1)
+    keep = width - int(cols.min())  # the head only where some row is scored: the last `stride` of a full window
+    cols -= width - keep
+    lp = torch.log_softmax(logits(model, idx, keep=keep)[rows, cols].float(), dim=-1)
     totals.tokens += len(target)
     totals.nll -= lp.gather(1, target[:, None]).double().sum().item()
     if base is None:
-        return
-    lb = torch.log_softmax(logits(base, idx.to(base.pos_emb.weight.device))[rows, cols].float().to(device), dim=-1)
+        return totals
+    lb = torch.log_softmax(logits(base, idx.to(base.pos_emb.weight.device), keep=keep)[rows, cols].float().to(device),
+                           dim=-1)
     totals.base_nll -= lb.gather(1, target[:, None]).double().sum().item()
     kl = (lb.exp() * (lb - lp)).sum(-1)  # KL(base || model) per token, nats
     totals.kld += kl.double().sum().item()
     totals.kld_max = max(totals.kld_max, kl.max().item())
     totals.top1 += int((lb.argmax(-1) == lp.argmax(-1)).sum())
+    return totals
 
 
 def figures(t: Totals, text: str, stride: int, context: int, n_windows: int) -> dict:

@@ -47,7 +47,7 @@ class Forward:
         return self.how + (f"; {self.attention}" if self.attention else "")
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
-        return self.model(ids, cache=self.cache, pos=pos, last_only=True)[0]
+        return self.model(ids, cache=self.cache, pos=pos, logits_to_keep=1)[0]
 
 
 class Graphed(Forward):
@@ -93,11 +93,11 @@ class Graphed(Forward):
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(self.ids, cache=self.cache, pos=self.pos, last_only=True)
+                self.model(self.ids, cache=self.cache, pos=self.pos, logits_to_keep=1)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.logits = self.model(self.ids, cache=self.cache, pos=self.pos, last_only=True)[0]
+            self.logits = self.model(self.ids, cache=self.cache, pos=self.pos, logits_to_keep=1)[0]
         self.graph = graph
 
 

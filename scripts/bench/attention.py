@@ -135,7 +135,7 @@ def step_ms(ckpt: Path, rounds: int) -> dict[str, float]:
             steps = {}
             for name, s in settings.items():
                 cache, attention = new_cache(model.config, 1, 16 + 127, torch.float32, "cpu", None, s)
-                model(prompt, cache=cache, last_only=True)
+                model(prompt, cache=cache, logits_to_keep=1)
                 steps[name] = decode_step(model, cache, s, attention)
             token = prompt[:, -1:]
             for pos in range(16, 16 + 127):

@@ -159,7 +159,7 @@ def test_the_step_takes_it_for_one_token_of_one_sequence(dtype):
         with torch.inference_mode():
             model(idx[:, :3].expand(batch, 3), cache=cache)
             descriptions.append(attention)
-            return [model(idx[:, i:i + 1].expand(batch, 1), cache=cache, pos=i, last_only=True)[0] for i in (3, 4)]
+            return [model(idx[:, i:i + 1].expand(batch, 1), cache=cache, pos=i, logits_to_keep=1)[0] for i in (3, 4)]
 
     decode(settings=Settings())  # the kernel's check against KVCache.attend runs once, here, not in what is counted
     assert calls(decode) == {"gpt2port::attend_one": 0, "aten::scaled_dot_product_attention": 3 * L}  # the model's

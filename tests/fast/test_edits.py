@@ -83,9 +83,9 @@ def own_forward(model, prompts, steps):
     dtype = model.pos_emb.weight.dtype
     cache = KVCache(model.config, tokens.size(0), tokens.size(1) + N, dtype, device, pad)
     with torch.inference_mode():
-        logits = [model(tokens, cache=cache, last_only=True)[0][:, -1]]
+        logits = [model(tokens, cache=cache, logits_to_keep=1)[0][:, -1]]
         for i, (nxt, _) in enumerate(steps[:-1]):
-            logits.append(model(nxt.view(-1, 1), cache=cache, pos=tokens.size(1) + i, last_only=True)[0][:, -1])
+            logits.append(model(nxt.view(-1, 1), cache=cache, pos=tokens.size(1) + i, logits_to_keep=1)[0][:, -1])
     return logits
 
 

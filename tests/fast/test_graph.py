@@ -33,11 +33,11 @@ def test_the_static_shape_forward_is_the_forward(prompts):
     tokens, pad = _left_pad(prompts, "cpu")
     caches = [KVCache(CONFIG, len(prompts), tokens.size(1) + 6, pad=pad) for _ in range(2)]
     with torch.inference_mode():
-        logits = [model(tokens, cache=c, last_only=True)[0] for c in caches]
+        logits = [model(tokens, cache=c, logits_to_keep=1)[0] for c in caches]
         for pos in range(tokens.size(1), tokens.size(1) + 6):
             nxt = logits[0][:, -1].argmax(-1, keepdim=True)
-            logits = [model(nxt, cache=caches[0], pos=pos, last_only=True)[0],
-                      model(nxt, cache=caches[1], pos=torch.tensor([pos]), last_only=True)[0]]
+            logits = [model(nxt, cache=caches[0], pos=pos, logits_to_keep=1)[0],
+                      model(nxt, cache=caches[1], pos=torch.tensor([pos]), logits_to_keep=1)[0]]
             torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1].k, caches[0].k, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(caches[1].v, caches[0].v, rtol=1e-5, atol=1e-5)

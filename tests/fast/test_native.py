@@ -91,7 +91,7 @@ def logits_one_token(model: GPT) -> torch.Tensor:
     with torch.inference_mode():
         cache = KVCache(model.config, 1, 8, dtype=model.tok_emb.weight.dtype)
         model(idx[:, :3], cache=cache)
-        return model(idx[:, 3:], cache=cache, pos=3, last_only=True)[0]
+        return model(idx[:, 3:], cache=cache, pos=3, logits_to_keep=1)[0]
 
 
 def products(fn) -> list[tuple[int, int]]:

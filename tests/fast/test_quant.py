@@ -55,9 +55,9 @@ def teacher_forced_steps(model, ref, prompt, steps: int) -> tuple[float, list[fl
     expected = list(decode(ref, prompt, steps + 1, temperature=0, stop_token=None))
     with torch.inference_mode():
         cache = KVCache(model.config, 1, prompt.size(1) + steps + 1, torch.float32, "cpu")
-        first = rel_err(model(prompt, cache=cache, last_only=True)[0][:, -1], expected[0][1])
-        later = [rel_err(model(token.view(1, 1), cache=cache, pos=prompt.size(1) + i, last_only=True)[0][:, -1], logits)
-                 for i, ((token, _), (_, logits)) in enumerate(zip(expected, expected[1:]))]
+        first = rel_err(model(prompt, cache=cache, logits_to_keep=1)[0][:, -1], expected[0][1])
+        later = [rel_err(model(token.view(1, 1), cache=cache, pos=prompt.size(1) + i, logits_to_keep=1)[0][:, -1],
+                         logits) for i, ((token, _), (_, logits)) in enumerate(zip(expected, expected[1:]))]
     return first, later
 
 

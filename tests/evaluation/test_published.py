@@ -1,0 +1,90 @@
+"""`--data NAME`: a published dataset fetched from the Hub (the stand-in Hub on 127.0.0.1, scripts/fake_hub.py, over
+real HTTP) into the Hugging Face cache, checked against the hash the Hub announced, and read from the cache offline;
+scored exactly as the same file passed by path. Each run is a fresh `python -m gpt2port` process: huggingface_hub
+reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE at import."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from gpt2port.evaluation.published import SOURCES
+from gpt2port.evaluation.run import run_eval
+from scripts import eval_data, fake_hub
+from tests.evaluation.conftest import english
+from tests.support import ROOT, assert_one_line_error
+
+LAMBADA, WIKITEXT = SOURCES["lambada"], SOURCES["wikitext-2"]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """(hub, local copies): the stand-in Hub serving LAMBADA's and WikiText-2's files in their published layouts
+    (the jsonl; the zip holding wiki.test.raw), made of the license text the OS ships."""
+    root = tmp_path_factory.mktemp("published-hub")
+    lambada = root / "datasets" / LAMBADA.repo / "main" / LAMBADA.file
+    lambada.parent.mkdir(parents=True)
+    eval_data.write_lambada(lambada, eval_data.sentences(english())[:40])
+    raw = root / "wiki.test.raw"
+    raw.write_text(english()[:5000], encoding="utf-8")
+    archive = root / "datasets" / WIKITEXT.repo / "main" / WIKITEXT.file
+    archive.parent.mkdir(parents=True)
+    with zipfile.ZipFile(archive, "w") as z:
+        z.write(raw, WIKITEXT.member)
+    with fake_hub.FakeHub(root) as hub:
+        yield hub, {"lambada": lambada, "wikitext-2": raw}
+
+
+def _eval(hub, home, *args, offline: bool = False):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(home / "hf"), HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1",
+               OMP_NUM_THREADS="1", **({"HF_HUB_OFFLINE": "1"} if offline else {}))
+    return subprocess.run([sys.executable, "-m", "gpt2port", "eval", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name, task", [("lambada", "lambada"), ("wikitext-2", "perplexity")])
+def test_a_published_name_is_fetched_checked_cached_and_scored_as_its_file(realistic, published, tmp_path, name,
+                                                                           task, one_thread):
+    hub, local = published
+    hub.reset()
+    _, ckpt = realistic
+    fetched = _eval(hub, tmp_path, ckpt, "--task", task, "--data", name, "--json", "-q")
+    assert fetched.returncode == 0, fetched.stderr
+    got = json.loads(fetched.stdout)
+    source = SOURCES[name]
+    assert hub.file_gets() == [source.file]
+    assert got["dataset"] == name and got["data"].startswith(f"{source.repo}@") and len(got["data_sha256"]) == 64
+    expected = run_eval(str(ckpt), task, str(local[name]))
+    figures = ["examples", "accuracy", "perplexity"] if task == "lambada" else ["tokens", "perplexity",
+                                                                                  "bits_per_byte"]
+    assert {k: got[k] for k in figures} == {k: expected[k] for k in figures}
+    hub.reset()
+    again = _eval(hub, tmp_path, ckpt, "--task", task, "--data", name, "--json", "-q", offline=True)
+    assert again.returncode == 0, again.stderr
+    assert hub.entries() == []  # from the cache: not one request
+    assert json.loads(again.stdout)["perplexity"] == got["perplexity"]
+
+
+def test_offline_and_not_cached_says_to_pass_a_file(realistic, published, tmp_path):
+    hub, _ = published
+    r = _eval(hub, tmp_path, realistic[1], "--task", "lambada", "--data", "lambada", offline=True)
+    line = assert_one_line_error(r.returncode, r.stderr, r.stdout, names=["--data lambada", LAMBADA.repo])
+    assert "HF_HUB_OFFLINE=1" in line and "--data FILE" in line
+
+
+def test_a_corrupted_copy_is_refused_and_removed(realistic, published, tmp_path):
+    hub, _ = published
+    hub.reset()
+    hub.set_faults({"corrupt": {LAMBADA.file: 1}})
+    r = _eval(hub, tmp_path, realistic[1], "--task", "lambada", "--data", "lambada", "--json", "-q")
+    line = assert_one_line_error(r.returncode, r.stderr, r.stdout, names=["--data lambada", "integrity check"])
+    assert "removed from the cache" in line
+    assert not [p for p in (tmp_path / "hf").rglob("*") if p.is_file() and "lambada" in str(p) and "blobs" in str(p)]
+    r = _eval(hub, tmp_path, realistic[1], "--task", "lambada", "--data", "lambada", "--json", "-q")
+    assert r.returncode == 0, r.stderr
