@@ -185,7 +185,7 @@ class Traced(Forward):
         return super().__call__(ids, pos)
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, cache=self.cache, pos=self.pos, last_only=True)[0]  # what is traced, as it is
+        return self.model(ids, cache=self.cache, pos=self.pos, logits_to_keep=1)[0]  # what is traced, as it is
 
     def _replay(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.jit.optimized_execution(False):  # the operations as recorded: nothing fused or reordered
@@ -198,7 +198,7 @@ class Traced(Forward):
         model, cache, ran = weakref.ref(self.model), weakref.ref(self.cache), []
 
         def step(ids: torch.Tensor, pos: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-            ran.append(model()(ids, cache=cache(), pos=pos, last_only=True)[0])
+            ran.append(model()(ids, cache=cache(), pos=pos, logits_to_keep=1)[0])
             return ran[-1]
 
         # The tracer's warnings are not for the user: that it is deprecated (it is kept as the one capture replayed

@@ -97,7 +97,7 @@ def test_a_trace_that_froze_the_position_is_caught_and_the_cache_kept(native_ker
             model(tokens, cache=c)
         for pos in range(7, 11):
             nxt = torch.tensor([[pos * 3]])
-            torch.testing.assert_close(step(nxt, pos), model(nxt, cache=plain, pos=pos, last_only=True)[0],
+            torch.testing.assert_close(step(nxt, pos), model(nxt, cache=plain, pos=pos, logits_to_keep=1)[0],
                                        rtol=1e-5, atol=1e-5)
     assert step.description.startswith("the model's forward (not traced: its trace disagreed with it at position 8)")
     torch.testing.assert_close(cache.k, plain.k, rtol=1e-5, atol=1e-5)  # the wrong replay's writes were undone
