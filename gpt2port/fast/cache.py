@@ -91,7 +91,7 @@ def _why_not_kernel(config, batch_size, max_len, dtype, device, pad, settings: S
 def agrees(H: int, D: int, max_len: int, dtype: torch.dtype) -> bool:
     """Whether the kernel computes what KVCache.attend does for one new token, at positions 0 and max_len - 1 over
     random keys and values (a private generator), with the default scale and with 1.0, the position a number and a
-one-element tensor: output and cache alike."""
+    one-element tensor: output and cache alike."""
     g = torch.Generator().manual_seed(0)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     shape = SimpleNamespace(n_layer=1, n_head=H, head_dim=D, n_positions=max_len)  # all a KVCache reads

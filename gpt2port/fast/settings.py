@@ -15,7 +15,7 @@ class Settings:
     attend_one: bool = True  # gpt2port's attention for one new token of one sequence (attention.c)
     onednn: bool = True  # fp32 products of several rows (prefill) on oneDNN rather than F.linear's MKL
     cuda_graph: bool = False  # decode steps (the model's forward) as a CUDA graph on CUDA: opt-in until a GPU proves it
-    trace: bool = True  # one row's decode steps on the CPU: the model's forward traced once and replayed (fast.trace)
+    trace: bool = True  # one row's decode steps on the CPU: the model's forward traced once and replayed (fast.graph)
 
     @classmethod
     def from_env(cls) -> "Settings":
