@@ -15,7 +15,7 @@ import torch
 
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
-from gpt2port.lora import layer
+from gpt2port.lora import held, layer
 from gpt2port.lora.spec import Spec, spec
 
 ADAPTER = "adapter"  # the run directory's peft adapter
@@ -24,6 +24,11 @@ ADAPTER = "adapter"  # the run directory's peft adapter
 def check(s, config: GPTConfig, fsdp: bool = False) -> Spec | None:
     """The checked LoRA spec of finetune Settings `s` (None for a full fine-tune)."""
     found = spec(s.lora, s.lora_alpha, s.lora_targets, s.lora_split_qkv, s.lora_dropout, config)
+    base_dtype = getattr(s, "lora_base_dtype", "fp32")
+    if base_dtype not in held.DTYPES:
+        raise GPT2PortError(f"--lora-base-dtype {base_dtype}: must be one of {', '.join(held.DTYPES)}")
+    if found is None and base_dtype != "fp32":
+        raise GPT2PortError("--lora-base-dtype: LoRA options need --lora RANK")
     if found is not None and fsdp:
         raise GPT2PortError("--lora with --fsdp: not supported yet (the adapters are small: DDP, torchrun without "
                             "--fsdp, replicates them and runs the same training)")
@@ -37,12 +42,16 @@ def attach(model: torch.nn.Module, s, config: GPTConfig, quiet: bool = True) -> 
     if found is None:
         return None
     swapped = layer.attach(model, found, torch.Generator().manual_seed(s.seed))
+    base_dtype = getattr(s, "lora_base_dtype", "fp32")
+    if base_dtype != "fp32":
+        held.hold_(model, held.DTYPES[base_dtype])
     if not quiet:
         trained = sum(p.numel() for m in swapped.values() for p in (m.lora_A, m.lora_B))
         total = sum(p.numel() for p in model.parameters())
+        how = "in fp32" if base_dtype == "fp32" else f"with its matrices held in {base_dtype} (computed in fp32)"
         print(f"LoRA rank {found.rank} (alpha {found.alpha:g}) on {', '.join(found.targets)}"
               f"{' (q, k, v apart)' if found.split_qkv else ''}: {trained:,} trained parameters, the "
-              f"{total - trained:,} of the base frozen in fp32", file=sys.stderr)
+              f"{total - trained:,} of the base frozen {how}", file=sys.stderr)
     return found
 
 
@@ -67,6 +76,10 @@ def finish(model: torch.nn.Module, config: GPTConfig, s, base: Path) -> dict:
     """Take the adapters out of `model` ({module: (A, B, scaling)}), then merge them into its weights in place,
     checked (logits before and after). Returns what finish_files and the manifest need."""
     inner = getattr(model, "module", model)
+    if held.is_held(inner):  # trained over the base rounded to bf16; merged into the checkpoint's own weights
+        from gpt2port.checkpoint import load_state
+
+        held.restore_(inner, load_state(base, dtype=torch.float32)[2])
     deltas = layer.deltas_of(inner)
     diff = layer.merge_checked(inner, layer.probe_ids(config))
     return {"deltas": deltas, "merge_check": diff, "base": str(base), "dropout": s.lora_dropout}

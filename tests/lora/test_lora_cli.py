@@ -102,6 +102,7 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_lora_run(lora_run, realistic
     (["--lora-alpha", "16"], ["--lora-alpha", "--lora"]),
     (["--lora", "4", "--lora-dropout", "1.5"], ["--lora-dropout"]),
     (["--lora", "4", "--lora-split-qkv", "--lora-targets", "fc"], ["--lora-split-qkv"]),
+    (["--lora-base-dtype", "bf16"], ["--lora-base-dtype", "--lora"]),
 ])
 def test_bad_lora_options_are_refused_in_one_line(realistic_base, corpus, tmp_path, extra, names):
     out = tmp_path / "run"
