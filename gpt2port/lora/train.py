@@ -29,19 +29,22 @@ def check(s, config: GPTConfig, fsdp: bool = False) -> Spec | None:
         raise GPT2PortError(f"--lora-base-dtype {base_dtype}: must be one of {', '.join(held.DTYPES)}")
     if found is None and base_dtype != "fp32":
         raise GPT2PortError("--lora-base-dtype: LoRA options need --lora RANK")
-    if found is not None and fsdp:
-        raise GPT2PortError("--lora with --fsdp: not supported yet (the adapters are small: DDP, torchrun without "
-                            "--fsdp, replicates them and runs the same training)")
+    if base_dtype != "fp32" and fsdp:
+        raise GPT2PortError(f"--lora-base-dtype {base_dtype} with --fsdp: not supported (FSDP shards the fp32 base "
+                            f"instead; the two do not combine)")
     return found
 
 
-def attach(model: torch.nn.Module, s, config: GPTConfig, quiet: bool = True) -> Spec | None:
+def attach(model: torch.nn.Module, s, config: GPTConfig, quiet: bool = True, weights: dict | None = None):
     """Freeze `model` and attach the adapters `s` asks for, initialised from the run's seed, the same on every
-    rank (a resumed run then loads its saved ones over them). Says what is trained on stderr unless quiet."""
+    rank (a resumed run then loads its saved ones over them). Says what is trained on stderr unless quiet.
+    With `weights` (FSDP: `model` still on the meta device, dist.build) returns what fills it."""
     found = check(s, config)
     if found is None:
-        return None
+        return weights
     swapped = layer.attach(model, found, torch.Generator().manual_seed(s.seed))
+    if weights is not None:
+        weights = layer.sharded_weights(model, weights, torch.Generator().manual_seed(s.seed))
     base_dtype = getattr(s, "lora_base_dtype", "fp32")
     if base_dtype != "fp32":
         held.hold_(model, held.DTYPES[base_dtype])
@@ -52,7 +55,7 @@ def attach(model: torch.nn.Module, s, config: GPTConfig, quiet: bool = True) -> 
         print(f"LoRA rank {found.rank} (alpha {found.alpha:g}) on {', '.join(found.targets)}"
               f"{' (q, k, v apart)' if found.split_qkv else ''}: {trained:,} trained parameters, the "
               f"{total - trained:,} of the base frozen {how}", file=sys.stderr)
-    return found
+    return weights
 
 
 def meta_model(config: GPTConfig, settings: dict, fields) -> torch.nn.Module:

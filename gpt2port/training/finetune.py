@@ -130,7 +130,8 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
                                quiet=True, vocab_size=config.vocab_size)
     train_config = dataclasses.replace(config, dropout=s.dropout)
     _, _, weights = load_state(ckpt_dir)
-    model = dist.build(train_config, rt, weights, lambda m: lora_train.attach(m, s, config, quiet or not rt.main))
+    model = dist.build(train_config, rt, weights,
+                       lambda m, w=None: lora_train.attach(m, s, config, quiet or not rt.main, w))
     del weights
     optimizer = adamw(model, s.lr, s.weight_decay)
     start = 0

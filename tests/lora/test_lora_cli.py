@@ -115,15 +115,18 @@ def test_bad_lora_options_are_refused_in_one_line(realistic_base, corpus, tmp_pa
     assert not out.exists()
 
 
-def test_lora_with_fsdp_is_refused_in_one_line(realistic_base, corpus, tmp_path):
-    r = run_cli("finetune", realistic_base[0], "--data", corpus, "--out", tmp_path / "run", "--lora", "4", "--fsdp")
-    assert_clean_failure(r, ["--lora", "--fsdp"])
+def test_lora_bf16_base_with_fsdp_is_refused_in_one_line(realistic_base, corpus, tmp_path):
+    r = run_cli("finetune", realistic_base[0], "--data", corpus, "--out", tmp_path / "run", "--lora", "4", "--fsdp",
+                "--lora-base-dtype", "bf16")
+    assert_clean_failure(r, ["--lora-base-dtype", "--fsdp"])
     assert not (tmp_path / "run").exists()
 
 
-def test_torchrun_ddp_lora_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path):
+@pytest.mark.parametrize("fsdp", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_torchrun_lora_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path, fsdp):
     out = tmp_path / "run"
-    torchrun(*args(realistic_base[0], corpus, out))
+    torchrun(*args(realistic_base[0], corpus, out, *fsdp))
+    assert_valid_checkpoint(out)
     one, two = numbers(lora_run), numbers(out)
     assert [s for s, _ in two] == [s for s, _ in one]
     for (_, a), (_, b) in zip(one, two):
@@ -132,6 +135,11 @@ def test_torchrun_ddp_lora_trains_as_one_process(lora_run, realistic_base, corpu
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name][1], a[name][1], rtol=1e-3, atol=1e-4)
+    assert json.loads((out / "manifest.json").read_text())["saves"][-1]["finetune"]["lora_merge_check"] <= 1e-5
+    with torch.no_grad():  # the merged checkpoint: the one process's, to the adapters' agreement
+        x = ids()
+        assert rel(layer.logits_of(GPT.from_pretrained(out), x), layer.logits_of(GPT.from_pretrained(lora_run), x)) \
+            <= 1e-4
 
 
 def _peft_adapter(where, hf_dir=None, **config):
