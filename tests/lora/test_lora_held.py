@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from gpt2port import GPT
@@ -15,6 +16,7 @@ from gpt2port.lora.peft import read_adapter
 from tests.lora.helpers import ALL, ids, lora_model, rel
 from tests.lora.test_lora_cli import args, lora_run  # noqa: F401 - the fp32 run, a fixture
 from tests.support import assert_valid_checkpoint, run_cli
+from tests.training.test_finetune import numbers, torchrun
 
 # The bf16-held base against the fp32 one (measured at these scales: logits 2.0e-2, gradients 9.2e-2 of their
 # tensor's largest, cosine >= 0.9973): bf16 keeps 8 bits of mantissa, and a trained-like base amplifies it.
@@ -73,11 +75,16 @@ def test_the_backward_keeps_no_fp32_copy_of_a_held_matrix(realistic_base):
     assert not [s for s, d in kept if s in shapes and d == torch.float32]  # ...never an fp32 copy of one
 
 
-def test_a_bf16_base_run_merges_into_the_fp32_checkpoint(lora_run, realistic_base, corpus, tmp_path):  # noqa: F811
-    ckpt, _ = realistic_base
-    out = tmp_path / "run"
-    r = run_cli("finetune", *args(ckpt, corpus, out, "--lora-base-dtype", "bf16"))
+@pytest.fixture(scope="module")
+def bf16_run(realistic_base, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bf16-run") / "run"
+    r = run_cli("finetune", *args(realistic_base[0], corpus, out, "--lora-base-dtype", "bf16"))
     assert r.exit_code == 0, r.output
+    return out
+
+
+def test_a_bf16_base_run_merges_into_the_fp32_checkpoint(bf16_run, lora_run, realistic_base):  # noqa: F811
+    ckpt, out = realistic_base[0], bf16_run
     assert_valid_checkpoint(out)
     record = json.loads((out / "manifest.json").read_text())["saves"][-1]["finetune"]
     assert record["lora_merge_check"] <= 1e-5 and record["settings"]["lora_base_dtype"] == "bf16"
@@ -94,3 +101,12 @@ def test_a_bf16_base_run_merges_into_the_fp32_checkpoint(lora_run, realistic_bas
     fp32 = [x["loss"] for x in map(json.loads, (lora_run / "train_log.jsonl").read_text().splitlines()) if "loss" in x]
     assert len(ours) == len(fp32) and max(abs(a - b) / b for a, b in zip(ours, fp32)) <= 2e-2, (ours, fp32)
 
+
+
+def test_torchrun_ddp_with_a_bf16_base_trains_as_one_process(bf16_run, realistic_base, corpus, tmp_path):
+    out = tmp_path / "run"
+    torchrun(*args(realistic_base[0], corpus, out, "--lora-base-dtype", "bf16"))
+    one, two = numbers(bf16_run), numbers(out)
+    assert [s for s, _ in two] == [s for s, _ in one]
+    for (_, a), (_, b) in zip(one, two):
+        assert abs(a - b) <= 1e-4 * abs(a)
