@@ -142,6 +142,35 @@ def test_torchrun_lora_trains_as_one_process(lora_run, realistic_base, corpus, t
             <= 1e-4
 
 
+@pytest.mark.heavy
+def test_an_fsdp_lora_run_stopped_by_its_launcher_resumes_on_one_process(lora_run, realistic_base, corpus, tmp_path):
+    """SIGTERM to torchrun --fsdp: the sharded adapters and their AdamW state are saved, and --resume on one process
+    (the state resharded) gives the uninterrupted one-process run's numbers."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.support import ROOT, interruptible
+    from tests.training.test_finetune import wait_for_step
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpt2port",
+           "finetune", *map(str, args(realistic_base[0], corpus, out, "--fsdp"))]
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp},
+                                **interruptible(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        wait_for_step(out, 5, proc, timeout=300)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    assert "stopped after step" in err, err[-5000:]
+    assert 5 <= json.loads((out / "train_state" / "meta.json").read_text())["step"] < 12, err[-5000:]
+    r = run_cli("finetune", *args(realistic_base[0], corpus, out, "--resume"))
+    assert r.exit_code == 0, r.output
+    for (s1, a), (s2, b) in zip(numbers(lora_run), numbers(out), strict=True):
+        assert s1 == s2 and abs(a - b) <= 1e-4 * abs(a)
+
+
 def _peft_adapter(where, hf_dir=None, **config):
     """An adapter saved by peft itself, on the base's HF export or (hf_dir None) on another GPT-2's."""
     peft = pytest.importorskip("peft")
