@@ -16,6 +16,9 @@ LORA_OPTIONS = (
     click.option("--lora-split-qkv", is_flag=True, help="q, k and v each their own A and B (else one A shared by "
                  "the fused matrix, as peft's c_attn adapter)."),
     click.option("--lora-dropout", type=float, default=0.0, show_default=True, help="Dropout on the adapters' input."),
+    click.option("--lora-base-dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+                 help="Hold the frozen base's matrices in bf16: half their memory, products still in fp32 (the "
+                 "model trained is the base rounded to bf16; the adapter is merged into the fp32 checkpoint)."),
 )
 
 

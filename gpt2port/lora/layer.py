@@ -35,8 +35,7 @@ class LoRALinear(nn.Module):
     def reset(self, generator: torch.Generator | None = None) -> None:
         """As peft initialises: A as nn.Linear's default (Kaiming-uniform, a=sqrt(5)), B zero, so training starts
         from the base model exactly."""
-        for a in self.lora_A:
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        init_A_(self.lora_A, generator)
         self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +48,18 @@ class LoRALinear(nn.Module):
 
     def delta(self) -> torch.Tensor:
         """scaling * B A as the base weight's (out, in), in fp32."""
-        return torch.cat([b @ a for a, b in zip(self.lora_A.float(), self.lora_B.float())], 0) * self.scaling
+        a, b = _full(self.lora_A).float(), _full(self.lora_B).float()
+        return torch.cat([bi @ ai for ai, bi in zip(a, b)], 0) * self.scaling
+
+
+def init_A_(a: torch.Tensor, generator: torch.Generator | None) -> None:
+    for part in a:
+        nn.init.kaiming_uniform_(part, a=math.sqrt(5), generator=generator)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as one whole tensor: a sharded one (FSDP's DTensor) gathered from every rank (collective)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -97,9 +107,23 @@ def deltas_of(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, f
     q, k, v become one exact rank-3r adapter: A the three stacked, B block-diagonal."""
     out = {}
     for name, m in adapted(model).items():
-        a = m.lora_A.detach().float().cpu()
-        b = m.lora_B.detach().float().cpu()
+        a = _full(m.lora_A.detach()).float().cpu()
+        b = _full(m.lora_B.detach()).float().cpu()
         out[name] = (a.flatten(0, 1), torch.block_diag(*b), m.scaling)
+    return out
+
+
+def sharded_weights(model: nn.Module, weights: dict, generator: torch.Generator) -> dict:
+    """What fills `model`, its adapters attached on the meta device (for FSDP to shard them with the base): the
+    checkpoint's `weights` under the names the LoRA modules give the base (blocks.0.attn.qkv.base.weight), and
+    each adapter's initial values, drawn from `generator` in attach's order."""
+    out = dict(weights)
+    for name, m in adapted(model).items():
+        for p in ("weight", "bias"):
+            out[f"{name}.base.{p}"] = weights[f"{name}.{p}"]
+        out[f"{name}.lora_A"] = torch.empty(m.lora_A.shape)
+        init_A_(out[f"{name}.lora_A"], generator)
+        out[f"{name}.lora_B"] = torch.zeros(m.lora_B.shape)
     return out
 
 
@@ -113,7 +137,12 @@ def merge_(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put the plain nn.Linear back: gpt2port's GPT again."""
     for name, m in adapted(model).items():
         w = m.base.weight
-        w.copy_((w.float() + m.delta().to(w.device)).to(w.dtype))
+        delta = m.delta()
+        if hasattr(w, "to_local"):  # FSDP: this rank's rows (dim 0 split as torch.chunk does)
+            start = -(-delta.shape[0] // w.device_mesh.size()) * w.device_mesh.get_local_rank()
+            w = w.to_local()
+            delta = delta[start : start + w.shape[0]]
+        w.copy_((w.float() + delta.to(w.device)).to(w.dtype))
         parent, attr = _parent(model, name)
         setattr(parent, attr, m.base)
     return model

@@ -15,7 +15,7 @@ import torch
 
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
-from gpt2port.lora import layer
+from gpt2port.lora import held, layer
 from gpt2port.lora.spec import Spec, spec
 
 ADAPTER = "adapter"  # the run directory's peft adapter
@@ -24,26 +24,38 @@ ADAPTER = "adapter"  # the run directory's peft adapter
 def check(s, config: GPTConfig, fsdp: bool = False) -> Spec | None:
     """The checked LoRA spec of finetune Settings `s` (None for a full fine-tune)."""
     found = spec(s.lora, s.lora_alpha, s.lora_targets, s.lora_split_qkv, s.lora_dropout, config)
-    if found is not None and fsdp:
-        raise GPT2PortError("--lora with --fsdp: not supported yet (the adapters are small: DDP, torchrun without "
-                            "--fsdp, replicates them and runs the same training)")
+    base_dtype = getattr(s, "lora_base_dtype", "fp32")
+    if base_dtype not in held.DTYPES:
+        raise GPT2PortError(f"--lora-base-dtype {base_dtype}: must be one of {', '.join(held.DTYPES)}")
+    if found is None and base_dtype != "fp32":
+        raise GPT2PortError("--lora-base-dtype: LoRA options need --lora RANK")
+    if base_dtype != "fp32" and fsdp:
+        raise GPT2PortError(f"--lora-base-dtype {base_dtype} with --fsdp: not supported (FSDP shards the fp32 base "
+                            f"instead; the two do not combine)")
     return found
 
 
-def attach(model: torch.nn.Module, s, config: GPTConfig, quiet: bool = True) -> Spec | None:
+def attach(model: torch.nn.Module, s, config: GPTConfig, quiet: bool = True, weights: dict | None = None):
     """Freeze `model` and attach the adapters `s` asks for, initialised from the run's seed, the same on every
-    rank (a resumed run then loads its saved ones over them). Says what is trained on stderr unless quiet."""
+    rank (a resumed run then loads its saved ones over them). Says what is trained on stderr unless quiet.
+    With `weights` (FSDP: `model` still on the meta device, dist.build) returns what fills it."""
     found = check(s, config)
     if found is None:
-        return None
+        return weights
     swapped = layer.attach(model, found, torch.Generator().manual_seed(s.seed))
+    if weights is not None:
+        weights = layer.sharded_weights(model, weights, torch.Generator().manual_seed(s.seed))
+    base_dtype = getattr(s, "lora_base_dtype", "fp32")
+    if base_dtype != "fp32":
+        held.hold_(model, held.DTYPES[base_dtype])
     if not quiet:
         trained = sum(p.numel() for m in swapped.values() for p in (m.lora_A, m.lora_B))
         total = sum(p.numel() for p in model.parameters())
+        how = "in fp32" if base_dtype == "fp32" else f"with its matrices held in {base_dtype} (computed in fp32)"
         print(f"LoRA rank {found.rank} (alpha {found.alpha:g}) on {', '.join(found.targets)}"
               f"{' (q, k, v apart)' if found.split_qkv else ''}: {trained:,} trained parameters, the "
-              f"{total - trained:,} of the base frozen in fp32", file=sys.stderr)
-    return found
+              f"{total - trained:,} of the base frozen {how}", file=sys.stderr)
+    return weights
 
 
 def meta_model(config: GPTConfig, settings: dict, fields) -> torch.nn.Module:
@@ -67,6 +79,10 @@ def finish(model: torch.nn.Module, config: GPTConfig, s, base: Path) -> dict:
     """Take the adapters out of `model` ({module: (A, B, scaling)}), then merge them into its weights in place,
     checked (logits before and after). Returns what finish_files and the manifest need."""
     inner = getattr(model, "module", model)
+    if held.is_held(inner):  # trained over the base rounded to bf16; merged into the checkpoint's own weights
+        from gpt2port.checkpoint import load_state
+
+        held.restore_(inner, load_state(base, dtype=torch.float32)[2])
     deltas = layer.deltas_of(inner)
     diff = layer.merge_checked(inner, layer.probe_ids(config))
     return {"deltas": deltas, "merge_check": diff, "base": str(base), "dropout": s.lora_dropout}

@@ -85,13 +85,17 @@ def build(config, rt: Runtime, weights: dict[str, torch.Tensor], adapt=None) -> 
     """gpt2port's GPT in fp32 on rt.device, wrapped for this runtime, holding the checkpoint's weights.
 
     weights: the checkpoint's tensors as views of its memory map; each rank reads only the rows it keeps.
-    adapt(model): changes the filled model before DDP wraps it (LoRA's modules, the base frozen; not with FSDP).
+    adapt(model): changes the filled model before DDP wraps it (LoRA's modules, the base frozen). Under FSDP,
+    which shards the modules it is given, adapt(model, weights) changes the model still on the meta device and
+    returns the tensors that fill it (the adapters' initial values, the base under its new names).
     Returns the wrapped module (DDP / fully_shard'ed GPT / plain GPT).
     """
     from gpt2port.model import GPT
 
     with torch.device("meta"):
         model = GPT(config)
+    if rt.sharded and adapt is not None:
+        weights, adapt = adapt(model, weights), None
     if rt.sharded:
         from torch.distributed.fsdp import fully_shard
 

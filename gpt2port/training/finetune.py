@@ -32,8 +32,9 @@ TOKENS = "tokens"
 # intervals may change (they move sums around, not what is summed).
 KEPT = ("steps", "batch_size", "block_size", "lr", "min_lr", "warmup", "weight_decay", "clip", "seed",
         "eval_windows", "dropout", "val_fraction", "dtype",
-        "lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout")
-ADDED = ("lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout")  # absent from older saved states
+        "lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype")
+# absent from older saved states
+ADDED = ("lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype")
 
 
 class Interrupted(GPT2PortError):
@@ -68,6 +69,7 @@ class Settings:
     lora_targets: str = "qkv"  # of qkv, attn_proj, fc, mlp_proj
     lora_split_qkv: bool = False
     lora_dropout: float = 0.0
+    lora_base_dtype: str = "fp32"  # the frozen base's matrices held in fp32 or bf16 (computed in fp32 either way)
 
     def resolved(self, context: int) -> "Settings":
         s = dataclasses.replace(self)
@@ -128,7 +130,8 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
                                quiet=True, vocab_size=config.vocab_size)
     train_config = dataclasses.replace(config, dropout=s.dropout)
     _, _, weights = load_state(ckpt_dir)
-    model = dist.build(train_config, rt, weights, lambda m: lora_train.attach(m, s, config, quiet or not rt.main))
+    model = dist.build(train_config, rt, weights,
+                       lambda m, w=None: lora_train.attach(m, s, config, quiet or not rt.main, w))
     del weights
     optimizer = adamw(model, s.lr, s.weight_decay)
     start = 0

@@ -5,15 +5,19 @@ Contenders (random weights at --size, the same batch of --batch-size x --block-s
   full   gpt2port's GPT, every weight trained: the step `gpt2port finetune` runs (training/loop.py's Trainer.step)
   lora   the same step on the same model with gpt2port's LoRA attached (rank --rank on --targets, base frozen):
          what `gpt2port finetune --lora` runs
+  lora-bf16  the same, the frozen base's matrices held in bf16 (computed in fp32): `finetune --lora-base-dtype bf16`
   peft   transformers' GPT2LMHeadModel (sdpa attention) with peft's LoRA of the same rank on the same matrices,
          trained by the same loop written by hand (cross-entropy on every position, clipping, AdamW with gpt2port's
          parameter groups)
+  peft-ckpt  the same with transformers' activation checkpointing (activation_checkpointing_enable), peft's way to
+         fit a larger model: each block's activations recomputed in the backward
 Each contender runs in a process of its own (so VmHWM, the peak RSS, is its own: model, activations, gradients,
 optimizer state, torch itself), --warmup steps then --steps timed; the processes take turns for --rounds rounds
 so that all see the machine in the same state. The load average is printed before and after.
 
     python -m scripts.bench.lora [--size gpt2] [--rank 8] [--targets qkv] [--batch-size 4] [--block-size 256]
-                                 [--steps 4] [--warmup 1] [--rounds 2] [--kinds full,lora,peft] [--threads 2]
+                                 [--steps 4] [--warmup 1] [--rounds 2] [--threads 2]
+                                 [--kinds full,lora,lora-bf16,peft,peft-ckpt]
 """
 
 from __future__ import annotations
@@ -45,24 +49,31 @@ def _tokens(config):
     return np.random.default_rng(0).integers(0, config.vocab_size, size=200_000).astype(np.uint16)
 
 
-def _gpt2port(config, args, lora: bool):
-    from gpt2port.lora import layer
+def _gpt2port(config, args, kind: str):
+    from gpt2port.lora import held, layer
     from gpt2port.lora.spec import Spec
 
     def attach(model):
         layer.attach(model, Spec(args.rank, 2.0 * args.rank, tuple(args.targets.split(","))),
                      torch.Generator().manual_seed(0))
+        if kind == "lora-bf16":
+            held.hold_(model)
 
-    return _gpt2port_step(config, torch.device("cpu"), args, _tokens(config), None, attach if lora else None)
+    return _gpt2port_step(config, torch.device("cpu"), args, _tokens(config), None, attach if kind != "full" else None)
 
 
-def _peft(config, args):
+def _peft(config, args, checkpointing: bool):
     import peft
 
     lora = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, fan_in_fan_out=True, lora_dropout=0.0,
                            target_modules=[HF_NAMES[t] for t in args.targets.split(",")])
-    return _transformers_step(config, torch.device("cpu"), args, _tokens(config), None,
-                              lambda model: peft.get_peft_model(model, lora))
+
+    def wrap(model):
+        if checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        return peft.get_peft_model(model, lora)
+
+    return _transformers_step(config, torch.device("cpu"), args, _tokens(config), None, wrap)
 
 
 def worker(args) -> None:
@@ -72,7 +83,8 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     args.compile = False  # what scripts/bench/finetune.py's steps read
     config = GPTConfig(**json.loads(args.size)) if args.size.startswith("{") else GPTConfig.preset(args.size)
-    model, step = _peft(config, args) if args.worker == "peft" else _gpt2port(config, args, args.worker == "lora")
+    kind = args.worker
+    model, step = _peft(config, args, kind == "peft-ckpt") if kind.startswith("peft") else _gpt2port(config, args, kind)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
@@ -125,12 +137,13 @@ def main() -> None:
     for kind, r in results.items():
         med = statistics.median(r["times"])
         print(f"| {kind} | {r['trained']:,} | {med:.2f} | {1 / med:.3f} | {r['peak_rss_gb']:.2f} |")
-    if "lora" in results:
-        lora = statistics.median(results["lora"]["times"])
-        for other in ("full", "peft"):
-            if other in results:
-                print(f"lora vs {other}: {statistics.median(results[other]['times']) / lora:.2f}x the steps/s, "
-                      f"{results['lora']['peak_rss_gb'] / results[other]['peak_rss_gb']:.2f}x the peak RSS")
+    for ours in ("lora", "lora-bf16"):
+        for other in ("full", "peft", "peft-ckpt"):
+            if ours in results and other in results:
+                mine, theirs = results[ours], results[other]
+                speed = statistics.median(theirs["times"]) / statistics.median(mine["times"])
+                print(f"{ours} vs {other}: {speed:.2f}x the steps/s, "
+                      f"{mine['peak_rss_gb'] / theirs['peak_rss_gb']:.2f}x the peak RSS")
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_lora_run(lora_run, realistic
     (["--lora-alpha", "16"], ["--lora-alpha", "--lora"]),
     (["--lora", "4", "--lora-dropout", "1.5"], ["--lora-dropout"]),
     (["--lora", "4", "--lora-split-qkv", "--lora-targets", "fc"], ["--lora-split-qkv"]),
+    (["--lora-base-dtype", "bf16"], ["--lora-base-dtype", "--lora"]),
 ])
 def test_bad_lora_options_are_refused_in_one_line(realistic_base, corpus, tmp_path, extra, names):
     out = tmp_path / "run"
@@ -114,15 +115,18 @@ def test_bad_lora_options_are_refused_in_one_line(realistic_base, corpus, tmp_pa
     assert not out.exists()
 
 
-def test_lora_with_fsdp_is_refused_in_one_line(realistic_base, corpus, tmp_path):
-    r = run_cli("finetune", realistic_base[0], "--data", corpus, "--out", tmp_path / "run", "--lora", "4", "--fsdp")
-    assert_clean_failure(r, ["--lora", "--fsdp"])
+def test_lora_bf16_base_with_fsdp_is_refused_in_one_line(realistic_base, corpus, tmp_path):
+    r = run_cli("finetune", realistic_base[0], "--data", corpus, "--out", tmp_path / "run", "--lora", "4", "--fsdp",
+                "--lora-base-dtype", "bf16")
+    assert_clean_failure(r, ["--lora-base-dtype", "--fsdp"])
     assert not (tmp_path / "run").exists()
 
 
-def test_torchrun_ddp_lora_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path):
+@pytest.mark.parametrize("fsdp", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_torchrun_lora_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path, fsdp):
     out = tmp_path / "run"
-    torchrun(*args(realistic_base[0], corpus, out))
+    torchrun(*args(realistic_base[0], corpus, out, *fsdp))
+    assert_valid_checkpoint(out)
     one, two = numbers(lora_run), numbers(out)
     assert [s for s, _ in two] == [s for s, _ in one]
     for (_, a), (_, b) in zip(one, two):
@@ -131,6 +135,40 @@ def test_torchrun_ddp_lora_trains_as_one_process(lora_run, realistic_base, corpu
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name][1], a[name][1], rtol=1e-3, atol=1e-4)
+    assert json.loads((out / "manifest.json").read_text())["saves"][-1]["finetune"]["lora_merge_check"] <= 1e-5
+    with torch.no_grad():  # the merged checkpoint: the one process's, to the adapters' agreement
+        x = ids()
+        assert rel(layer.logits_of(GPT.from_pretrained(out), x), layer.logits_of(GPT.from_pretrained(lora_run), x)) \
+            <= 1e-4
+
+
+@pytest.mark.heavy
+def test_an_fsdp_lora_run_stopped_by_its_launcher_resumes_on_one_process(lora_run, realistic_base, corpus, tmp_path):
+    """SIGTERM to torchrun --fsdp: the sharded adapters and their AdamW state are saved, and --resume on one process
+    (the state resharded) gives the uninterrupted one-process run's numbers."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.support import ROOT, interruptible
+    from tests.training.test_finetune import wait_for_step
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gpt2port",
+           "finetune", *map(str, args(realistic_base[0], corpus, out, "--fsdp"))]
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as tmp:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": tmp},
+                                **interruptible(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        wait_for_step(out, 5, proc, timeout=300)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    assert "stopped after step" in err, err[-5000:]
+    assert 5 <= json.loads((out / "train_state" / "meta.json").read_text())["step"] < 12, err[-5000:]
+    r = run_cli("finetune", *args(realistic_base[0], corpus, out, "--resume"))
+    assert r.exit_code == 0, r.output
+    for (s1, a), (s2, b) in zip(numbers(lora_run), numbers(out), strict=True):
+        assert s1 == s2 and abs(a - b) <= 1e-4 * abs(a)
 
 
 def _peft_adapter(where, hf_dir=None, **config):
