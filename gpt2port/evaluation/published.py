@@ -67,15 +67,15 @@ def fetch(name: str, task: str, quiet: bool = False) -> Fetched:
 
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from gpt2port.hub.fetch import _hf_bars, _is_connection_error, first_line
+    from gpt2port.hub.fetch import hf_bars, is_connection_error, first_line
 
     offline = hf.is_offline_mode()
     try:
-        with _hf_bars(quiet):
+        with hf_bars(quiet):
             path = Path(hf.hf_hub_download(source.repo, source.file, repo_type="dataset", revision=source.revision,
                                            local_files_only=offline))
     except Exception as e:  # noqa: BLE001 - one line for the user whatever the client raised
-        if offline or _is_connection_error(e) or isinstance(e, LocalEntryNotFoundError):
+        if offline or is_connection_error(e) or isinstance(e, LocalEntryNotFoundError):
             why = ("offline mode is on (HF_HUB_OFFLINE=1)" if offline
                    else f"the Hub at {hf.constants.ENDPOINT} cannot be reached")
             raise GPT2PortError(f"--data {name}: {source.where()} is not in the Hugging Face cache and {why}; run "
@@ -98,9 +98,9 @@ def _check(name: str, source: Source, path: Path) -> str:
     removed (the blob and its link, nothing outside the cache) and the run refused."""
     from gpt2port.fsio import hf_cache_dir, is_inside
     from gpt2port.hashing import hash_file
-    from gpt2port.hub.fetch import _cached_file
+    from gpt2port.hub.fetch import cached_file
 
-    announced = _cached_file(source.file, path)
+    announced = cached_file(source.file, path)
     sha256, git_sha1 = hash_file(path, git=True)
     want, got = (announced.sha256, sha256) if announced.sha256 else (announced.git_sha1, git_sha1)
     if want is None:

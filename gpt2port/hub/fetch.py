@@ -107,7 +107,7 @@ class Fetcher:
                                for s in info.siblings or [] if "/" not in s.rfilename}
                 return
             except Exception as e:  # noqa: BLE001 - out of reach: the cache serves; else one line
-                if not _is_connection_error(e):
+                if not is_connection_error(e):
                     raise GPT2PortError(self._hub_error(e)) from None
                 self.offline = True
                 self.warnings.append(f"the Hub at {self.endpoint} cannot be reached ({first_line(e)}); "
@@ -120,7 +120,7 @@ class Fetcher:
         for name in (*SIDE_FILES, *WEIGHT_FILES):
             path = self.hf.try_to_load_from_cache(self.repo, name, revision=self.commit)
             if isinstance(path, str):
-                found[name] = _cached_file(name, Path(path))
+                found[name] = cached_file(name, Path(path))
         if not any(w in found for w in WEIGHT_FILES):
             raise GPT2PortError(f"{self.where}: the weights are not in the Hugging Face cache ({self.cache}) and "
                                 f"{self._why_offline()}; run again with network access to finish the download")
@@ -143,7 +143,7 @@ class Fetcher:
                 if not isinstance(cached, str):
                     raise GPT2PortError(f"{self.where}: {name} is not in the Hugging Face cache and "
                                         f"{self._why_offline()}")
-                self.remote[name] = _cached_file(name, Path(cached))
+                self.remote[name] = cached_file(name, Path(cached))
             if name not in self.remote:
                 raise GPT2PortError(f"{self.where}: {name} is listed in {index} but missing from the repo")
 
@@ -183,7 +183,7 @@ class Fetcher:
         *side, weights = names
         self.log(f"{self.where}: {', '.join(names)}" + (" (from the cache, offline)" if self.offline else ""))
         digests: dict[str, str] = {}
-        with _hf_bars(self.quiet):
+        with hf_bars(self.quiet):
             # Small files first, checked before they are read: a non-GPT-2 repo is refused before its weights move.
             for name in side:
                 self.fetch(name)
@@ -294,7 +294,7 @@ class Fetcher:
             return f"{self.repo}: revision {self.revision!r} not found (a branch, tag or commit hash)"
         if isinstance(e, errors.HFValidationError):
             return f"{self.repo!r} is not a valid Hub repo id ({first_line(e)})"
-        if _is_connection_error(e):
+        if is_connection_error(e):
             return self._unreachable_message()
         return f"{self.where}: the Hub request failed: {first_line(e)}"
 
@@ -311,7 +311,7 @@ class Fetcher:
         return f"{self.where}: downloading {name} failed: {first_line(e)} (run again to resume)"
 
 
-def _is_connection_error(e: BaseException) -> bool:
+def is_connection_error(e: BaseException) -> bool:
     """Connection refused, timeouts, offline mode: the Hub is out of reach, as opposed to the Hub saying no."""
     if isinstance(e, ConnectionError):  # OfflineModeIsEnabled is one
         return True
@@ -319,7 +319,7 @@ def _is_connection_error(e: BaseException) -> bool:
     return bool(names & {"ConnectError", "TimeoutException", "NetworkError", "TransportError"})
 
 
-def _cached_file(name: str, path: Path) -> RemoteFile:
+def cached_file(name: str, path: Path) -> RemoteFile:
     """The cache names each blob after the ETag the Hub announced when it arrived: sha256 for LFS files, the git
     blob sha1 otherwise. That is what a cached file is checked against when the Hub cannot be asked."""
     blob = Path(os.readlink(path)).name if path.is_symlink() else path.name  # the cache's name, not a link's target's
@@ -331,7 +331,7 @@ def _cached_file(name: str, path: Path) -> RemoteFile:
     return RemoteFile(name, size)
 
 
-class _hf_bars:
+class hf_bars:
     """huggingface_hub's own download bars (bytes, rate), silenced with --quiet. On a non-TTY they hide themselves."""
 
     def __init__(self, quiet: bool):
