@@ -10,7 +10,8 @@ OPTIONS = [
                  help="perplexity: the sliding window over a text; lambada: LAMBADA OpenAI's jsonl; hellaswag: "
                       "HellaSwag's jsonl."),
     click.option("--data", required=True, help="The text (perplexity) or jsonl (lambada, hellaswag) file, or a "
-                 "published dataset by name (wikitext-2, lambada: fetched from the Hub, checked and cached)."),
+                 "published dataset by name (wikitext-2, wikitext-2-raw, lambada: fetched from the Hub, checked and "
+                 "cached)."),
     click.option("--stride", type=int, default=None,
                  help="Perplexity: tokens each window advances (default: half the model's context)."),
     click.option("--against", default=None, help="Perplexity: run BASE (at its own dtype) on the same windows too: "

@@ -11,6 +11,7 @@ them.
 
 from __future__ import annotations
 
+import io
 import os
 import zipfile
 from dataclasses import dataclass
@@ -26,15 +27,18 @@ class Source:
     file: str
     member: str | None = None  # the file to read inside a zip
     revision: str = "main"
+    rows_joined: bool = False  # read as Hugging Face's wikitext loader made its rows, joined as the HF guide joins them
 
     def where(self, commit: str | None = None) -> str:
         inside = f" ({self.member})" if self.member else ""
         return f"{self.repo}@{(commit or self.revision)[:12]}/{self.file}{inside}"
 
 
+WIKITEXT_2 = ("ggml-org/ci", "wikitext-2-raw-v1.zip", "wikitext-2-raw/wiki.test.raw")  # the wikitext-2-raw-v1 archive
 SOURCES = {
-    # the raw test split as llama.cpp's perplexity reads it (the wikitext-2-raw-v1 archive)
-    "wikitext-2": Source("perplexity", "ggml-org/ci", "wikitext-2-raw-v1.zip", "wikitext-2-raw/wiki.test.raw"),
+    # the test split as the Hugging Face perplexity guide scores it, and the raw file as llama.cpp's perplexity does
+    "wikitext-2": Source("perplexity", *WIKITEXT_2, rows_joined=True),
+    "wikitext-2-raw": Source("perplexity", *WIKITEXT_2),
     # OpenAI's LAMBADA test file, as the harness's lambada_openai reads it
     "lambada": Source("lambada", "EleutherAI/lambada_openai", "data/lambada_test_en.jsonl"),
 }
@@ -90,7 +94,20 @@ def fetch(name: str, task: str, quiet: bool = False) -> Fetched:
                 text = archive.read(source.member)  # its CRC checked as it is read
         except (zipfile.BadZipFile, KeyError) as e:
             raise GPT2PortError(f"--data {name}: {path}: no readable {source.member} ({e})") from None
+        if source.rows_joined:
+            text = rows_joined(text)
     return Fetched(path, text, source.where(commit), sha256)
+
+
+def rows_joined(raw: bytes) -> bytes:
+    """WikiText's text as `datasets.load_dataset("wikitext", ...)` gives it, joined as the HF perplexity guide joins it
+    (`"\n\n".join(test["text"])`): Hugging Face's wikitext loader made a row of each line of the raw file as Python's
+    text mode reads it (its newline kept), a blank or all-whitespace line an empty row."""
+    lines = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8")
+    try:
+        return "\n\n".join(line if line.strip() else "" for line in lines).encode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GPT2PortError(f"wikitext: not UTF-8 text (byte {e.start})") from None
 
 
 def _check(name: str, source: Source, path: Path) -> str:

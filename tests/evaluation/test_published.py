@@ -30,14 +30,19 @@ def published(tmp_path_factory):
     lambada = root / "datasets" / LAMBADA.repo / "main" / LAMBADA.file
     lambada.parent.mkdir(parents=True)
     eval_data.write_lambada(lambada, eval_data.sentences(english())[:40])
+    # WikiText's raw layout: each line of text opened by a space, blank lines " "; Hugging Face's loader made a row
+    # of each line (newline kept), an empty one of each blank, which the HF guide joins with blank lines
+    lines = [f" {line} \n" if line.strip() else " \n" for line in english()[:5000].splitlines()]
     raw = root / "wiki.test.raw"
-    raw.write_text(english()[:5000], encoding="utf-8")
+    raw.write_bytes("".join(lines).encode("utf-8"))
+    joined = root / "guide.txt"
+    joined.write_bytes("\n\n".join(line if line != " \n" else "" for line in lines).encode("utf-8"))
     archive = root / "datasets" / WIKITEXT.repo / "main" / WIKITEXT.file
     archive.parent.mkdir(parents=True)
     with zipfile.ZipFile(archive, "w") as z:
         z.write(raw, WIKITEXT.member)
     with fake_hub.FakeHub(root) as hub:
-        yield hub, {"lambada": lambada, "wikitext-2": raw}
+        yield hub, {"lambada": lambada, "wikitext-2": joined, "wikitext-2-raw": raw}
 
 
 def _eval(hub, home, *args, offline: bool = False):
@@ -48,7 +53,8 @@ def _eval(hub, home, *args, offline: bool = False):
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("name, task", [("lambada", "lambada"), ("wikitext-2", "perplexity")])
+@pytest.mark.parametrize("name, task", [("lambada", "lambada"), ("wikitext-2", "perplexity"),
+                                        ("wikitext-2-raw", "perplexity")])
 def test_a_published_name_is_fetched_checked_cached_and_scored_as_its_file(realistic, published, tmp_path, name,
                                                                            task, one_thread):
     hub, local = published
