@@ -10,9 +10,10 @@ On-disk layout (scripts/fill_fake_hub.py writes it):
 
     ROOT/<org>/<name>/<revision>/<files...>
 
-Each directory under a repo is one commit; its name is the branch or tag that points at it ("main", "v1.0").
-The commit hash is derived from the repo id, the directory name and every file's sha256, so changing a file
-"moves" the branch to a new commit, as a push would. A revision is found by name or by its 40-hex commit hash.
+Each directory under a repo is one commit; its name is the branch or tag that points at it ("main", "v1.0"), or
+a 40-hex commit hash, which is then its commit. Otherwise the commit hash is derived from the repo id, the directory
+name and every file's sha256, so changing a file "moves" the branch to a new commit, as a push would. A revision
+is found by name or by its 40-hex commit hash.
 
 Files are stored in LFS when their suffix says so (.safetensors, .bin, .h5, ...) or when they are larger than
 10 MiB, as on the Hub: their ETag / X-Linked-Etag is the sha256 of the content and the API lists
@@ -158,6 +159,10 @@ class Store:
         return found
 
     def commit(self, repo_id: str, rev_dir: Path) -> str:
+        """A directory named by a commit hash is that commit (as a source pinned to a real commit expects); any
+        other's hash is made from its name and files (it moves when they change, as a branch does after a push)."""
+        if COMMIT_RE.fullmatch(rev_dir.name):
+            return rev_dir.name
         h = hashlib.sha1(f"fake-hub commit\n{repo_id}\n{rev_dir.name}\n".encode())
         for f in self.files(rev_dir):
             h.update(f"{f.relpath} {f.sha256}\n".encode())

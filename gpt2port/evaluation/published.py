@@ -39,8 +39,10 @@ SOURCES = {
     # the test split as the Hugging Face perplexity guide scores it, and the raw file as llama.cpp's perplexity does
     "wikitext-2": Source("perplexity", *WIKITEXT_2, rows_joined=True),
     "wikitext-2-raw": Source("perplexity", *WIKITEXT_2),
-    # OpenAI's LAMBADA test file, as the harness's lambada_openai reads it
-    "lambada": Source("lambada", "EleutherAI/lambada_openai", "data/lambada_test_en.jsonl"),
+    # OpenAI's LAMBADA test file, as the harness's lambada_openai reads it (its `default` config), at the commit
+    # whose copy docs/eval.md gives the hash of
+    "lambada": Source("lambada", "EleutherAI/lambada_openai", "data/lambada_test.jsonl",
+                      revision="900124bf3b8235c6daf21033af9948b3f07346c4"),
 }
 ELSEWHERE = {  # published, but not as a plain file on the Hub
     "wikitext-103": ("perplexity", "wikitext-103-raw-v1's wiki.test.raw (Salesforce/wikitext on the Hub holds "

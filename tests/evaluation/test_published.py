@@ -27,7 +27,7 @@ def published(tmp_path_factory):
     """(hub, local copies): the stand-in Hub serving LAMBADA's and WikiText-2's files in their published layouts
     (the jsonl; the zip holding wiki.test.raw), made of the license text the OS ships."""
     root = tmp_path_factory.mktemp("published-hub")
-    lambada = root / "datasets" / LAMBADA.repo / "main" / LAMBADA.file
+    lambada = root / "datasets" / LAMBADA.repo / LAMBADA.revision / LAMBADA.file  # a commit, as the source pins
     lambada.parent.mkdir(parents=True)
     eval_data.write_lambada(lambada, eval_data.sentences(english())[:40])
     # WikiText's raw layout: each line of text opened by a space, blank lines " "; Hugging Face's loader made a row
@@ -37,7 +37,7 @@ def published(tmp_path_factory):
     raw.write_bytes("".join(lines).encode("utf-8"))
     joined = root / "guide.txt"
     joined.write_bytes("\n\n".join(line if line != " \n" else "" for line in lines).encode("utf-8"))
-    archive = root / "datasets" / WIKITEXT.repo / "main" / WIKITEXT.file
+    archive = root / "datasets" / WIKITEXT.repo / WIKITEXT.revision / WIKITEXT.file
     archive.parent.mkdir(parents=True)
     with zipfile.ZipFile(archive, "w") as z:
         z.write(raw, WIKITEXT.member)
