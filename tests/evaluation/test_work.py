@@ -80,3 +80,21 @@ def test_perplexity_heads_only_the_tokens_a_window_predicts(loaded, text_file):
     # its last stride positions
     assert counted.head <= result["tokens"] + 3 * context, (counted.head, result["tokens"])
     assert counted.fed >= 3 * result["tokens"]  # each token read by four windows: the work is in the forward
+
+
+def test_the_products_run_on_the_prefill_kernel(realistic):
+    """Every matrix of a model `eval` loads is a FastLinear over the same Parameters, its many-row products on the
+    kernel generation's prefill uses (oneDNN for fp32 where this PyTorch has it working): ~15% of eval's time here."""
+    import torch.nn as nn
+
+    from gpt2port.evaluation.load import load
+    from gpt2port.fast.kernels import LINEAR, ONEDNN, FastLinear, onednn_works
+
+    _, ckpt = realistic
+    model = load(ckpt, None, "cpu").model
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is FastLinear for m in linears)
+    assert {m.rows for m in linears} == {ONEDNN if onednn_works() else LINEAR}
+    assert model.lm_head.weight is model.tok_emb.weight  # still tied: the same Parameters
+    plain = GPT.from_pretrained(ckpt)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
