@@ -97,19 +97,19 @@ def fetch(name: str, task: str, quiet: bool = False) -> Fetched:
         except (zipfile.BadZipFile, KeyError) as e:
             raise GPT2PortError(f"--data {name}: {path}: no readable {source.member} ({e})") from None
         if source.rows_joined:
-            text = rows_joined(text)
+            text = rows_joined(text, f"--data {name}: {source.member}")
     return Fetched(path, text, source.where(commit), sha256)
 
 
-def rows_joined(raw: bytes) -> bytes:
+def rows_joined(raw: bytes, what: str) -> bytes:
     """WikiText's text as `datasets.load_dataset("wikitext", ...)` gives it, joined as the HF perplexity guide joins it
     (`"\n\n".join(test["text"])`): Hugging Face's wikitext loader made a row of each line of the raw file as Python's
     text mode reads it (its newline kept), a blank or all-whitespace line an empty row."""
     lines = io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8")
     try:
         return "\n\n".join(line if line.strip() else "" for line in lines).encode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GPT2PortError(f"wikitext: not UTF-8 text (byte {e.start})") from None
+    except UnicodeDecodeError:
+        raise GPT2PortError(f"{what}: not UTF-8 text") from None
 
 
 def _check(name: str, source: Source, path: Path) -> str:
