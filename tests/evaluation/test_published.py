@@ -94,3 +94,16 @@ def test_a_corrupted_copy_is_refused_and_removed(realistic, published, tmp_path)
     assert not [p for p in (tmp_path / "hf").rglob("*") if p.is_file() and "lambada" in str(p) and "blobs" in str(p)]
     r = _eval(hub, tmp_path, realistic[1], "--task", "lambada", "--data", "lambada", "--json", "-q")
     assert r.returncode == 0, r.stderr
+
+
+def test_the_guide_text_is_the_loader_rows_joined():
+    """Rows as Hugging Face's wikitext loader made them (a line as text mode reads it, \\r\\n too, its newline kept;
+    a blank or all-space line an empty row), joined by a blank line; bytes that are not UTF-8 refused naming them."""
+    from gpt2port.errors import GPT2PortError
+    from gpt2port.evaluation.published import rows_joined
+
+    raw = " = Title = \r\n \n Text one .\n\t\n Text two ."
+    rows = [" = Title = \n", "", " Text one .\n", "", " Text two ."]
+    assert rows_joined(raw.encode(), "x") == "\n\n".join(rows).encode()
+    with pytest.raises(GPT2PortError, match="^--data wikitext-2: member: not UTF-8 text$"):
+        rows_joined(b" ok\n\xff\n", "--data wikitext-2: member")
