@@ -6,18 +6,21 @@ Contenders (random weights at --size, the same batch of --batch-size x --block-s
   lora   the same step on the same model with gpt2port's LoRA attached (rank --rank on --targets, base frozen):
          what `gpt2port finetune --lora` runs
   lora-bf16  the same, the frozen base's matrices held in bf16 (computed in fp32): `finetune --lora-base-dtype bf16`
+  KIND-ckpt, KIND-ckptN  any of the three above with activation checkpointing: every block's activations (or the
+         first N blocks') recomputed in the backward, `finetune --checkpoint-activations [N]` (training/recompute.py)
   peft   transformers' GPT2LMHeadModel (sdpa attention) with peft's LoRA of the same rank on the same matrices,
          trained by the same loop written by hand (cross-entropy on every position, clipping, AdamW with gpt2port's
          parameter groups)
   peft-ckpt  the same with transformers' activation checkpointing (activation_checkpointing_enable), peft's way to
          fit a larger model: each block's activations recomputed in the backward
 Each contender runs in a process of its own (so VmHWM, the peak RSS, is its own: model, activations, gradients,
-optimizer state, torch itself), --warmup steps then --steps timed; the processes take turns for --rounds rounds
+optimizer state, torch itself), --warmup steps then --steps timed (wall time, and the process's CPU time, which
+other jobs on a shared machine disturb less); the processes take turns for --rounds rounds
 so that all see the machine in the same state. The load average is printed before and after.
 
     python -m scripts.bench.lora [--size gpt2] [--rank 8] [--targets qkv] [--batch-size 4] [--block-size 256]
                                  [--steps 4] [--warmup 1] [--rounds 2] [--threads 2]
-                                 [--kinds full,lora,lora-bf16,peft,peft-ckpt]
+                                 [--kinds full,lora,lora-bf16,peft,peft-ckpt,lora-ckpt,lora-ckpt16,...]
 """
 
 from __future__ import annotations
@@ -52,14 +55,22 @@ def _tokens(config):
 def _gpt2port(config, args, kind: str):
     from gpt2port.lora import held, layer
     from gpt2port.lora.spec import Spec
+    from gpt2port.training import recompute
+
+    base, ckpt, blocks = kind.partition("-ckpt")
 
     def attach(model):
-        layer.attach(model, Spec(args.rank, 2.0 * args.rank, tuple(args.targets.split(","))),
-                     torch.Generator().manual_seed(0))
-        if kind == "lora-bf16":
+        if base != "full":
+            layer.attach(model, Spec(args.rank, 2.0 * args.rank, tuple(args.targets.split(","))),
+                         torch.Generator().manual_seed(0))
+        if base == "lora-bf16":
             held.hold_(model)
+        if ckpt:
+            recompute.attach(model, int(blocks) if blocks else config.n_layer)
 
-    return _gpt2port_step(config, torch.device("cpu"), args, _tokens(config), None, attach if kind != "full" else None)
+    if base not in ("full", "lora", "lora-bf16"):
+        sys.exit(f"--kinds: unknown contender {kind}")
+    return _gpt2port_step(config, torch.device("cpu"), args, _tokens(config), None, attach)
 
 
 def _peft(config, args, checkpointing: bool):
@@ -86,13 +97,15 @@ def worker(args) -> None:
     kind = args.worker
     model, step = _peft(config, args, kind == "peft-ckpt") if kind.startswith("peft") else _gpt2port(config, args, kind)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    times, losses = [], []
+    times, cpu, losses = [], [], []
     for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step(i))
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    print(json.dumps({"times": times, "peak_rss_gb": _peak_rss_gb(), "trained": trained, "first_loss": losses[0]}))
+            cpu.append(time.process_time() - c0)
+    print(json.dumps({"times": times, "cpu": cpu, "peak_rss_gb": _peak_rss_gb(), "trained": trained,
+                      "first_loss": losses[0]}))
 
 
 def main() -> None:
@@ -112,7 +125,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
     kinds = args.kinds.split(",")
-    results = {k: {"times": [], "peak_rss_gb": 0.0} for k in kinds}
+    results = {k: {"times": [], "cpu": [], "peak_rss_gb": 0.0} for k in kinds}
     load_before = os.getloadavg()
     passed = [a for a in sys.argv[1:]]
     for r in range(args.rounds):
@@ -123,26 +136,30 @@ def main() -> None:
                 sys.exit(f"{kind} failed:\n{out.stderr}")
             got = json.loads(out.stdout.strip().splitlines()[-1])
             results[kind]["times"] += got["times"]
+            results[kind]["cpu"] += got["cpu"]
             results[kind]["peak_rss_gb"] = max(results[kind]["peak_rss_gb"], got["peak_rss_gb"])
             results[kind]["trained"] = got["trained"]
-            print(f"round {r + 1} {kind}: median step {statistics.median(got['times']):.2f} s, peak RSS "
+            print(f"round {r + 1} {kind}: median step {statistics.median(got['times']):.2f} s (CPU time "
+                  f"{statistics.median(got['cpu']):.2f} s), peak RSS "
                   f"{got['peak_rss_gb']:.2f} GB", file=sys.stderr, flush=True)
     load_after = os.getloadavg()
     print(f"{args.size}, batch {args.batch_size} x {args.block_size}, rank {args.rank} on {args.targets}, fp32, "
           f"{args.threads} threads, torch {torch.__version__}; {args.rounds} rounds of {args.steps} steps after "
           f"{args.warmup}; load average before {load_before[0]:.1f}, after {load_after[0]:.1f} "
           f"({os.cpu_count()} cores)")
-    print("| contender | trained parameters | median step (s) | steps/s | peak RSS (GB) |")
-    print("|---|---:|---:|---:|---:|")
+    print("| contender | trained parameters | median step (s) | steps/s | CPU time per step (s) | peak RSS (GB) |")
+    print("|---|---:|---:|---:|---:|---:|")
     for kind, r in results.items():
         med = statistics.median(r["times"])
-        print(f"| {kind} | {r['trained']:,} | {med:.2f} | {1 / med:.3f} | {r['peak_rss_gb']:.2f} |")
-    for ours in ("lora", "lora-bf16"):
+        print(f"| {kind} | {r['trained']:,} | {med:.2f} | {1 / med:.3f} | {statistics.median(r['cpu']):.1f} | "
+              f"{r['peak_rss_gb']:.2f} |")
+    for ours in [k for k in kinds if not k.startswith("peft") and k != "full"]:
         for other in ("full", "peft", "peft-ckpt"):
-            if ours in results and other in results:
+            if other in results:
                 mine, theirs = results[ours], results[other]
                 speed = statistics.median(theirs["times"]) / statistics.median(mine["times"])
-                print(f"{ours} vs {other}: {speed:.2f}x the steps/s, "
+                work = statistics.median(theirs["cpu"]) / statistics.median(mine["cpu"])
+                print(f"{ours} vs {other}: {speed:.2f}x the steps/s ({work:.2f}x by CPU time), "
                       f"{mine['peak_rss_gb'] / theirs['peak_rss_gb']:.2f}x the peak RSS")
 
 
