@@ -21,6 +21,7 @@ so that all see the machine in the same state. The load average is printed befor
     python -m scripts.bench.lora [--size gpt2] [--rank 8] [--targets qkv] [--batch-size 4] [--block-size 256]
                                  [--steps 4] [--warmup 1] [--rounds 2] [--threads 2]
                                  [--kinds full,lora,lora-bf16,peft,peft-ckpt,lora-ckpt,lora-ckpt16,...]
+    python -m scripts.bench.lora --block --size gpt2-xl --threads 1 --kinds lora,lora-bf16,peft,lora-ckpt,peft-ckpt
 """
 
 from __future__ import annotations
@@ -108,6 +109,42 @@ def worker(args) -> None:
                       "first_loss": losses[0]}))
 
 
+def block(args, config) -> None:
+    """--block: one block of each contender at --size's width and --batch-size x --block-size, its forward and its
+    backward (to its input, as inside the model) timed apart in CPU time on --threads, best of --steps after
+    --warmup: where a step's time goes, the head and the optimizer left out."""
+    import dataclasses
+
+    torch.set_num_threads(args.threads)
+    args.compile = False
+    one = dataclasses.replace(config, n_layer=1)
+    x0 = torch.randn(args.batch_size, args.block_size, config.n_embd, generator=torch.Generator().manual_seed(0))
+    print(f"one block at {args.size}'s width, batch {args.batch_size} x {args.block_size}, rank {args.rank} on "
+          f"{args.targets}, {args.threads} thread(s), CPU time, best of {args.steps} after {args.warmup}")
+    print("| contender | forward (s) | backward (s) | both (s) |")
+    print("|---|---:|---:|---:|")
+    for kind in args.kinds.split(","):
+        if kind.startswith("peft"):
+            model, _ = _peft(one, args, kind == "peft-ckpt")
+            blk = model.base_model.model.transformer.h[0]
+        else:
+            model, _ = _gpt2port(one, args, kind)
+            blk = model.blocks[0]
+        model.train()
+        fw, bw = [], []
+        for i in range(args.warmup + args.steps):
+            x = x0.clone().requires_grad_(True)
+            c0 = time.process_time()
+            y = blk(x)
+            y = y[0] if isinstance(y, tuple) else y
+            c1 = time.process_time()
+            y.sum().backward()
+            if i >= args.warmup:
+                fw.append(c1 - c0)
+                bw.append(time.process_time() - c1)
+        print(f"| {kind} | {min(fw):.3f} | {min(bw):.3f} | {min(f + b for f, b in zip(fw, bw)):.3f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="gpt2", help="a preset name, or GPTConfig's fields as JSON (a quick check)")
@@ -120,10 +157,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kinds", default="full,lora,peft")
+    ap.add_argument("--block", action="store_true", help="time one block of each contender instead (block())")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.block:
+        from gpt2port.config import GPTConfig
+
+        return block(args, GPTConfig(**json.loads(args.size)) if args.size.startswith("{") else
+                     GPTConfig.preset(args.size))
     kinds = args.kinds.split(",")
     results = {k: {"times": [], "cpu": [], "peak_rss_gb": 0.0} for k in kinds}
     load_before = os.getloadavg()
