@@ -1,8 +1,8 @@
 """Activation checkpointing for `gpt2port finetune --checkpoint-activations [N]`: the first N blocks keep only their
 input for the backward, and run their forward again there to get what the gradients need; the other blocks keep
 their activations as usual. Memory for compute: a recomputed block holds one (batch, tokens, width) tensor instead
-of the ~11 of that size (and its 4x-wide MLP activations) the backward otherwise keeps, at the cost of its forward
-once more per step. Only as many blocks as a memory budget needs may be recomputed (N below the model's depth).
+of everything its backward needs, at the cost of its forward once more per step; only as many blocks as a memory
+budget needs may be recomputed (N below the model's depth). The figures are in docs/finetune.md.
 
 Attached from outside with torch's composable `checkpoint` (non-reentrant): hooks on each chosen Block, so
 model.py's forward is the one that runs, twice; the module tree, parameter names and state_dict are unchanged, and
@@ -10,7 +10,7 @@ so are the saved training state and the checkpoint written. The recomputation re
 state it first had (dropout draws the same masks) and the same operations in the same order: losses and gradients
 are those of the run without it, bit for bit (tested). It composes with LoRA (a bf16-held base too), DDP and FSDP
 (applied before fully_shard, whose hooks gather a block's parameters again for the recomputation); not with
-torch.compile, whose trace of the hooks recomputes something else (refused).
+torch.compile, whose trace of the hooks fails the recomputation's own check of what it recomputed (refused).
 """
 
 from __future__ import annotations
