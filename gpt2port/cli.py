@@ -373,6 +373,9 @@ def doctor():
               help="Compute precision: auto is bf16 autocast on CUDA and fp32 on CPU (weights stay fp32).")
 @click.option("--dropout", type=float, default=0.0, show_default=True)
 @click.option("--val-fraction", type=float, default=0.05, show_default=True, help="Share of tokens held out.")
+@click.option("--checkpoint-activations", type=int, is_flag=False, flag_value=-1, default=0, metavar="[N]",
+              help="Recompute the activations of the first N blocks (bare: every block) in the backward instead of "
+              "keeping them: less memory, one more forward through them per step.")
 @lora.lora_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available; torchrun: one GPU "
               "per process).")

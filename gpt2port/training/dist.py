@@ -81,19 +81,25 @@ def start(device: str | None, fsdp: bool) -> Runtime:
     return Runtime(rank, world, local_rank, dev, sharded=fsdp)
 
 
-def build(config, rt: Runtime, weights: dict[str, torch.Tensor], adapt=None) -> torch.nn.Module:
+def build(config, rt: Runtime, weights: dict[str, torch.Tensor], adapt=None, recompute: int = 0) -> torch.nn.Module:
     """gpt2port's GPT in fp32 on rt.device, wrapped for this runtime, holding the checkpoint's weights.
 
     weights: the checkpoint's tensors as views of its memory map; each rank reads only the rows it keeps.
     adapt(model): changes the filled model before DDP wraps it (LoRA's modules, the base frozen). Under FSDP,
     which shards the modules it is given, adapt(model, weights) changes the model still on the meta device and
     returns the tensors that fill it (the adapters' initial values, the base under its new names).
+    recompute: the first blocks whose activations are recomputed in the backward (training/recompute.py; hooks on
+    the blocks, placed before fully_shard's).
     Returns the wrapped module (DDP / fully_shard'ed GPT / plain GPT).
     """
     from gpt2port.model import GPT
 
     with torch.device("meta"):
         model = GPT(config)
+    if recompute:
+        from gpt2port.training.recompute import attach
+
+        attach(model, recompute)
     if rt.sharded and adapt is not None:
         weights, adapt = adapt(model, weights), None
     if rt.sharded:

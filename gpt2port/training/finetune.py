@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads, sweep_leftovers
 from gpt2port.lora import train as lora_train
 from gpt2port.training import data as tokens
-from gpt2port.training import dist, limits, state
+from gpt2port.training import dist, limits, recompute, state
 from gpt2port.training.loop import Diverged, Log, Plan, Stopped, Trainer
 from gpt2port.training.optim import adamw
 from gpt2port.training.saved import SavedRun, read as saved_state
@@ -34,7 +35,8 @@ KEPT = ("steps", "batch_size", "block_size", "lr", "min_lr", "warmup", "weight_d
         "eval_windows", "dropout", "val_fraction", "dtype",
         "lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype")
 # absent from older saved states
-ADDED = ("lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype")
+ADDED = ("lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype",
+         "checkpoint_activations")
 
 
 class Interrupted(GPT2PortError):
@@ -70,6 +72,7 @@ class Settings:
     lora_split_qkv: bool = False
     lora_dropout: float = 0.0
     lora_base_dtype: str = "fp32"  # the frozen base's matrices held in fp32 or bf16 (computed in fp32 either way)
+    checkpoint_activations: int = 0  # blocks (the first N) recomputed in the backward; -1: all (training/recompute)
 
     def resolved(self, context: int) -> "Settings":
         s = dataclasses.replace(self)
@@ -97,6 +100,7 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
         named = given if given is not None else (set(vars(s)) if settings is not None else set())
         s = _resumed(s, saved, named)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    s.checkpoint_activations = recompute.resolve(s.checkpoint_activations, config.n_layer, compile)
     _check_settings(s, config.n_positions, world)
     lora_train.check(s, config, fsdp)
     files = tokens.documents(data)  # refuses bad data (one line) before anything is written
@@ -131,8 +135,11 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
     train_config = dataclasses.replace(config, dropout=s.dropout)
     _, _, weights = load_state(ckpt_dir)
     model = dist.build(train_config, rt, weights,
-                       lambda m, w=None: lora_train.attach(m, s, config, quiet or not rt.main, w))
+                       lambda m, w=None: lora_train.attach(m, s, config, quiet or not rt.main, w),
+                       recompute=s.checkpoint_activations)
     del weights
+    if s.checkpoint_activations and rt.main and not quiet:
+        print(recompute.said(s.checkpoint_activations, config.n_layer), file=sys.stderr)
     optimizer = adamw(model, s.lr, s.weight_decay)
     start = 0
     torch.manual_seed(s.seed + rt.rank)  # dropout's generator; a resumed run restores the saved one
@@ -242,7 +249,8 @@ def _resumed(s: Settings, saved: SavedRun, given: set[str]) -> Settings:
             raise GPT2PortError(f"--{name.replace('_', '-')} {getattr(s, name)}: the run being resumed used "
                                 f"{before[name]} (it must stay the same for the run to continue as it began)")
     keep = {k: before.get(k, getattr(Settings, k)) for k in KEPT}  # a state saved before a setting existed
-    changeable = {k: getattr(s, k) if k in given else before[k] for k in vars(s) if k not in KEPT}
+    changeable = {k: getattr(s, k) if k in given else before.get(k, getattr(Settings, k)) for k in vars(s)
+                  if k not in KEPT}
     return dataclasses.replace(s, **keep, **changeable)
 
 

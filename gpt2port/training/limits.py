@@ -41,6 +41,7 @@ RULES: dict[str, tuple] = {
     "dropout": (float, 0.0, 1.0, False, True),
     "val_fraction": (float, 0.0, 1.0, True, True),
     "dtype": (str, DTYPES),
+    "checkpoint_activations": (int, -1, STEPS_MAX, False, False),  # -1: every block; at most the model's (recompute)
 }
 
 
