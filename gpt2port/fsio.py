@@ -229,7 +229,7 @@ def _pid_alive(pid: str) -> bool:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # a directory, for its fsync: nothing read
     try:
         os.fsync(fd)
     finally:

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from gpt2port.checkpoint import CONFIG, CONFIG_FORMAT, is_checkpoint, load_tokenizer
-from gpt2port.config import read_json
 from gpt2port.devices import check_device
 from gpt2port.errors import GPT2PortError
+from gpt2port.inputs import read_json
 from gpt2port.fast import Settings, accelerate
 from gpt2port.model import GPT
 
