@@ -68,6 +68,22 @@ def check(cfg: dict, where) -> AdapterConfig:
     if cfg.get("peft_type") != "LORA":
         raise GPT2PortError(f"{where}: peft_type is {_shown(cfg.get('peft_type'))}; gpt2port merges LORA adapters "
                             f"only")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        if not _LITERAL.fullmatch(targets):
+            raise GPT2PortError(f"{where}: target_modules {_shown(targets)} is a regular expression; gpt2port does "
+                                f"not run one from a file: list the modules (e.g. [\"c_attn\", \"c_proj\"])")
+    elif targets is not None:
+        targets = _names(targets, "target_modules", where)
+        other = [t for t in targets if t.rsplit(".", 1)[-1] not in ("c_attn", "c_proj", "c_fc")]
+        if other:
+            raise GPT2PortError(f"{where}: target_modules {other} are not GPT-2's c_attn, c_proj or c_fc (only "
+                                f"those can be merged)")
+    exclude = cfg.get("exclude_modules")
+    if isinstance(exclude, str):
+        raise GPT2PortError(f"{where}: exclude_modules {_shown(exclude)} is a regular expression; gpt2port does not "
+                            f"run one from a file: list the modules")
+    exclude = [] if exclude is None else _names(exclude, "exclude_modules", where)
     for key in _BOOLS:
         if key in cfg and not isinstance(cfg[key], bool) and not (cfg[key] is None and key != "fan_in_fan_out"):
             raise GPT2PortError(f"{where}: {key} is {_shown(cfg[key])}; it must be true or false (a JSON boolean)")
@@ -86,22 +102,6 @@ def check(cfg: dict, where) -> AdapterConfig:
     alpha = _alpha(cfg.get("lora_alpha", 8), f"{where}: lora_alpha")
     rank_pattern = _patterns(cfg, "rank_pattern", where, _rank)
     alpha_pattern = _patterns(cfg, "alpha_pattern", where, _alpha)
-    targets = cfg.get("target_modules")
-    if isinstance(targets, str):
-        if not _LITERAL.fullmatch(targets):
-            raise GPT2PortError(f"{where}: target_modules {_shown(targets)} is a regular expression; gpt2port does "
-                                f"not run one from a file: list the modules (e.g. [\"c_attn\", \"c_proj\"])")
-    elif targets is not None:
-        targets = _names(targets, "target_modules", where)
-        other = [t for t in targets if t.rsplit(".", 1)[-1] not in ("c_attn", "c_proj", "c_fc")]
-        if other:
-            raise GPT2PortError(f"{where}: target_modules {other} are not GPT-2's c_attn, c_proj or c_fc (only "
-                                f"those can be merged)")
-    exclude = cfg.get("exclude_modules")
-    if isinstance(exclude, str):
-        raise GPT2PortError(f"{where}: exclude_modules {_shown(exclude)} is a regular expression; gpt2port does not "
-                            f"run one from a file: list the modules")
-    exclude = [] if exclude is None else _names(exclude, "exclude_modules", where)
     return AdapterConfig(str(where), r, alpha, bool(cfg.get("use_rslora")), rank_pattern, alpha_pattern, targets,
                          exclude, _layers(cfg, where))
 
