@@ -18,6 +18,7 @@ from gpt2port.errors import GPT2PortError, one_line
 from gpt2port.evaluation.options import eval_options
 from gpt2port.generate_options import generate_options, run as run_generate
 from gpt2port.lora import commands as lora
+from gpt2port.usage import OneLineUsageGroup
 from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
@@ -84,7 +85,7 @@ def _handle_errors(fn):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineUsageGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.version_option(package_name="gpt2port")
 def main(debug: bool) -> None:
