@@ -29,6 +29,7 @@ LIMITS = {
     "json": 64 * MB,  # a config, manifest, index, tokenizer.json (GPT-2's: 1.4 MB), adapter_config.json
     "tokenizer": 64 * MB,  # vocab.json, merges.txt, encoder.json, vocab.bpe (the largest, 1.0 MB)
     "eval data": 1024 * MB,  # --data of eval: HellaSwag's validation jsonl is 11 MB, WikiText-103's test 1.3 MB
+    "prompts": 64 * MB,  # generate --prompts: a prompt a line
     "log": 256 * MB,  # a run's train_log.jsonl: a row per step is ~200 bytes
     "state": 64 * MB,  # a run's saved random state, DCP metadata
 }
