@@ -149,9 +149,8 @@ def info(ckpt, as_json):
 @click.argument("ckpt")
 @click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
 @click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
-              help="Layout: gpt2port's own, Hugging Face's (loads with GPT2LMHeadModel.from_pretrained), "
-                   "llm.c's (gpt2_124M.bin + gpt2_tokenizer.bin; fp32 or bf16), llama.cpp's GGUF (model.gguf), or "
-                   "ONNX with a KV cache (model.onnx, proven by onnxruntime; fp32 or fp16; the onnx extra).")
+              help="Layout: gpt2port's own, Hugging Face's (GPT2LMHeadModel.from_pretrained), llm.c's (gpt2_124M.bin; "
+                   "fp32 or bf16), llama.cpp's GGUF (model.gguf) or ONNX with a KV cache (model.onnx; fp32 or fp16).")
 @click.option("--dtype", type=EXPORT_CHOICE, default=None,
               help="Output dtype (default: the checkpoint's); q8_0 for --to gguf only.")
 @click.option("--gguf-output-tensor", is_flag=True,
