@@ -152,7 +152,8 @@ def info(ckpt, as_json):
               help="Layout: gpt2port's own, Hugging Face's (GPT2LMHeadModel.from_pretrained), llm.c's (gpt2_124M.bin; "
                    "fp32 or bf16), llama.cpp's GGUF (model.gguf) or ONNX with a KV cache (model.onnx; fp32 or fp16).")
 @click.option("--dtype", type=EXPORT_CHOICE, default=None,
-              help="Output dtype (default: the checkpoint's); q8_0 for --to gguf only.")
+              help="Output dtype (default: the checkpoint's); llama.cpp's q8_0, q6_k, q5_k_m, ... q4_0 for --to gguf "
+                   "only, byte for byte what its llama-quantize writes.")
 @click.option("--gguf-output-tensor", is_flag=True,
               help="GGUF: also write the tied head as output.weight (for llama.cpp builds that require it).")
 @click.option("--force", is_flag=True, help="Replace an existing directory at --out.")
