@@ -178,9 +178,8 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
                         options={k: v for k, v in options.items() if v} or None)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
-    if result.proof:  # what the target's own runtime computed from the output (--to onnx)
-        click.echo("proof: " + ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}"
-                                         for k, v in result.proof.items()))
+    for key, value in result.proof.items():  # what the target's own runtime computed from the output (--to onnx)
+        click.echo(f"proof: {key} {value:.1e}" if isinstance(value, float) else f"proof: {key} {value}")
     _succeeded(f"wrote {result.out} ({to} layout, {dtype or _dtype_label(result.dtype)}, "
                f"{result.bytes_written / 1e9:.2f} GB)")
 
