@@ -151,9 +151,10 @@ def _decode(model: GPT, prompts, options: Options, fast: Settings, report: list[
     generator = torch.Generator(param.device).manual_seed(o.seed) if o.seed is not None else None
     tokens, pad = _left_pad([row[-n_ctx:] for row in rows], param.device)
     B = tokens.size(0)
-    # Room for exactly what this call can use: a short generation never allocates the whole context.
-    cache, attention = new_cache(model.config, B, min(n_ctx, tokens.size(1) + o.max_new_tokens), param.dtype,
-                                 param.device, pad, fast)
+    # Room for exactly what this call can use: a short generation never allocates the whole context. A compiled
+    # step is compiled for the cache's shape: there, the whole context, so that one compile serves every length.
+    length = n_ctx if fast.compile else min(n_ctx, tokens.size(1) + o.max_new_tokens)
+    cache, attention = new_cache(model.config, B, length, param.dtype, param.device, pad, fast)
     logits, _ = model(tokens, cache=cache, logits_to_keep=1)
     step_one = decode_step(model, cache, fast, attention)  # the model's forward, one new token per row
     try:
