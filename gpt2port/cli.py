@@ -14,7 +14,7 @@ import sys
 import click
 
 from gpt2port.targets import ENCODINGS, TARGETS
-from gpt2port.errors import GPT2PortError, one_line
+from gpt2port.errors import GPT2PortError, allocation_failed, one_line
 from gpt2port.evaluation.options import eval_options
 from gpt2port.generate_options import generate_options, run as run_generate
 from gpt2port.lora import commands as lora
@@ -68,16 +68,14 @@ def _handle_errors(fn):
             what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             click.echo(f"error: {what}; no partial output was left", err=True)
             sys.exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
-        except MemoryError:
-            if debug:
-                raise
-            from gpt2port.outfile import out_of_memory
-
-            click.echo(f"error: {out_of_memory(f'gpt2port {ctx.info_name}')}", err=True)
-            sys.exit(EXIT_FAILURE)
         except Exception as e:  # the last line of defence of the one-line promise
             if debug:
                 raise
+            if isinstance(e, MemoryError) or allocation_failed(e):  # PyTorch's is a RuntimeError
+                from gpt2port.outfile import out_of_memory_line
+
+                click.echo(f"error: {out_of_memory_line(ctx.info_name)}", err=True)
+                sys.exit(EXIT_FAILURE)
             click.echo(f"error: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)

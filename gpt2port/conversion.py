@@ -165,6 +165,8 @@ def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str],
             t = reader.read(r.key, into=buffer if whole else None)
             if not all_finite(t):
                 warnings.append(_non_finite(reader, r.key))
+            else:
+                refuse_overflow(t, out_dtype, reader.tensors[r.key].file, r.key)
             tensors.append((r.transform, t))
         whole = merge(tensors, shapes[name])
         if head is not None and name == canonical.EMBEDDING:
@@ -227,6 +229,21 @@ def _check_head_is_tied(source: Source, head: str, wte: torch.Tensor) -> None:
         raise GPT2PortError(f"{source.reader.tensors[head].file}: {head!r} differs from "
                             f"{source.layout.key_for(canonical.EMBEDDING)}; GPT-2 ties the head to the token "
                             f"embedding, so converting would change the model")
+
+
+def refuse_overflow(t: torch.Tensor, dtype: torch.dtype, file, key: str) -> None:
+    """Refuse a finite tensor holding a value beyond `dtype`'s range (1e30 into fp16): cast, it would be written as
+    Inf in silence."""
+    if not dtype.is_floating_point or t.dtype == dtype or torch.finfo(dtype).max >= torch.finfo(t.dtype).max \
+            or not t.numel():
+        return
+    lo, hi = torch.aminmax(t)
+    top = max(-float(lo), float(hi))
+    if top > torch.finfo(dtype).max:
+        from gpt2port.dtypes import label
+
+        raise GPT2PortError(f"{file}: tensor {key!r} holds {top:.3g}, beyond {label(dtype)}'s largest value "
+                            f"({torch.finfo(dtype).max:.6g}): it would be written as Inf; keep fp32, or use bf16")
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
 
 
@@ -98,7 +99,7 @@ def fetch(name: str, task: str, quiet: bool = False) -> Fetched:
     text = None
     if source.member is not None:
         try:
-            with zipfile.ZipFile(path) as archive:
+            with inputs.open_binary(path, what="a zip archive") as f, zipfile.ZipFile(f) as archive:
                 text = archive.read(source.member)  # its CRC checked as it is read
         except (zipfile.BadZipFile, KeyError) as e:
             raise GPT2PortError(f"--data {name}: {path}: no readable {source.member} ({e})") from None

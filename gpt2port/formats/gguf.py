@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from gpt2port import hashing
+from gpt2port import hashing, inputs
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import TensorInfo, read_bytes, refuse_lfs_pointer
 from gpt2port.formats.gguf_scan import read_header, value
@@ -81,7 +81,7 @@ class GGUFFile(PreadReader):
     def _open(self, path: Path) -> None:
         self.path = Path(path)
         self.files = [self.path]
-        with open(self.path, "rb") as f:
+        with inputs.open_binary(self.path, what="a GGUF file") as f:
             refuse_lfs_pointer(self.path, f.read(64))
             self._map = _whole(f, self.path)  # kept for the metadata values, decoded when asked for
         try:

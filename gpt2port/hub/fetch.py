@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpt2port.config import GPTConfig, read_json
+from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
+from gpt2port.inputs import read_json
 from gpt2port.formats import WEIGHT_FILES
 from gpt2port.formats.shards import shard_names
 from gpt2port.fsio import hf_cache_dir

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import jsonio
+from gpt2port import inputs, jsonio
 from gpt2port.signals import stop_requests
 from gpt2port.errors import GPT2PortError
 from gpt2port.training import data as tokens
@@ -89,7 +89,7 @@ def read_rows(path: Path, done: int) -> list[dict]:
     break is one being written when the run was killed (it comes after the save, and is dropped)."""
     if not path.exists():
         return []
-    data = path.read_bytes()
+    data = inputs.read_bytes(path, inputs.LIMITS["log"], "a training log")
     if data and not data.endswith(b"\n"):
         data = data[: data.rfind(b"\n") + 1]
     try:

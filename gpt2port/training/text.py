@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 from typing import Iterator
 
-from gpt2port import jsonio
+from gpt2port import inputs, jsonio
 from gpt2port.errors import GPT2PortError
 
 PIECE = 1 << 20  # characters per piece, at most: enough to keep tokenizer threads busy, small enough to stream
@@ -56,7 +56,7 @@ def documents(data: str | Path) -> list[Path]:
         raise GPT2PortError(f"{path}: empty file")
     _peek(path)
     if is_jsonl(path):
-        with open(path, "rb") as f:
+        with inputs.open_binary(path) as f:
             _json_text(f.readline(), path, 1)
     return [path]
 
@@ -89,7 +89,7 @@ def _kind(path: Path) -> bool:
         raise GPT2PortError(f"{path}: a model's tokenizer file (beside vocab.json), not text to fine-tune on")
     if st.st_size:
         return True
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         if f.read(1):
             raise GPT2PortError(f"{path}: its size reads 0 but it holds bytes (a special file: its size cannot be "
                                 f"known), not a text file")
@@ -105,7 +105,7 @@ def _peek(path: Path) -> None:
     it is all whitespace, whatever its size); the rest is checked while tokenizing."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, text = 0, False
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         while chunk := f.read(PEEK):
             _check_bytes(chunk, path, offset)
             text = text or bool(_decode(chunk, path, offset, decoder, final=False).strip())
@@ -151,7 +151,7 @@ def pieces(files: list[Path]) -> Iterator[tuple[bool, str]]:
 def _file_pieces(path: Path) -> Iterator[tuple[bool, str]]:
     decoder = codecs.getincrementaldecoder("utf-8")()
     carry, offset, first = "", 0, True
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         while chunk := f.read(PIECE):
             _check_bytes(chunk, path, offset)
             carry += _decode(chunk, path, offset, decoder, final=False)
@@ -167,7 +167,7 @@ def _file_pieces(path: Path) -> Iterator[tuple[bool, str]]:
 
 def _jsonl_pieces(path: Path) -> Iterator[tuple[bool, str]]:
     texts = 0
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
