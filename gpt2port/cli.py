@@ -362,9 +362,10 @@ def doctor():
 @click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient norm clipping (0: none).")
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="Micro-batches per optimizer step (each process's share of the batch split this many ways).")
-@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: 10 per "
-              "run; 0: none).")
+@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: scaled to "
+              "the run, at most 10 besides the first; 0: none).")
 @click.option("--eval-windows", type=int, default=32, show_default=True, help="Held-out windows per evaluation.")
+@click.option("--sample-every", type=int, default=0, help="Print a sample of the model's text every N steps.")
 @click.option("--save-every", type=int, default=None, help="Steps between training-state saves (default: with "
               "each evaluation).")
 @click.option("--seed", type=int, default=1337, show_default=True)
@@ -391,6 +392,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
 
     from gpt2port.devices import check_device
     from gpt2port.training.finetune import Interrupted, Settings, finetune as run_finetune
+    from gpt2port.training.report import wrote
 
     check_device(device)
     ctx = click.get_current_context()
@@ -408,7 +410,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
             sys.exit(EXIT_FAILURE)
         raise
     if os.environ.get("RANK", "0") == "0":
-        _succeeded(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.svg)")
+        _succeeded(wrote(result))
 
 
 lora.register(main, _handle_errors, _succeeded)
