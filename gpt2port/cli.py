@@ -149,10 +149,11 @@ def info(ckpt, as_json):
 @click.argument("ckpt")
 @click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
 @click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
-              help="Layout: gpt2port's own, Hugging Face's (loads with GPT2LMHeadModel.from_pretrained), "
-                   "llm.c's (gpt2_124M.bin + gpt2_tokenizer.bin; fp32 or bf16), or llama.cpp's GGUF (model.gguf).")
+              help="Layout: gpt2port's own, Hugging Face's (GPT2LMHeadModel.from_pretrained), llm.c's (gpt2_124M.bin; "
+                   "fp32 or bf16), llama.cpp's GGUF (model.gguf) or ONNX with a KV cache (model.onnx; fp32 or fp16).")
 @click.option("--dtype", type=EXPORT_CHOICE, default=None,
-              help="Output dtype (default: the checkpoint's); q8_0 for --to gguf only.")
+              help="Output dtype (default: the checkpoint's); llama.cpp's q8_0, q6_k, q5_k_m, ... q4_0 for --to gguf "
+                   "only, byte for byte what its llama-quantize writes.")
 @click.option("--gguf-output-tensor", is_flag=True,
               help="GGUF: also write the tied head as output.weight (for llama.cpp builds that require it).")
 @click.option("--force", is_flag=True, help="Replace an existing directory at --out.")
@@ -161,8 +162,8 @@ def info(ckpt, as_json):
                    "gradient from gpt2port's model), what llm.c's test_gpt2 checks its C code against.")
 @_handle_errors
 def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
-    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files or llama.cpp's GGUF;
-    a LoRA adapter directory (peft's format): llama.cpp's adapter GGUF (--to gguf)."""
+    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files, llama.cpp's GGUF or
+    ONNX; a LoRA adapter directory (peft's format): llama.cpp's adapter GGUF (--to gguf)."""
     from gpt2port.conversion import export as run_export
 
     if os.path.isfile(os.path.join(ckpt, "adapter_config.json")):
@@ -177,6 +178,8 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
                         options={k: v for k, v in options.items() if v} or None)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
+    for key, value in result.proof.items():  # what the target's own runtime computed from the output (--to onnx)
+        click.echo(f"proof: {key} {value:.1e}" if isinstance(value, float) else f"proof: {key} {value}")
     _succeeded(f"wrote {result.out} ({to} layout, {dtype or _dtype_label(result.dtype)}, "
                f"{result.bytes_written / 1e9:.2f} GB)")
 
@@ -309,8 +312,7 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
                                                     "came to the rate it allows.")
 @generate_options
 @_handle_errors
-def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device, threads,
-             verbose, **more):
+def generate(ckpt, prompt, num_samples, dtype, device, verbose, **settings):
     """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin (without its
     trailing newline); --prompts FILE continues many, batched, as JSON lines.
 
@@ -318,9 +320,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     at most its context (1024 tokens): a longer prompt keeps its end (only that is echoed), and a longer generation
     slides its window.
     """
-    fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                  threads=threads)
-    run_generate(ckpt, prompt, fields, num_samples, dtype, device, verbose, **more)
+    run_generate(ckpt, prompt, settings, num_samples, dtype, device, verbose)
 
 
 @main.command("eval")
