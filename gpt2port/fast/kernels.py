@@ -82,7 +82,7 @@ class FastLinear(nn.Linear):
         if torch.is_grad_enabled() or x.dtype is not dtype or weight.dtype is not dtype or x.device != device:
             return F.linear(x, weight, bias)
         if x.numel() == self.in_features:
-            if self.matvec is not None and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and self.matvec is not None:
                 return self.matvec(x, weight, bias)
             kind = self.one_row
         else:
