@@ -187,7 +187,6 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
 
 def _dtype_label(dtype) -> str:
     from gpt2port.dtypes import label
-
     return label(dtype)
 
 
