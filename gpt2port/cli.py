@@ -74,7 +74,6 @@ def _handle_errors(fn):
                 raise
             if isinstance(e, MemoryError) or allocation_failed(e):  # PyTorch's is a RuntimeError
                 from gpt2port.outfile import out_of_memory_line
-
                 click.echo(f"error: {out_of_memory_line(ctx.info_name)}", err=True)
                 sys.exit(EXIT_FAILURE)
             click.echo(f"error: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the "
@@ -187,7 +186,6 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
 
 def _dtype_label(dtype) -> str:
     from gpt2port.dtypes import label
-
     return label(dtype)
 
 
