@@ -26,15 +26,17 @@ from pathlib import Path
 from gpt2port.registry import GGUF_QUANTS
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS in KiB) of a command in a fresh process."""
+def timed(cmd: list[str]) -> tuple[float, int, float]:
+    """(wall seconds, peak RSS in KiB, CPU seconds: user + system) of a command in a fresh process."""
     t0 = time.perf_counter()
     run = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if run.returncode:
         sys.exit(f"{cmd}: failed:\n{run.stderr[-2000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr).group(1))
-    return wall, rss
+    cpu = sum(float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", run.stderr).group(1))
+              for kind in ("User", "System"))
+    return wall, rss, cpu
 
 
 def main() -> None:
@@ -70,9 +72,9 @@ def main() -> None:
                               "os.sync()", str(work / "f32" / "model.gguf"), str(work / "copy"), args.dtype])
             else:
                 base = timed(["sh", "-c", f"cp '{weights}' '{work}/copy' && sync"])
-            print(f"run {i}: {size:.3f} GB  export {ex[0]:.2f} s, {ex[1] / 1024:.0f} MB peak RSS | "
-                  f"{baseline_name} {base[0]:.2f} s, {base[1] / 1024:.0f} MB | ratio {ex[0] / base[0]:.2f}x",
-                  flush=True)
+            print(f"run {i}: {size:.3f} GB  export {ex[0]:.2f} s ({ex[2]:.1f} CPU s), {ex[1] / 1024:.0f} MB peak RSS | "
+                  f"{baseline_name} {base[0]:.2f} s ({base[2]:.1f} CPU s), {base[1] / 1024:.0f} MB | "
+                  f"ratio {ex[0] / base[0]:.2f}x", flush=True)
             shutil.rmtree(out)
             (work / "copy").unlink()
     finally:
