@@ -24,6 +24,7 @@ from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
 EXPORT_CHOICE = click.Choice([*DTYPE_CHOICE.choices, *sorted({e for t in ENCODINGS.values() for e in t})])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
+GENERATE_CHOICE = click.Choice([*COMPUTE_CHOICE.choices, "int4"])  # int4: gpt2port.quant4 (dtypes.QUANTIZED)
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
 DONE = "gpt2port.done"  # the exit code, set in the context's meta once a command's work is done (_succeeded)
@@ -73,7 +74,6 @@ def _handle_errors(fn):
                 raise
             if isinstance(e, MemoryError) or allocation_failed(e):  # PyTorch's is a RuntimeError
                 from gpt2port.outfile import out_of_memory_line
-
                 click.echo(f"error: {out_of_memory_line(ctx.info_name)}", err=True)
                 sys.exit(EXIT_FAILURE)
             click.echo(f"error: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the "
@@ -149,8 +149,8 @@ def info(ckpt, as_json):
 @click.argument("ckpt")
 @click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
 @click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
-              help="Layout: gpt2port's own, Hugging Face's (loads with GPT2LMHeadModel.from_pretrained), "
-                   "llm.c's (gpt2_124M.bin + gpt2_tokenizer.bin; fp32 or bf16), or llama.cpp's GGUF (model.gguf).")
+              help="Layout: gpt2port's own, Hugging Face's (GPT2LMHeadModel.from_pretrained), llm.c's (gpt2_124M.bin; "
+                   "fp32 or bf16), llama.cpp's GGUF (model.gguf) or ONNX with a KV cache (model.onnx; fp32 or fp16).")
 @click.option("--dtype", type=EXPORT_CHOICE, default=None,
               help="Output dtype (default: the checkpoint's); llama.cpp's q8_0, q6_k, q5_k_m, ... q4_0 for --to gguf "
                    "only, byte for byte what its llama-quantize writes.")
@@ -162,8 +162,8 @@ def info(ckpt, as_json):
                    "gradient from gpt2port's model), what llm.c's test_gpt2 checks its C code against.")
 @_handle_errors
 def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
-    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files or llama.cpp's GGUF;
-    a LoRA adapter directory (peft's format): llama.cpp's adapter GGUF (--to gguf)."""
+    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files, llama.cpp's GGUF or
+    ONNX; a LoRA adapter directory (peft's format): llama.cpp's adapter GGUF (--to gguf)."""
     from gpt2port.conversion import export as run_export
 
     if os.path.isfile(os.path.join(ckpt, "adapter_config.json")):
@@ -178,13 +178,14 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
                         options={k: v for k, v in options.items() if v} or None)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
+    for key, value in result.proof.items():  # what the target's own runtime computed from the output (--to onnx)
+        click.echo(f"proof: {key} {value:.1e}" if isinstance(value, float) else f"proof: {key} {value}")
     _succeeded(f"wrote {result.out} ({to} layout, {dtype or _dtype_label(result.dtype)}, "
                f"{result.bytes_written / 1e9:.2f} GB)")
 
 
 def _dtype_label(dtype) -> str:
     from gpt2port.dtypes import label
-
     return label(dtype)
 
 
@@ -300,8 +301,8 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible (sample i uses seed + i).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
               help="Independent continuations of the prompt, one after the other.")
-@click.option("--dtype", type=COMPUTE_CHOICE, default=None,
-              help="Compute dtype (default: the checkpoint's); int8: matrices quantized at load, fast on CPU.")
+@click.option("--dtype", type=GENERATE_CHOICE, default=None,
+              help="Compute dtype (default: the checkpoint's); int8, int4: matrices quantized at load, fast on CPU.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for decoding (default: torch's, one per core); on a machine busy with other work, "

@@ -45,9 +45,10 @@ def write_json(path: Path, obj) -> None:
 
 def copy_file(src: Path, dst: Path) -> None:
     try:
-        shutil.copyfile(src, dst)
-        with open(dst, "rb+") as f:
-            os.fsync(f.fileno())
+        with inputs.open_binary(src) as f, open(dst, "wb") as out:  # the source through the gate: no FIFO blocks
+            shutil.copyfileobj(f, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
     except OSError as e:
         raise GPT2PortError(f"{dst}: copy from {src} failed: {os_reason(e)}") from None
 

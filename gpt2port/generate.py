@@ -162,9 +162,10 @@ def _decode(model: GPT, prompts, options: Options, fast: Settings, report: list[
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=param.device)
         for i, row in enumerate(rows):
             seen[i, row] = True
-    # Room for exactly what this call can use: a short generation never allocates the whole context.
-    cache, attention = new_cache(model.config, B, min(n_ctx, tokens.size(1) + o.max_new_tokens), param.dtype,
-                                 param.device, pad, fast)
+    # Room for exactly what this call can use: a short generation never allocates the whole context. A compiled
+    # step is compiled for the cache's shape: there, the whole context, so that one compile serves every length.
+    length = n_ctx if fast.compile else min(n_ctx, tokens.size(1) + o.max_new_tokens)
+    cache, attention = new_cache(model.config, B, length, param.dtype, param.device, pad, fast)
     logits, _ = model(tokens, cache=cache, logits_to_keep=1)
     step_one = decode_step(model, cache, fast, attention)  # the model's forward, one new token per row
     try:

@@ -12,12 +12,12 @@ import click
 import torch
 
 from gpt2port.checkpoint import load_tokenizer
-from gpt2port.dtypes import label
+from gpt2port.dtypes import QUANTIZED, label
 from gpt2port.devices import check_device
 from gpt2port.errors import GPT2PortError
 import gpt2port.generate as decoding  # looked up at each run: tests spy on decoding.stream
 from gpt2port.generate import NonFiniteLogits, Options, cpu_threads
-from gpt2port.model import GPT
+from gpt2port.fast import int4
 from gpt2port.tokenizer import StreamDecoder
 
 # The machine is called busy when decoding averaged BUSY_FACTOR times slower than its fastest step (over at least
@@ -38,12 +38,12 @@ def load(ckpt, options: Options, dtype: str | None, device: str | None):
     if threads is not None and threads > THREADS_PER_CORE * cores:  # OpenMP may die starting them (a signal)
         raise GPT2PortError(f"--threads {threads}: at most {THREADS_PER_CORE * cores} on this machine "
                             f"({THREADS_PER_CORE} per core, {cores} cores); threads beyond the cores only wait")
-    device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
+    device = device or ("cpu" if dtype in QUANTIZED or not torch.cuda.is_available() else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
     check_device(device)
     tokenizer = load_tokenizer(ckpt)
-    return tokenizer, GPT.from_pretrained(ckpt, dtype=dtype, device=device), device
+    return tokenizer, int4.from_pretrained(ckpt, dtype=dtype, device=device), device  # GPT's, and int4
 
 
 def prompt_ids(tokenizer, model, prompt: str, which: str = "the prompt") -> tuple[list[int], str]:

@@ -52,8 +52,8 @@ def checked(path, what: str = "a regular file") -> Path:
         raise GPT2PortError(f"{path}: is a {found}, not a regular file; gpt2port does not open it")
     where = str(real(path)) + "/"
     if where.startswith(_SYSTEM):
-        raise GPT2PortError(f"{path}: a file of /{where.split('/')[1]} (its size says nothing of its content); "
-                            f"gpt2port does not read it")
+        raise GPT2PortError(f"{path}: a file of /{where.split('/')[1]} (its size cannot be known: it says nothing of "
+                            f"what reading yields); gpt2port does not read it")
     return path
 
 

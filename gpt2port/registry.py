@@ -43,6 +43,8 @@ REGISTRY = {t.name: t for t in (
            files=("gpt2_*.bin", "manifest.json")),
     Target("gguf", "gguf", FLOATS, encodings=GGUF_QUANTS, options=("output_tensor",), tanh_gelu=True,
            files=("model.gguf", "manifest.json")),
+    Target("onnx", "onnx", ("fp32", "fp16"), layout="gpt2port",
+           files=("model.onnx", "model.onnx.data", "config.json", "manifest.json", TOKENIZER)),
 )}
 
 # Outputs written by a command of their own, not by conversion (not --to choices): their layout (as their

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import re
 import struct
 from pathlib import Path
@@ -23,14 +24,22 @@ from scripts.fuzz_mutate import JSON_VALUES, MUTATORS
 ENGLISH = ("The river ran past the old mill and under the stone bridge before it reached the town. Children played "
            "on its banks in summer, and in winter the ice was thick enough to walk on. The miller kept a small boat "
            "tied to the post by the door, and every morning he rowed across to buy bread from the baker. ")
-PATTERN_KEYS = ["(a|aa)+$", "(.*a){20}", "h\\.0\\..*", "c_attn", "h.0.attn.c_attn", "transformer.h.1.mlp.c_fc", "",
-                "x" * 300]
+# Keys that are regular expressions (the first: ~35 s of backtracking on one GPT-2 module name in Python's re), then
+# module names.
+REGEX_KEYS = ["(.*)*!", "(a|aa)+$", "(.*a){20}", "h\\.0\\..*", ""]
+PATTERN_KEYS = [*REGEX_KEYS, "c_attn", "h.0.attn.c_attn", "transformer.h.1.mlp.c_fc", "x" * 300]
+PATTERN_VALUES = [3, 2, 2.5, 4, 0, "x", 1e309, None]  # the last four are no rank or alpha
+# Values every one of which must be refused (an adapter taken with it would compute something else, or nothing),
+# then values that may be taken.
 CONFIG_VALUES = {"r": [0, -1, 2.5, "4", True, 10 ** 30, None], "lora_alpha": [0, -8, "8", 1e309, None, True],
-                 "use_rslora": ["no", 1, None, [], True], "fan_in_fan_out": ["true", 1, False],
-                 "target_modules": [".*c_attn", "c_attn", [3], ["lm_head"], [], None],
-                 "layers_to_transform": [[0], [99], "0", [-1], 0, [True]], "layers_pattern": ["layers", "h", ["h"], 3],
-                 "bias": ["all", None, 3], "peft_type": ["IA3", None], "use_dora": [True, "false"],
-                 "exclude_modules": [".*", ["c_attn"]], "modules_to_save": [["lm_head"]], "lora_bias": [True]}
+                 "use_rslora": ["no", 1, []], "fan_in_fan_out": ["true", 1, False],
+                 "target_modules": [".*c_attn", [3], ["lm_head"]], "layers_to_transform": ["0", [-1], [True]],
+                 "layers_pattern": ["layers", 3], "bias": ["all", 3], "peft_type": ["IA3", None],
+                 "use_dora": [True, "false"], "exclude_modules": [".*"], "modules_to_save": [["lm_head"]],
+                 "lora_bias": [True]}
+BENIGN = {"use_rslora": [True, None], "layers_pattern": ["h", ["h"]], "target_modules": [None, ["c_attn", "c_fc"]],
+          "layers_to_transform": [None, []], "exclude_modules": [None, []]}
+EXPECT = "expect"  # a file in the case: "refused" when the mutation must be refused
 
 
 def _corpus(rng_seed: int = 0) -> list[str]:
@@ -133,8 +142,8 @@ class Adapter:
     @staticmethod
     def commands(case: Path, seed: Path) -> list[list]:
         base = seed.parent / "base" / "gpt2port"
-        return [["merge", base, case, "--out", case / "out-merged"],
-                ["export", case, "--to", "gguf", "--out", case / "out-gguf"]]
+        out = case.parent / f"{case.name}-out"  # beside the adapter: an output inside it is refused as such
+        return [["merge", base, case, "--out", out], ["export", case, "--to", "gguf", "--out", out]]
 
     @staticmethod
     def mutate(case: Path, rng: random.Random) -> tuple[str, str, str]:
@@ -144,13 +153,17 @@ class Adapter:
             cfg = json.loads(config.read_text())
             if kind == "pattern":
                 key = rng.choice(["rank_pattern", "alpha_pattern"])
-                cfg[key] = {rng.choice(PATTERN_KEYS): rng.choice([3, 0, 2.5, "x", 1e309, None, 4])}
-                what = f"{key} := {json.dumps(cfg[key])[:60]}"
+                k, v = rng.choice(PATTERN_KEYS), rng.choice(PATTERN_VALUES)
+                cfg[key] = {k: v}
+                hostile = k in REGEX_KEYS or v in (0, "x", 1e309, None) or (key == "rank_pattern" and v == 2.5)
             else:
                 key = rng.choice(list(CONFIG_VALUES))
-                cfg[key] = rng.choice(CONFIG_VALUES[key])
-                what = f"{key} := {json.dumps(cfg[key])[:60]}"
+                hostile = key not in BENIGN or rng.random() < 0.7
+                cfg[key] = rng.choice(CONFIG_VALUES[key] if hostile else BENIGN[key])
+            what = f"{key} := {json.dumps(cfg[key])[:60]}"
             config.write_text(json.dumps(cfg))  # 1e309 written as Infinity, as Python's json writes it
+            if hostile:
+                (case / EXPECT).write_text("refused")
             return config.name, kind, what
         if kind == "tensor":
             data = bytearray(weights.read_bytes())
@@ -165,6 +178,7 @@ class Adapter:
                 s2 = 8 + n + header[other]["data_offsets"][0]
                 data[s2 : s2 + 4] = struct.pack("<f", value)
             weights.write_bytes(bytes(data))
+            (case / EXPECT).write_text("refused")
             return weights.name, kind, f"{name}[0] := {value}"
         kinds = [k for k, (applies, _, _) in MUTATORS.items() if applies(weights)]
         k = rng.choices(kinds, [MUTATORS[k][2] for k in kinds])[0]
@@ -172,6 +186,9 @@ class Adapter:
 
     @staticmethod
     def judge(case: Path, result: dict, before: dict, after: dict) -> str | None:
-        if {k: v for k, v in after.items() if not k.startswith("out-")} != before:
+        shutil.rmtree(case.parent / f"{case.name}-out", ignore_errors=True)
+        if after != before:
             return "the adapter changed"
+        if result["rc"] == 0 and (case / EXPECT).is_file():
+            return "a hostile adapter was taken (exit 0)"
         return None

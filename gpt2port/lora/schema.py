@@ -138,9 +138,9 @@ def _patterns(cfg: dict, key: str, where, value) -> dict:
         raise GPT2PortError(f"{where}: {key} is {_shown(patterns)}; an object of module name -> value is needed")
     for k, v in patterns.items():
         if not _LITERAL.fullmatch(k):
-            raise GPT2PortError(f"{where}: {key} key {_shown(k)} is a regular expression; gpt2port matches module "
-                                f"names only (e.g. \"c_attn\" or \"transformer.h.3.attn.c_attn\"), never runs one "
-                                f"from a file")
+            raise GPT2PortError(f"{where}: {key} key {_shown(k)} is not a module name; gpt2port matches module "
+                                f"names only (e.g. \"c_attn\" or \"transformer.h.3.attn.c_attn\"), never runs a "
+                                f"regular expression from a file")
         value(v, f"{where}: {key}[{_shown(k)}]")
     return {k: (float(v) if value is _alpha else v) for k, v in patterns.items()}
 

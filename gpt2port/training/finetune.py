@@ -84,6 +84,18 @@ class Settings:
         return s
 
 
+def _what_may_help(s: Settings) -> str:
+    """The option to lower after a divergence: --lora-alpha when it makes the adapters' scaling large (peft's usual
+    alpha is 1 to 2 times the rank), else --lr."""
+    scaling = (s.lora_alpha or s.lora or 1) / (s.lora or 1)
+    if s.lora and scaling > LARGE_SCALING:
+        return f"--lora-alpha {s.lora_alpha:g} scales the adapters by {scaling:g}: a lower --lora-alpha may help"
+    return "a lower --lr may help"
+
+
+LARGE_SCALING = 16
+
+
 def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str | None = None, fsdp: bool = False,
              resume: bool = False, force: bool = False, compile: bool = False, quiet: bool = False,
              given: set[str] | None = None) -> Path:
@@ -173,7 +185,7 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
         progress.close()
         kept = f"the state saved at step {saved_at[-1]} is kept" if saved_at else "no training state was saved"
         raise GPT2PortError(f"{out}: training diverged at step {e.step} ({e.what}); nothing of it was written, "
-                            f"{kept} (a lower --lr may help)") from None
+                            f"{kept} ({_what_may_help(s)})") from None
     finally:
         log.close()
     progress.close()

@@ -14,9 +14,7 @@ and no natural text has a "word" that long. Only there can the tokens at the cut
 from __future__ import annotations
 
 import codecs
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Iterator
 
@@ -62,8 +60,6 @@ def documents(data: str | Path) -> list[Path]:
 
 
 MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "manifest.json")
-SPECIAL = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-           stat.S_IFSOCK: "a socket"}
 
 
 def _model_files(d: Path) -> list[str]:
@@ -76,15 +72,10 @@ def _model_files(d: Path) -> list[str]:
 
 
 def _kind(path: Path) -> bool:
-    """Whether the file has bytes (False: empty); refuses what is not a regular file, or is one whose size says
-    nothing (files of /proc and /sys report 0 or a page and hold something else), and a model's tokenizer file."""
+    """Whether the file has bytes (False: empty); refuses what the gate refuses (not a regular file, a file of /proc
+    or /sys, whose size says nothing), and a model's tokenizer file."""
+    inputs.checked(path, "a text file")
     st = path.stat()
-    if not stat.S_ISREG(st.st_mode):
-        what = SPECIAL.get(stat.S_IFMT(st.st_mode), "not a regular file")
-        raise GPT2PortError(f"{path}: {what}, not a text file; fine-tuning reads regular files")
-    real = os.path.realpath(path)
-    if real.startswith(("/proc/", "/sys/")):
-        raise GPT2PortError(f"{path}: a file of /{real.split('/')[1]} (its size cannot be known), not a text file")
     if path.name == "merges.txt" and (path.parent / "vocab.json").is_file():
         raise GPT2PortError(f"{path}: a model's tokenizer file (beside vocab.json), not text to fine-tune on")
     if st.st_size:

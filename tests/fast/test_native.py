@@ -187,7 +187,8 @@ def test_a_compiler_that_fails(tmp_path):
     cc.chmod(0o755)
     lib, why = native.load(tmp_path / "cache", str(cc))
     assert lib is None
-    assert why.startswith(f"building matvec.c, attention.c with {cc} failed: -O3 -march=native -fopenmp: matvec.c:1:")
+    assert why.startswith(f"building matvec.c, attention.c, int4.c with {cc} failed: -O3 -march=native -fopenmp: "
+                          "matvec.c:1:")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.name != ".lock"]  # nothing half-built
 
 
@@ -264,15 +265,18 @@ def first_calls(env: dict) -> tuple[list[str], str]:
     return proc.stdout.splitlines(), proc.stderr
 
 
+OPERATORS = ("['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::dequantize_int4', 'gpt2port::matvec', "
+             "'gpt2port::matvec_int4'] True")
+
+
 @needs_kernel
 @needs_cxx
 def test_nothing_is_built_or_registered_until_asked_for(tmp_path):
     out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(native.cache_dir())})
-    assert out == ["[] False", "['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True",
-                   "True None"]
+    assert out == ["[] False", OPERATORS, "True None"]
     assert err == ""  # from the cache: no build, no message
     out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(tmp_path)})  # an empty cache: built, and said so once
-    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True", "True None"]
+    assert out[1:] == [OPERATORS, "True None"]
     assert err == native.BUILD_MESSAGE + "\n"
 
 
@@ -280,7 +284,7 @@ def test_nothing_is_built_or_registered_until_asked_for(tmp_path):
 def test_without_a_cpp_compiler_the_python_kernel_serves(tmp_path):
     why = "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)"
     out, _ = first_calls({"CXX": str(tmp_path / "no-such-compiler")})
-    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True", f"False {why}"]
+    assert out[1:] == [OPERATORS, f"False {why}"]
 
 
 def test_processes_building_at_once_build_once(tmp_path):
