@@ -24,7 +24,6 @@ from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
 EXPORT_CHOICE = click.Choice([*DTYPE_CHOICE.choices, *sorted({e for t in ENCODINGS.values() for e in t})])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
-GENERATE_CHOICE = click.Choice([*COMPUTE_CHOICE.choices, "int4"])  # int4: gpt2port.quant4 (dtypes.QUANTIZED)
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
 DONE = "gpt2port.done"  # the exit code, set in the context's meta once a command's work is done (_succeeded)
@@ -301,7 +300,7 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible (sample i uses seed + i).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
               help="Independent continuations of the prompt, one after the other.")
-@click.option("--dtype", type=GENERATE_CHOICE, default=None,
+@click.option("--dtype", type=click.Choice([*COMPUTE_CHOICE.choices, "int4"]), default=None,  # int4: quant4
               help="Compute dtype (default: the checkpoint's); int8, int4: matrices quantized at load, fast on CPU.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
