@@ -69,7 +69,7 @@ def _handle_errors(fn):
         except MemoryError:
             if debug:
                 raise
-            from gpt2port.outfile import out_of_memory
+            from gpt2port.threads import out_of_memory
 
             click.echo(f"error: {out_of_memory(f'gpt2port {ctx.info_name}')}", err=True)
             sys.exit(EXIT_FAILURE)
