@@ -1,4 +1,5 @@
-"""sha256 of source files, computed beside the work that reads them.
+"""sha256 of source files, computed beside the work that reads them; and of outputs as they are written
+(StreamHash, for records.py).
 
 A conversion records every source file's sha256 in its manifest. For a large checkpoint that is as much CPU time
 as any other part of a conversion, so it must not sit on its path.

@@ -2,23 +2,24 @@
 
 A directory is gpt2port's only if every entry in it, at every depth, is something a gpt2port writer makes, of the
 kind it makes (a regular file where gpt2port writes a file, a directory where it writes one; never a link, FIFO,
-socket or device), and is claimed by a mark that checks out against what it describes:
+socket or device), and is claimed by a mark that checks out against what it describes, by content (records.py):
 
-- manifest.json ("tool": "gpt2port") claims itself and the files it lists, each under a name its layout's target
-  writes (registry.REGISTRY) and at the size it records;
-- a checkpoint's config.json ("format": "gpt2port") claims itself, the tokenizer files, and the weights when no
-  manifest records them;
-- a fine-tuning run's tokens/meta.json claims tokens/ when train.bin and val.bin have the sizes its counts and dtype
-  give; train_state/meta.json claims the state when there is an rng file for every rank of its world and DCP's
-  .metadata; either makes the directory a run, which claims the run's own files (log, chart, state being saved,
-  the checkpoint being moved in);
-- an export written before exports had a manifest: an hf config.json gpt2port wrote ("dtype", no
-  "transformers_version"), a GGUF gpt2port named "GPT-2";
+- a sealed record claims the files it lists, each under a name its output's writer gives it, only while its content
+  is what was recorded: manifest.json ("tool": "gpt2port"; a checkpoint's or an export's files, a run's adapter/),
+  a run's tokens/meta.json (train.bin, val.bin), a run's train_log.record.json (its log and chart);
+- a fine-tuning run's train_state/meta.json claims the state (torch's DCP files) when there is an rng file for every
+  rank of its world and DCP's .metadata; a record or a state makes the directory a run, which claims the run's own
+  directories (the state being saved, the checkpoint being moved in);
 - a build directory (.NAME.partial-PID) carries the stage mark written first into it, naming it; a checkpoint moved
   aside (.NAME.replaced-PID) is checked as any output.
 
-Entries are looked at with lstat only: nothing is followed and nothing is opened but the small JSON marks and a
-GGUF's first 4 KB, and those only once lstat says they are regular files (a FIFO is never opened).
+The marks of versions that recorded no fingerprints (a manifest of sizes, a checkpoint's config.json, a token
+cache's counts, an hf config.json or a GGUF of gpt2port's without a manifest) claim nothing here: check_replaceable
+names such an output as an earlier version's, and accepts it only where asked (finetune --resume).
+
+Entries are looked at with lstat only: nothing is followed and nothing is opened but the small JSON marks, a GGUF's
+first 4 KB and files whose identity moved since they were recorded, and those only once lstat says they are
+regular files (a FIFO is never opened).
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ def _claim_earlier(d: Path, rel: str, entries, manifest: dict, claims, problems)
             else:
                 problems[name] = f"{rel}{name} ({actual:,} bytes; {MANIFEST} records {size:,})"
         run = _finetuned(manifest)
-    if config.get("format") == "gpt2port":  # a checkpoint (its tokenizer files are listed nowhere: claimed by name)
-        checkpoint = True
+    if config.get("format") == "gpt2port" and listed is not None:  # a checkpoint (every version wrote a manifest;
+        checkpoint = True  # the tokenizer files are listed nowhere: claimed by name)
         claims[CONFIG] = None
         if listed is None or WEIGHTS not in listed:
             claims[WEIGHTS] = None
