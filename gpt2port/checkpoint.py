@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from gpt2port.config import ConfigError, GPTConfig, canonical_name, is_known_name, read_json
+from gpt2port.config import ALIASES, ConfigError, GPTConfig, canonical_name, is_known_name, read_json
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
-from gpt2port.errors import GPT2PortError
+from gpt2port.errors import GPT2PortError, did_you_mean
 from gpt2port.filekind import real
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
@@ -72,7 +72,16 @@ def resolve(ckpt: str | Path) -> Path:
         under_root = root() / path.name
         if under_root.is_dir():
             return resolve(under_root)
-    raise GPT2PortError(f"{path}: no such checkpoint directory ({_listing()})")
+    raise GPT2PortError(f"{path}: no such checkpoint directory{_near(str(ckpt))} ({_listing()})")
+
+
+def _near(name: str) -> str:
+    """A suggestion for a mistyped NAME: a known model name, or a checkpoint under the checkpoints folder."""
+    try:
+        here = [p.name for p in root().iterdir() if is_checkpoint(p)]
+    except OSError:
+        here = []
+    return did_you_mean(name, [*ALIASES, *here])
 
 
 def _listing() -> str:

@@ -16,7 +16,9 @@ import click
 from gpt2port.targets import ENCODINGS, TARGETS
 from gpt2port.errors import GPT2PortError, one_line
 from gpt2port.evaluation.options import eval_options
+from gpt2port.generate_options import generate_options, run as run_generate
 from gpt2port.lora import commands as lora
+from gpt2port.usage import OneLineUsageGroup
 from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
@@ -83,7 +85,7 @@ def _handle_errors(fn):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineUsageGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.version_option(package_name="gpt2port")
 def main(debug: bool) -> None:
@@ -287,7 +289,7 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
 
 @main.command()
 @click.argument("ckpt")
-@click.argument("prompt")
+@click.argument("prompt", required=False)
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=0), default=100, show_default=True,
               help="Stop after this many new tokens (or at <|endoftext|>).")
 @click.option("--temperature", "-t", type=click.FloatRange(min=0), default=1.0, show_default=True,
@@ -307,21 +309,20 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
                    "fewer (even 1) can be several times faster.")
 @click.option("--verbose", "-v", is_flag=True, help="Also measure the memory bandwidth and say how close decoding "
                                                     "came to the rate it allows.")
+@generate_options
 @_handle_errors
 def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device, threads,
-             verbose):
-    """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin.
+             verbose, **more):
+    """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin (without its
+    trailing newline); --prompts FILE continues many, batched, as JSON lines.
 
     The prompt is echoed, then each sample's continuation; the prefill and decode rates go to stderr. The model sees
     at most its context (1024 tokens): a longer prompt keeps its end (only that is echoed), and a longer generation
     slides its window.
     """
-    from gpt2port.generate import Options
-    from gpt2port.generate_command import run_generate
-
-    options = Options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      threads=threads)
-    run_generate(ckpt, sys.stdin.read() if prompt == "-" else prompt, options, num_samples, dtype, device, verbose)
+    fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  threads=threads)
+    run_generate(ckpt, prompt, fields, num_samples, dtype, device, verbose, **more)
 
 
 @main.command("eval")

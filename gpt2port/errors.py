@@ -5,6 +5,15 @@ class GPT2PortError(Exception):
     """A user-facing failure. The message names the file, key or repo at fault and the cause."""
 
 
+def did_you_mean(name: str, choices) -> str:
+    """'; did you mean 'X'?' for the choice closest to a mistyped name (case aside), or '' when none is close."""
+    import difflib
+
+    folded = {str(c).lower(): str(c) for c in choices}
+    close = difflib.get_close_matches(name.lower(), list(folded), n=1, cutoff=0.75)
+    return f"; did you mean {folded[close[0]]!r}?" if close and folded[close[0]] != name else ""
+
+
 def one_line(e: BaseException) -> str:
     """Any failure as the one line the CLI prints: an OSError with the paths it names, a message of several lines
     folded onto one."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -217,17 +218,38 @@ def _mergeable_ranks(vocab: dict[str, int], merges: list[tuple[str, str]], where
 class StreamDecoder:
     """Turns tokens into text as they arrive. A character may span tokens (most emoji and CJK take two or three), so
     bytes are decoded incrementally: an incomplete UTF-8 sequence waits for its next token instead of printing as
-    U+FFFD. Invalid bytes (a model can emit any) become U+FFFD, as in HF's decode(errors="replace")."""
+    U+FFFD. Invalid bytes (a model can emit any) become U+FFFD, as in HF's decode(errors="replace").
 
-    def __init__(self, encoding: tiktoken.Encoding):
+    stop: strings the text ends before (HF's stop_strings). Text that may be the start of one is held back until
+    the next tokens tell; once one appears, `stopped` is set and nothing more comes out."""
+
+    def __init__(self, encoding: tiktoken.Encoding, stop: Sequence[str] = ()):
         self.encoding = encoding
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stop = [s for s in stop if s]
+        self.stopped = False
+        self._held = ""
 
     def push(self, tokens) -> str:
-        return self._utf8.decode(b"".join(self.encoding.decode_single_token_bytes(int(t)) for t in tokens))
+        text = self._utf8.decode(b"".join(self.encoding.decode_single_token_bytes(int(t)) for t in tokens))
+        return self._until_stop(text) if self.stop else text
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
+        text = self._until_stop(self._utf8.decode(b"", final=True))
+        held, self._held = self._held, ""
+        return text + held
+
+    def _until_stop(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        text = self._held + text
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.stopped, self._held = True, ""
+            return text[:min(found)]
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._held = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold]
 
 
 # --- GPT-2's files from a bare list of token bytes (llm.c's tokenizer file) ------------------------------------

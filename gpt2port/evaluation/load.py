@@ -24,8 +24,8 @@ from gpt2port.model import GPT
 
 # The products of many rows on the kernel generation's prefill uses (oneDNN for fp32 on the CPU: on this project's
 # CPUs it runs ~15% faster than F.linear's MKL, the same products to float rounding); no one-row kernel to build,
-# no trace (evaluation runs no decode steps).
-PRODUCTS = Settings(native=False, attend_one=False, trace=False, cuda_graph=False)
+# no capture (evaluation runs no decode steps).
+PRODUCTS = Settings(native=False, attend_one=False, cuda_graph=False)
 
 
 @dataclass

@@ -13,8 +13,7 @@ What is here, one module per concern:
                ones that skip F.dropout out of training.
 - cache.py     the KV cache generation hands the model: one new token's attention on gpt2port's kernel where it
                computes what model.KVCache.attend does.
-- graph.py     the decode step: the model's own forward, traced on the CPU (one row), on a GPU optionally
-               recorded as a CUDA graph.
+- graph.py     the decode step: the model's own forward, on a GPU optionally recorded as a CUDA graph.
 - speed.py     the memory-bandwidth floor that decode rates are compared with.
 - doctor.py    `gpt2port doctor`: builds the kernels and says what generation will run on.
 

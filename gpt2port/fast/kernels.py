@@ -89,8 +89,6 @@ class FastLinear(nn.Linear):
             kind = self.rows
         if kind == ONEDNN and torch.compiler.is_compiling():  # a private op the compiler cannot trace
             return F.linear(x, weight, bias)
-        if kind == ONEDNN and torch.jit.is_tracing():  # nor the tracer record (fast.graph.Traced says so)
-            raise RuntimeError("an fp32 product runs on oneDNN, whose arguments the tracer cannot record")
         return product(kind, x, weight, bias)
 
 

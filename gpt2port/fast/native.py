@@ -106,7 +106,7 @@ def _define_ops() -> None:
     _OPS = torch.library.Library("gpt2port", "DEF")
     _OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
     _OPS.define("attend_one(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int length, float? scale) -> Tensor")
-    # the position as a one-element tensor: what a traced forward replays with a new value each step
+    # the position as a one-element tensor: what a captured forward replays with a new value each step
     _OPS.define("attend_one.at(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor length, float? scale) -> Tensor")
     _OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(*x.shape[:-1], weight.size(0)), "Meta")
     for name in ("attend_one", "attend_one.at"):

@@ -22,7 +22,7 @@ from pathlib import Path
 from torch import nn
 
 from gpt2port.config import GPTConfig, is_known_name
-from gpt2port.errors import GPT2PortError
+from gpt2port.errors import GPT2PortError, did_you_mean
 
 # the names tutorials give GPT-2's config fields -> gpt2port's
 ALIASES = {
@@ -160,7 +160,8 @@ def load_factory(spec: str):
         sys.path.pop(0)
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise GPT2PortError(f"{file}: has no function or class {name!r}")
+        found = [k for k, v in vars(module).items() if callable(v) and not k.startswith("_")]
+        raise GPT2PortError(f"{file}: has no function or class {name!r}{did_you_mean(name, found)}")
     return factory
 
 
