@@ -108,7 +108,7 @@ def test_a_folder_with_a_copied_config_and_no_record_is_refused(tiny_ckpt, tmp_p
 
 # --- a run: its log, its tokens ----------------------------------------------------------------------------------
 
-def test_a_run_records_its_log_and_tokens(run_copy):
+def test_a_run_records_its_log_and_tokens(run_copy):  # noqa: F811
     mark = json.loads((run_copy / records.RUN_RECORD).read_text())
     log = mark["files"]["train_log.jsonl"]
     assert (log["size"], log["sha256"]) == ((run_copy / "train_log.jsonl").stat().st_size,

@@ -195,10 +195,11 @@ def _hint(lay: UserLayout) -> str:
 
 def _add_proof(ckpt: Path, saved: SaveReport) -> None:
     manifest = checkpoint.read_manifest(ckpt)
+    files = records.files_of(manifest)  # the checkpoint's files are as written: their record stays, sealed anew
     entry = manifest["saves"][-1] if manifest.get("saves") else manifest.setdefault("source", {})
     entry["proof"] = {"max_rel": saved.max_rel, "tokens": saved.tokens, "text": saved.proven}
     entry["notes"] = list(saved.notes)
-    write_mark(ckpt / checkpoint.MANIFEST, manifest, records.files_of(manifest))  # the same files, sealed anew
+    write_mark(ckpt / checkpoint.MANIFEST, manifest, files)
 
 
 def _given(config) -> tuple[GPTConfig | None, dict]:
