@@ -17,9 +17,10 @@ from typing import Callable
 
 import torch
 
-from gpt2port.config import ALIASES, ConfigError, GPTConfig, canonical_name, is_known_name, read_json
+from gpt2port.config import ALIASES, ConfigError, GPTConfig, canonical_name, is_known_name
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError, did_you_mean
+from gpt2port.inputs import read_json
 from gpt2port.filekind import real
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors

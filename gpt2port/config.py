@@ -8,11 +8,9 @@ import numbers
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from gpt2port import jsonio
 from gpt2port.activations import TABLE
 from gpt2port.errors import GPT2PortError, did_you_mean
 
@@ -221,6 +219,3 @@ def canonical_name(name: str) -> str:
 def is_known_name(name: str) -> bool:
     return name.lower() in _ALIASES_FOLDED
 
-
-def read_json(path: Path) -> dict:
-    return jsonio.read(path)

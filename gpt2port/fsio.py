@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gpt2port import jsonio, records
+from gpt2port import inputs, records
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import kind, real
 from gpt2port.ownership import MANIFEST, OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours
@@ -55,7 +55,7 @@ def copy_file(src: Path, dst: Path) -> None:
     """A small file (a tokenizer file) copied, flushed, and recorded by the hash of the bytes as they went out."""
     sha, size = hashlib.sha256(), 0
     try:
-        with open(src, "rb") as f, open(dst, "wb") as out:
+        with inputs.open_binary(src) as f, open(dst, "wb") as out:  # the source through the gate: no FIFO blocks
             while piece := f.read(1 << 20):
                 sha.update(piece)
                 out.write(piece)
@@ -124,7 +124,7 @@ def _check_recorded(stage: Path) -> None:
     """Every file of a finished output is in its manifest's record: a writer that went around fsio and outfile
     (and so left a file --force could never tell from a user's) fails here, before the output is put in place."""
     try:
-        files = records.files_of(jsonio.read(stage / MANIFEST)) or {}
+        files = records.files_of(inputs.read_json(stage / MANIFEST)) or {}
     except GPT2PortError:
         files = {}
     missing = records.unrecorded(stage, files, skip={STAGE_MARK, MANIFEST})
@@ -143,6 +143,43 @@ def scratch_directory(prefix: str) -> Path:
     stage, scratch = active
     scratch.append(Path(tempfile.mkdtemp(prefix=f".{prefix}", dir=stage)))
     return scratch[-1]
+
+
+TEMP_MARK = ".gpt2port-temp"  # written first into a temporary directory: names it, for the sweep of a killed run's
+
+
+def temp_directory(prefix: str) -> Path:
+    """A private directory $TMPDIR/PREFIX-PID-XXXX for work that is no output (eval's conversion of a Hugging Face
+    directory), marked; the ones a killed run of any command left there (its process gone) are swept first. Its
+    maker removes it."""
+    sweep_temp(prefix)
+    made = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-"))
+    write_file(made / TEMP_MARK, made.name.encode())
+    return made
+
+
+def sweep_temp(prefix: str) -> list[Path]:
+    """Remove $TMPDIR/PREFIX-PID-* directories of processes that are gone: only real directories of this user that
+    carry the mark naming them (a look-alike of someone else's stays)."""
+    removed = []
+    try:
+        entries = list(Path(tempfile.gettempdir()).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        pid = p.name[len(prefix) + 1:].split("-", 1)[0]
+        if not (p.name.startswith(f"{prefix}-") and pid.isdigit()) or _pid_alive(pid):
+            continue
+        try:
+            st, mark = p.lstat(), p / TEMP_MARK
+            ours = kind(p) == "directory" and st.st_uid == os.getuid() and kind(mark) == "file" and \
+                inputs.read_bytes(mark, len(p.name.encode()), "a temporary directory's mark") == p.name.encode()
+        except (OSError, GPT2PortError):
+            continue
+        if ours:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def make_stage(stage: Path) -> None:
@@ -260,7 +297,7 @@ def _pid_alive(pid: str) -> bool:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # a directory, for its fsync: nothing read
     try:
         os.fsync(fd)
     finally:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -121,6 +122,17 @@ def decode(model: GPT, prompts, max_new_tokens: int | None = None, options: Opti
         yield from _decode(model, prompts, options, fast, report, check_finite)
 
 
+THREADS_PER_CORE = 4  # --threads beyond this many per core is refused: more only wait for each other
+
+
+def check_threads(threads: int | None) -> None:
+    """A --threads the machine can start (OpenMP may die starting many more than the cores: a signal)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads is not None and threads > THREADS_PER_CORE * cores:
+        raise GPT2PortError(f"--threads {threads}: at most {THREADS_PER_CORE * cores} on this machine "
+                            f"({THREADS_PER_CORE} per core, {cores} cores); threads beyond the cores only wait")
+
+
 @contextlib.contextmanager
 def cpu_threads(n: int | None):
     """torch's intra-op threads set to n for the duration (None: unchanged). On a machine busy with other work, a
@@ -162,9 +174,10 @@ def _decode(model: GPT, prompts, options: Options, fast: Settings, report: list[
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=param.device)
         for i, row in enumerate(rows):
             seen[i, row] = True
-    # Room for exactly what this call can use: a short generation never allocates the whole context.
-    cache, attention = new_cache(model.config, B, min(n_ctx, tokens.size(1) + o.max_new_tokens), param.dtype,
-                                 param.device, pad, fast)
+    # Room for exactly what this call can use: a short generation never allocates the whole context. A compiled
+    # step is compiled for the cache's shape: there, the whole context, so that one compile serves every length.
+    length = n_ctx if fast.compile else min(n_ctx, tokens.size(1) + o.max_new_tokens)
+    cache, attention = new_cache(model.config, B, length, param.dtype, param.device, pad, fast)
     logits, _ = model(tokens, cache=cache, logits_to_keep=1)
     step_one = decode_step(model, cache, fast, attention)  # the model's forward, one new token per row
     try:

@@ -10,9 +10,8 @@ from pathlib import Path
 import click
 
 import gpt2port.generate as decoding
-from gpt2port import jsonio
+from gpt2port import inputs, jsonio
 from gpt2port.errors import GPT2PortError
-from gpt2port.filekind import refuse_special
 from gpt2port.generate import Options
 from gpt2port.generate_command import load, non_finite, prompt_ids
 from gpt2port.tokenizer import StreamDecoder
@@ -24,13 +23,10 @@ def read_prompts(path) -> list[str]:
     """The prompts of a file: one a line (blank lines skipped), or for a .jsonl file one object a line with a
     "prompt" string. Refusals name the file and the line."""
     path = Path(path)
-    refuse_special(path)
     try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise GPT2PortError(f"--prompts {path}: file not found") from None
-    except IsADirectoryError:
-        raise GPT2PortError(f"--prompts {path}: is a directory, expected a file of prompts") from None
+        text = inputs.read_bytes(path, inputs.LIMITS["prompts"], "a file of prompts").decode("utf-8")
+    except GPT2PortError as e:  # the gate's refusal, named as the option's
+        raise GPT2PortError(f"--prompts {e}") from None
     except UnicodeDecodeError as e:
         raise GPT2PortError(f"--prompts {path}: not UTF-8 (invalid byte at offset {e.start})") from None
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]

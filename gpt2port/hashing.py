@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
 from gpt2port.threads import start_thread
 
@@ -48,7 +49,7 @@ def hash_file(path: Path, progress: Callable[[int], object] = lambda n: None, gi
     sha256 = hashlib.sha256()
     blob = hashlib.sha1(b"blob %d\0" % size) if git else None
     done, buffer = 0, bytearray(HASH_CHUNK)  # one buffer for every chunk: a fresh one each read costs page faults
-    with open(path, "rb", buffering=0) as f:
+    with inputs.open_binary(path, buffering=0) as f:
         while n := f.readinto(buffer):
             if stop is not None and stop.is_set():
                 return "", None
@@ -129,7 +130,7 @@ class FileHash:
     def _run(self) -> None:
         try:
             buffer = memoryview(bytearray(HASH_CHUNK))  # inside: no memory for it is the caller's error too
-            with open(self.path, "rb", buffering=0) as f:
+            with inputs.open_binary(self.path, buffering=0) as f:
                 while self.pos < self.size and not self._stop.is_set():
                     waiting = self._fed and not self._last.is_set()
                     try:

@@ -312,3 +312,15 @@ class BackgroundFlusher:
             self.finish()
         except OSError:
             pass
+
+
+# What each command can be asked to hold less of, named in its out-of-memory line.
+LOWER = {"eval": "--batch-tokens (or use --dtype bf16)", "finetune": "--batch-size or --block-size",
+         "generate": "--max-new-tokens (or use --dtype int8)", "verify": "--tokens"}
+
+
+def out_of_memory_line(command: str) -> str:
+    """The one line for a command that ran out of memory: the command, the address-space limit if any, and the
+    option that asks for less."""
+    lower = f"; lower {LOWER[command]}" if command in LOWER else ""
+    return f"{out_of_memory(f'gpt2port {command}')}{lower}"

@@ -28,7 +28,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from gpt2port import jsonio
+from gpt2port import inputs, jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import real
 
@@ -54,12 +54,11 @@ def side_file_problem(path: Path) -> str | None:
     these files into its output, so a link named vocab.json that leads to a private file must not pass."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > SIDE_FILE_LIMIT:
-            return f"{size} bytes, more than any tokenizer file"
-        raw = path.read_bytes()
+        raw = inputs.read_bytes(path, SIDE_FILE_LIMIT, "a tokenizer file")
     except OSError as e:
         return e.strerror or str(e)
+    except GPT2PortError as e:  # its message names the path first: the reason is what follows
+        return str(e).removeprefix(f"{path}: ")
     if path.name in (VOCAB_MERGES[0][1], VOCAB_MERGES[1][1]):  # merges.txt, vocab.bpe
         try:
             lines = raw.decode("utf-8").split("\n")
@@ -69,8 +68,8 @@ def side_file_problem(path: Path) -> str | None:
         bad = next((n for n, line in enumerate(pairs) if len(line.split(" ")) != 2), None)
         return None if pairs and bad is None else "not a '#version' line and 'left right' merge pairs"
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
+        data = jsonio.loads(raw, path)
+    except GPT2PortError:
         return "not JSON"
     if path.name in (VOCAB_MERGES[0][0], VOCAB_MERGES[1][0]):  # vocab.json, encoder.json: token -> id
         ok = isinstance(data, dict) and len(data) >= 256 and all(
@@ -155,13 +154,13 @@ def write_bpe_files(directory: Path, tokens: list[str], merges: list[tuple[str, 
 
 
 def _read_json(path: Path):
-    return jsonio.read(path)
+    return inputs.read_json(path)
 
 
 def _read_merges(path: Path) -> list[tuple[str, str]]:
     """merges.txt / vocab.bpe: a '#version' header, then one 'left right' pair per line, highest priority first."""
     merges = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+    for n, line in enumerate(inputs.read_text(path, SIDE_FILE_LIMIT, "a merges file").split("\n"), start=1):
         if not line or line.startswith("#version"):
             continue
         pair = line.split(" ")

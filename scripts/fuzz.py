@@ -43,10 +43,12 @@ import time
 from pathlib import Path
 
 from scripts import ROOT, fuzz_state, hostile_files
+from scripts.fuzz_inputs import Adapter, EvalData
 from scripts.fuzz_mutate import MUTATORS
 
 GB = 1 << 30
-GENERATORS = {fuzz_state.NAME: fuzz_state}  # formats that bring their own seed, mutations, commands and judge
+# formats that bring their own seed, mutations, commands and judge
+GENERATORS = {fuzz_state.NAME: fuzz_state, EvalData.NAME: EvalData, Adapter.NAME: Adapter}
 
 
 # --- the worker: one process with gpt2port imported, forking a child per command ---------------------------------

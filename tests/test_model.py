@@ -137,35 +137,22 @@ def test_logits_to_keep_computes_those_positions_logits():
         torch.testing.assert_close(model(idx, logits_to_keep=at)[0], full[torch.arange(3)[:, None], at])
 
 
-class _Step(nn.Module):
-    """GPT.forward over a PastKV given as flat tensors, returning the logits and the grown cache: what torch.export
-    (and the ONNX export, gpt2port/targets/onnx.py) captures."""
-
-    def __init__(self, model: GPT):
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx, attention_mask, position_ids, *past):
-        cache = PastKV(list(past[0::2]), list(past[1::2]), attention_mask.bool())
-        logits, _ = self.model(idx, cache=cache, pos=position_ids)
-        return (logits, *[t for kv in zip(cache.k, cache.v) for t in kv])
-
-
 def test_torch_export_takes_the_forward_with_the_cache_as_tensors():
     """torch.export captures GPT.forward with a PastKV, sequence and cache lengths dynamic; the one program then
     prefills from an empty cache and decodes token by token with the cache it returned, left padding included, and
     gives the logits of the plain forward over the whole sequence (realistic-scale weights, an odd shape)."""
+    from gpt2port.targets.onnx import Step  # GPT.forward over a PastKV of flat tensors, returning the grown cache
     from tests.realistic import make_realistic_
 
     config = GPTConfig(n_layer=3, n_head=3, n_embd=24, vocab_size=67, n_positions=40)
     model = make_realistic_(GPT(config), seed=5).eval()
     batch, seq, past = (torch.export.Dim(n) for n in ("batch", "seq", "past"))
-    dims = {"idx": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: torch.export.Dim("total")},
+    dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: torch.export.Dim("total")},
             "position_ids": {0: batch, 1: seq}, "past": ({0: batch, 2: past},) * (2 * config.n_layer)}
     example = PastKV([torch.randn(2, 3, 4, 8) for _ in range(3)], [torch.randn(2, 3, 4, 8) for _ in range(3)])
     ids = torch.randint(0, 67, (2, 5))
     with torch.no_grad():
-        program = torch.export.export(_Step(model), (ids, torch.ones(2, 9, dtype=torch.long),
+        program = torch.export.export(Step(model), (ids, torch.ones(2, 9, dtype=torch.long),
                                                      torch.arange(4, 9).expand(2, 5),
                                                      *[t for kv in zip(example.k, example.v) for t in kv]),
                                       dynamic_shapes=dims).module()

@@ -1,23 +1,33 @@
-"""The decode step: the model's own forward for one new token per row, called as it is, or on a GPU recorded as a
-CUDA graph and replayed per token. Nothing here computes any of the model: a graph is the forward, recorded.
+"""The decode step: the model's own forward for one new token per row, called as it is, compiled by torch.compile
+on the CPU (opt-in), or on a GPU recorded as a CUDA graph. Nothing here computes any of the model: a compiled step
+and a graph are the forward, captured.
 
-On the CPU a step is the forward called from Python, on the kernels gpt2port.fast swapped in (layers and the cache's
-attention). It was traced with TorchScript's tracer and replayed without that Python; TorchScript is deprecated, and
-PyTorch's private graph passes it needed are no supported API, so nothing here uses either (docs/performance.md
-gives what that cost).
+On the CPU a step is, by default, the forward called from Python, on the kernels gpt2port.fast swapped in (layers
+and the cache's attention): ~140 module calls a token. It was traced with TorchScript's tracer and replayed without
+that Python; TorchScript is deprecated, and the private graph passes it needed are no supported API, so nothing
+here uses either. The supported capture is torch.compile (Inductor, with its C++ wrapper on the CPU), `Compiled`:
+the same forward, its one-row products and attention still gpt2port's operators, the rest compiled to C++. Its
+first compile of a model shape takes about a minute on 2 cores (seconds once Inductor's cache on disk has it), so
+it is asked for, not the default: Settings(compile=True) or GPT2PORT_COMPILE=1 (docs/performance.md).
 
 Why a graph on a GPU: a step is a few hundred small kernels each launched from Python, bound by launches rather than
-by memory; a graph records them once and replays them with one launch. What it records is the forward's static-shape
-form: GPT.forward with the position a (1,) tensor (KVCache.attend writes at it by index_copy_ and reads over every
-slot of the cache, masked). Before the graph is trusted, its first replay is checked against the forward called as
-it is, at the same position; where they differ, or the forward cannot be recorded, decoding goes on without it and
-says why (`generate -v`).
-"""
+by memory; a graph records them once and replays them with one launch.
 
+Both captures take the forward's static-shape form: GPT.forward with the position a (1,) tensor, which the cache's
+attention reads when it runs (gpt2port's kernel on the CPU; on a GPU, KVCache.attend writes at it by index_copy_
+and reads over every slot of the cache, masked). Before a capture is trusted, its first steps are checked against
+the forward called as it is, at the same positions (a compiled step at two, so that a position read in Python and
+frozen shows); where they differ, or the forward cannot be captured, decoding goes on without it and says why
+(`generate -v`).
+"""
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 
+from gpt2port.fast.cache import KernelCache
 from gpt2port.fast.settings import Settings
 from gpt2port.model import KVCache
 
@@ -88,19 +98,86 @@ class Graphed(Forward):
         self.graph = graph
 
 
+COMPILE_CHECKS = 2  # positions at which a compiled step is checked: one that froze the position agrees at the first
+
+
+def _step(model, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return model(ids, cache=cache, pos=pos, logits_to_keep=1)[0]  # what is compiled: the forward, as it is
+
+
+@functools.cache
+def _compiled_step():
+    """_step under torch.compile, made once a process: dynamo keeps what it compiled for each model and cache shape
+    it met (guarded, so a changed model is compiled again), Inductor's cache on disk what it built (TORCHINDUCTOR_
+    CACHE_DIR, else a directory under the system's temp directory), so that a later process builds nothing."""
+    return torch.compile(_step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+
+class Compiled(Forward):
+    """The same forward compiled by torch.compile on its first call (one unpadded row on the CPU), checked against
+    the forward as it is at its first COMPILE_CHECKS steps, then run compiled."""
+
+    def __init__(self, model, cache: KVCache, attention: str = ""):
+        super().__init__(model, cache, "the model's forward, compiled by torch.compile (Inductor)", attention)
+        # the step's inputs, each a tensor of its own (generation's ids are a view of its tokens, whose strides grow:
+        # each new stride would be compiled anew)
+        self.ids, self.pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        self.unchecked, self.declined = COMPILE_CHECKS, False
+
+    def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.declined or torch.is_grad_enabled():
+            return super().__call__(ids, pos)
+        self.ids.copy_(ids)
+        self.pos.fill_(pos)
+        if not self.unchecked:
+            return _compiled_step()(self.model, self.cache, self.ids, self.pos)
+        # Checked: the compiled step from the cache as it is, then the slots it may have written put back (a wrong
+        # step may write anywhere up to pos; what lies past it is written before it is read) and the forward as it is
+        self.unchecked -= 1
+        written = self.cache.k[..., : pos + 1, :], self.cache.v[..., : pos + 1, :]
+        kept = [t.clone() for t in written]
+        try:
+            with warnings.catch_warnings():  # the compiler's notes are not for the user; a failure is said below
+                warnings.simplefilter("ignore")
+                got = _compiled_step()(self.model, self.cache, self.ids, self.pos)
+        except Exception as e:  # noqa: BLE001 - the compiler raises many kinds; each means: decode without it
+            got = None
+            self._decline(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        for t, old in zip(written, kept):
+            t.copy_(old)
+        eager = super().__call__(ids, pos)
+        # Inductor fuses and orders the arithmetic its own way: the same numbers to float rounding, which in bf16
+        # is coarse (a wrong position or weight moves logits by far more)
+        tolerance = 1e-3 if eager.dtype == torch.float32 else 3e-2
+        if got is not None and not torch.allclose(got.float(), eager.float(), rtol=tolerance,
+                                                  atol=tolerance * float(eager.abs().max())):
+            self._decline(f"its compiled forward disagreed with it at position {pos}")
+        return eager
+
+    def _decline(self, why: str) -> None:
+        self.declined, self.how = True, f"the model's forward (not compiled: {why[:300]})"
+
+
 def decode_step(model, cache: KVCache, settings: Settings, attention: str = "") -> Forward:
-    """How generation runs one token per row: the model's forward, recorded as a CUDA graph on a CUDA device when
-    settings.cuda_graph, where nothing forbids it. `.description` says which (and `attention`, what the cache said)."""
-    why = _why_not_captured(model, cache, settings.cuda_graph and cache.k.device.type == "cuda")
+    """How generation runs one token per row: the model's forward, compiled on the CPU for one unpadded row when
+    settings.compile, recorded as a CUDA graph on a CUDA device when settings.cuda_graph, where nothing forbids it.
+    `.description` says which (and `attention`, what the cache said)."""
+    on_cuda = cache.k.device.type == "cuda"
+    why = _why_not_captured(model, cache, settings.cuda_graph if on_cuda else settings.compile)
     if why is None:
-        return Graphed(model, cache, attention)
-    return Forward(model, cache, "the model's forward" + (f" (no CUDA graph: {why})" if why else ""), attention)
+        return Graphed(model, cache, attention) if on_cuda else Compiled(model, cache, attention)
+    kind = "CUDA graph" if on_cuda else "compile"
+    return Forward(model, cache, "the model's forward" + (f" (no {kind}: {why})" if why else ""), attention)
 
 
 def _why_not_captured(model, cache: KVCache, asked: bool) -> str | None:
     """None where the forward may be captured, "" where no capture was asked for, else why not."""
-    if not asked:
+    if not asked or cache.k.device.type not in ("cpu", "cuda"):
         return ""
+    if cache.k.device.type == "cpu" and not isinstance(cache, KernelCache):  # a batch, or the kernel declined
+        return "attention is not on gpt2port's kernel"
+    if cache.k.device.type == "cpu" and getattr(model, "quantized", None) == "int8":
+        return "int8's one-row products take fbgemm's packed weights, which torch.compile cannot take"
     if any(m.training for m in model.modules()):
         return "the model is in training mode"
     if hooked(model):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2port import jsonio, records
+from gpt2port import inputs, records
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import real
 from gpt2port.fsio import make_stage, missing_parents, remove_if_empty, sweep_leftovers, write_file, write_mark
@@ -67,13 +67,13 @@ def _fingerprint(tokenizer_dir: Path) -> str:
     for name in TOKENIZER_FILES:
         p = tokenizer_dir / name
         if p.is_file():
-            h.update(name.encode() + b"\0" + p.read_bytes())
+            h.update(name.encode() + b"\0" + inputs.read_bytes(p, inputs.LIMITS["tokenizer"], "a tokenizer file"))
     return h.hexdigest()
 
 
 def _read_meta(cache_dir: Path) -> dict | None:
     try:
-        return jsonio.read(cache_dir / "meta.json")
+        return inputs.read_json(cache_dir / "meta.json")
     except (OSError, GPT2PortError):
         return None
 
@@ -168,7 +168,7 @@ def _open(cache_dir: Path, meta: dict, vocab_size: int | None = None) -> TokenCa
                 raise GPT2PortError(f"{path}: {max(size, 0):,} bytes, but meta.json says {n:,} tokens of "
                                     f"{meta['dtype']} ({want:,} bytes): the token cache is damaged (remove "
                                     f"{cache_dir} to tokenize again)")
-        ids = np.memmap(path, dtype=meta["dtype"], mode="r", shape=(n,))
+        ids = np.memmap(inputs.checked(path), dtype=meta["dtype"], mode="r", shape=(n,))
         if vocab_size is not None:
             top = max((int(ids[i : i + SCAN].max()) for i in range(0, n, SCAN)), default=0)
             if top >= min(vocab_size, meta["vocab_size"]):

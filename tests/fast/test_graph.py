@@ -1,7 +1,9 @@
-"""The decode step (gpt2port/fast/graph.py): the model's forward, called as it is, or recorded as a CUDA graph. The
-graph records the forward's static-shape form (the position a tensor): that form is held to the forward with the
-position a number, logits and cache, for a batch with left padding; a graph's recording needs a CUDA device (those
-tests skip without one; scripts/gpu_check.sh runs them)."""
+"""The decode step (gpt2port/fast/graph.py): the model's forward, called as it is, compiled by torch.compile on the
+CPU (opt-in), or recorded as a CUDA graph. Both captures take the forward's static-shape form (the position a
+tensor): that form is held to the forward with the position a number, logits and cache, for a batch with left
+padding; the compiled step is held to the forward token by token, and one that cannot be compiled or is not asked
+for says why; a graph's recording needs a CUDA device (those tests skip without one; scripts/gpu_check.sh runs
+them)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from gpt2port import GPT, GPTConfig
 from gpt2port.fast import OFF, Settings, decode_step
+from gpt2port.fast.cache import new_cache
 from gpt2port.generate import _left_pad, generate
 from gpt2port.model import KVCache
 from tests.realistic import make_realistic_
@@ -69,6 +72,79 @@ def test_on_the_cpu_one_row_generates_what_the_forward_does(dtype, tmp_path, nat
     kernel = "gpt2port's kernel" if native_kernels.attend_one else "SDPA ("
     assert report[-1].startswith(f"the model's forward; attention on {kernel}"), report
     assert got == generate(model, PROMPTS[:1], 30, temperature=0, stop_token=None, fast=OFF)
+
+
+COMPILED = "the model's forward, compiled by torch.compile (Inductor)"
+
+
+def compiled_generation(model, prompts, n: int, report: list) -> list[list[int]]:
+    return generate(model, prompts, n, temperature=0, stop_token=None, fast=Settings(compile=True), report=report)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.heavy)])
+def test_compiled_the_step_generates_what_the_forward_does(dtype, tmp_path, native_kernels):
+    """Settings(compile=True): the forward compiled by torch.compile on its first step, checked, then run compiled;
+    a later generation of another length runs what the first compiled (the cache is the whole context)."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    model = model_in(dtype, tmp_path)
+    for prompt, n in ((PROMPTS[0], 20), (PROMPTS[0][:2], 30)):
+        report = []
+        got = compiled_generation(model, [prompt], n, report)
+        assert report[-1].startswith(COMPILED), report
+        assert got == generate(model, [prompt], n, temperature=0, stop_token=None, fast=OFF)
+
+
+@pytest.mark.heavy  # a second compile
+def test_a_compiled_step_is_compiled_again_once_the_model_changed(native_kernels):
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    model = model_on()
+    compiled_generation(model, PROMPTS[:1], 4, [])
+    model.blocks[1].mlp.act = torch.tanh  # what the model computes changed after it was compiled
+    report = []
+    got = compiled_generation(model, PROMPTS[:1], 20, report)
+    assert report[-1].startswith(COMPILED), report
+    assert got == generate(model, PROMPTS[:1], 20, temperature=0, stop_token=None, fast=OFF)
+
+
+class FrozenPosition(GPT):
+    """A forward that reads its position's value in Python, which a compiled graph cannot hold."""
+
+    def embed(self, idx, pos=0, pad=None):
+        return super().embed(idx, int(pos) if isinstance(pos, torch.Tensor) else pos, pad)
+
+
+def test_a_forward_that_cannot_be_compiled_decodes_as_it_is_and_says_why(native_kernels):
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    model = make_realistic_(FrozenPosition(CONFIG), seed=0).eval()
+    report = []
+    got = compiled_generation(model, PROMPTS[:1], 12, report)
+    assert report[-1].startswith("the model's forward (not compiled: "), report
+    assert got == generate(model, PROMPTS[:1], 12, temperature=0, stop_token=None, fast=OFF)
+
+
+def test_compiling_declines_hooks_training_a_batch_and_int8_and_says_why(native_kernels, tmp_path):
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    model = model_on()
+    cache, attention = new_cache(CONFIG, 1, 20, torch.float32, "cpu", None, Settings())
+    hook = model.blocks[0].register_forward_hook(lambda *a: None)
+    try:
+        assert "no compile: it has forward hooks" in decode_step(model, cache, Settings(compile=True)).description
+    finally:
+        hook.remove()
+    assert "no compile: the model is in training mode" in \
+        decode_step(model.train(), cache, Settings(compile=True)).description
+    report = []
+    generate(model.eval(), PROMPTS, 3, temperature=0, fast=Settings(compile=True), report=report)
+    assert "(no compile: attention is not on gpt2port's kernel" in report[-1], report
+    model.save_pretrained(tmp_path / "ckpt")
+    int8 = GPT.from_pretrained(tmp_path / "ckpt", dtype="int8")
+    generate(int8, PROMPTS[:1], 3, temperature=0, fast=Settings(compile=True), report=report)
+    assert "(no compile: int8's one-row products take fbgemm's packed weights" in report[-1], report
+    assert decode_step(model, cache, Settings()).description == "the model's forward"  # not asked for
 
 
 @cuda
