@@ -24,6 +24,7 @@ import json
 import os
 from pathlib import Path
 
+from gpt2port import inputs
 from gpt2port.hashing import HASH_CHUNK, hash_file
 
 FORMAT = "gpt2port-records/1"
@@ -157,7 +158,7 @@ def _sha256(path: Path, st: os.stat_result) -> str:
 def _prefix(path: Path, n: int) -> tuple[str, bytes]:
     """(sha256 of the first n bytes, the bytes after them) of a small file (a log)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         left = n
         while left and (piece := f.read(min(left, HASH_CHUNK))):
             h.update(piece)
