@@ -121,8 +121,8 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     ckpt_dir = resolve(ckpt)
     config = read_config(ckpt_dir)
     refuse_overlap(out, ckpt_dir, "the checkpoint being fine-tuned")
-    if os.path.lexists(out) and (force or resume):  # only a run or checkpoint of ours, as it wrote it, is removed
-        check_replaceable(out, earlier=resume)  # or written over (before any of it is read); never through a link
+    if resume and os.path.lexists(out):  # only a run of ours, as it wrote it, is written into (before any of it is
+        check_replaceable(out, earlier=True)  # read); one an earlier version began continues
     s = (settings or Settings()).resolved(config.n_positions)
     saved = _check_out(out, resume, force, config)
     if saved is not None:
@@ -135,6 +135,8 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     files = tokens.documents(data)  # refuses bad data (one line) before anything is written
     if saved is None:  # a fresh run empties --out first: it must hold neither the data nor the checkpoint
         refuse_replacing_reads(out, [Path(data), *files, ckpt_dir, *ckpt_dir.iterdir()])
+    if not resume and os.path.lexists(out):  # --force (_check_out): only a run or checkpoint of ours, as it wrote
+        check_replaceable(out)  # it, is removed, every entry at every depth; never through a link (fsio)
     rt = dist.start(device, fsdp)
     try:
         return _run(ckpt_dir, config, data, out, s, rt, saved, compile, quiet)
