@@ -36,7 +36,7 @@ KEPT = ("steps", "batch_size", "block_size", "lr", "min_lr", "warmup", "weight_d
         "lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype")
 # absent from older saved states
 ADDED = ("lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype",
-         "checkpoint_activations")
+         "checkpoint_activations", "sample_every")
 
 
 class Interrupted(GPT2PortError):
@@ -59,9 +59,10 @@ class Settings:
     weight_decay: float = 0.1
     clip: float = 1.0
     grad_accum: int = 1
-    eval_every: int | None = None  # None: ten evaluations per run; 0: none
+    eval_every: int | None = None  # None: scaled to the run (default_eval_every); 0: none
     eval_windows: int = 32
     save_every: int | None = None  # None: with each evaluation
+    sample_every: int = 0  # steps between samples of the model's text printed (nanoGPT's); 0: none
     seed: int = 1337
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
     dropout: float = 0.0
@@ -79,9 +80,22 @@ class Settings:
         s.block_size = context if s.block_size is None else s.block_size
         s.min_lr = s.lr / 10 if s.min_lr is None else s.min_lr
         s.warmup = min(100, s.steps // 10) if s.warmup is None else s.warmup
-        s.eval_every = max(1, s.steps // 10) if s.eval_every is None else s.eval_every
+        s.eval_every = default_eval_every(s.steps, s.batch_size, s.eval_windows) if s.eval_every is None \
+            else s.eval_every
         s.save_every = s.eval_every if s.save_every is None else s.save_every
         return s
+
+
+EVAL_SHARE = 0.1  # of training's work, what the default evaluations may take between the first and the last
+
+
+def default_eval_every(steps: int, batch_size: int, eval_windows: int) -> int:
+    """Evaluations scaled to the run: always before the first step and after the last; between them at most 10
+    (every steps // 10, nanoGPT-like, on a long run), and only as many as keep them within EVAL_SHARE of the
+    training's work (a step's forward and backward: about 3 forward passes of its batch). A 6-step run of batch 8
+    with 32 held-out windows evaluates twice, not seven times."""
+    between = int(EVAL_SHARE * steps * 3 * batch_size / max(1, eval_windows))
+    return max(1, steps // max(1, min(10, between)))
 
 
 def _what_may_help(s: Settings) -> str:
@@ -168,6 +182,10 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
 
     progress = Progress(s.steps, start, quiet or not rt.main)
     trainer = Trainer(runner, optimizer, rt, plan, cache.train, cache.val, log, progress)
+    if s.sample_every:
+        from gpt2port.training.sample import sampler
+
+        trainer.sample = sampler(model, ckpt_dir, cache.val, s.seed, s.sample_every, progress)
 
     saved_at = [start] if saved is not None else []
 

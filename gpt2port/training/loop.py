@@ -120,6 +120,7 @@ class Trainer:
         per_rank = plan.batch_size // rt.world
         self.micro = per_rank // plan.grad_accum
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sample = None  # sample(done): called after every step (training/sample.py decides when it speaks)
 
     def _autocast(self):
         if self.plan.autocast is None:
@@ -211,6 +212,8 @@ class Trainer:
                 done = step + 1
                 if p.eval_every and (done % p.eval_every == 0 or done == p.steps):
                     self._eval_row(done)
+                if self.sample is not None:
+                    self.sample(done)
                 stopping = rt.any(bool(stop.caught))
                 saving = stopping or (p.save_every and done % p.save_every == 0)
                 if saving or done == p.steps:
