@@ -73,7 +73,6 @@ def _handle_errors(fn):
                 raise
             if isinstance(e, MemoryError) or allocation_failed(e):  # PyTorch's is a RuntimeError
                 from gpt2port.outfile import out_of_memory_line
-
                 click.echo(f"error: {out_of_memory_line(ctx.info_name)}", err=True)
                 sys.exit(EXIT_FAILURE)
             click.echo(f"error: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the "
@@ -186,7 +185,6 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
 
 def _dtype_label(dtype) -> str:
     from gpt2port.dtypes import label
-
     return label(dtype)
 
 
@@ -302,8 +300,8 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible (sample i uses seed + i).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
               help="Independent continuations of the prompt, one after the other.")
-@click.option("--dtype", type=COMPUTE_CHOICE, default=None,
-              help="Compute dtype (default: the checkpoint's); int8: matrices quantized at load, fast on CPU.")
+@click.option("--dtype", type=click.Choice([*COMPUTE_CHOICE.choices, "int4"]), default=None,  # int4: quant4
+              help="Compute dtype (default: the checkpoint's); int8, int4: matrices quantized at load, fast on CPU.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for decoding (default: torch's, one per core); on a machine busy with other work, "
@@ -312,8 +310,7 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
                                                     "came to the rate it allows.")
 @generate_options
 @_handle_errors
-def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device, threads,
-             verbose, **more):
+def generate(ckpt, prompt, num_samples, dtype, device, verbose, **settings):
     """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin (without its
     trailing newline); --prompts FILE continues many, batched, as JSON lines.
 
@@ -321,9 +318,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     at most its context (1024 tokens): a longer prompt keeps its end (only that is echoed), and a longer generation
     slides its window.
     """
-    fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                  threads=threads)
-    run_generate(ckpt, prompt, fields, num_samples, dtype, device, verbose, **more)
+    run_generate(ckpt, prompt, settings, num_samples, dtype, device, verbose)
 
 
 @main.command("eval")
@@ -365,9 +360,10 @@ def doctor():
 @click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient norm clipping (0: none).")
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="Micro-batches per optimizer step (each process's share of the batch split this many ways).")
-@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: 10 per "
-              "run; 0: none).")
+@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: scaled to "
+              "the run, at most 10 besides the first; 0: none).")
 @click.option("--eval-windows", type=int, default=32, show_default=True, help="Held-out windows per evaluation.")
+@click.option("--sample-every", type=int, default=0, help="Print a sample of the model's text every N steps.")
 @click.option("--save-every", type=int, default=None, help="Steps between training-state saves (default: with "
               "each evaluation).")
 @click.option("--seed", type=int, default=1337, show_default=True)
@@ -394,6 +390,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
 
     from gpt2port.devices import check_device
     from gpt2port.training.finetune import Interrupted, Settings, finetune as run_finetune
+    from gpt2port.training.report import wrote
 
     check_device(device)
     ctx = click.get_current_context()
@@ -411,7 +408,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
             sys.exit(EXIT_FAILURE)
         raise
     if os.environ.get("RANK", "0") == "0":
-        _succeeded(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.svg)")
+        _succeeded(wrote(result))
 
 
 lora.register(main, _handle_errors, _succeeded)

@@ -36,7 +36,7 @@ _READ_MODES = set("r")
 _WRITE_MODES = set("wax+")
 _LIBRARY = {"np.load", "np.fromfile", "np.memmap", "numpy.load", "numpy.fromfile", "numpy.memmap", "torch.load",
             "safe_open", "load_file", "safetensors.torch.load_file", "zipfile.ZipFile", "tarfile.open", "gzip.open",
-            "pickle.load", "json.load"}
+            "pickle.load", "json.load", "shutil.copyfile", "shutil.copy", "shutil.copy2"}
 _WRITING_FLAGS = {"O_WRONLY", "O_RDWR", "O_CREAT", "O_DIRECTORY"}
 
 

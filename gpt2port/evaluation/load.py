@@ -1,9 +1,10 @@
 """A model to evaluate, from anything gpt2port reads, and the one place that calls it.
 
-A gpt2port checkpoint (or a NAME) loads with GPT.from_pretrained as `generate` loads it. Any other source (a Hugging
-Face directory, an llm.c file, a GGUF file including q8_0, nanoGPT's ckpt.pt) is converted first, into a private
-temporary directory, by the same conversion `gpt2port convert` runs (with its checks), then loaded the same way; the
-directory is removed once the model is loaded (a mapped file outlives its name on POSIX systems).
+A gpt2port checkpoint (or a NAME) loads with GPT.from_pretrained (gpt2port.fast.int4's, which adds int4) as
+`generate` loads it. Any other source (a Hugging Face directory, an llm.c file, a GGUF file including q8_0, nanoGPT's
+ckpt.pt) is converted first, into a private temporary directory, by the same conversion `gpt2port convert` runs (with
+its checks), then loaded the same way; the directory is removed once the model is loaded (a mapped file outlives its
+name on POSIX systems).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 
 from gpt2port.checkpoint import CONFIG, CONFIG_FORMAT, is_checkpoint, load_tokenizer
 from gpt2port.devices import check_device
+from gpt2port.dtypes import QUANTIZED
 from gpt2port.errors import GPT2PortError
 from gpt2port.inputs import read_json
 from gpt2port.fast import Settings, accelerate
+from gpt2port.fast import int4
 from gpt2port.fsio import temp_directory
 from gpt2port.model import GPT
 
@@ -46,7 +49,7 @@ def logits(model: GPT, idx: torch.Tensor, cache=None, pos: int = 0, keep: int | 
 
 
 def pick_device(device: str | None, dtype: str | None) -> str:
-    device = device or ("cuda" if torch.cuda.is_available() and dtype != "int8" else "cpu")
+    device = device or ("cuda" if torch.cuda.is_available() and dtype not in QUANTIZED else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
     check_device(device)
@@ -60,7 +63,7 @@ def load(ckpt: str, dtype: str | None, device: str, role: str = "the model") -> 
 
     path = Path(ckpt)
     if _gpt2port(path) or not path.exists():  # a checkpoint directory, or a NAME under ./checkpoints
-        model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
+        model = int4.from_pretrained(ckpt, dtype=dtype, device=device)
         tokenizer, notes = load_tokenizer(model.checkpoint_dir), []
     else:
         from gpt2port.conversion import convert
@@ -68,7 +71,7 @@ def load(ckpt: str, dtype: str | None, device: str, role: str = "the model") -> 
         scratch = temp_directory("gpt2port-eval")  # a killed run's is swept by the next
         try:
             result = convert(path, scratch / "model")
-            model = GPT.from_pretrained(scratch / "model", dtype=dtype, device=device)
+            model = int4.from_pretrained(scratch / "model", dtype=dtype, device=device)
             tokenizer = load_tokenizer(scratch / "model")
             model.checkpoint_dir = None
             notes = [f"{ckpt}: converted for this run ({w})" for w in result.warnings]

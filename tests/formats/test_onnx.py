@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -28,25 +27,8 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def greedy(path, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """onnxruntime alone: prefill (B, T) `ids` (left-padded where mask is 0) from an empty cache, then `steps` greedy
-    tokens, one per call with the cache the call before returned. Returns (tokens (B, T + steps), logits of every
-    call, concatenated (B, T + steps - 1, V))."""
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    inputs = {i.name: i for i in session.get_inputs()}
-    past = [n for n in inputs if n.startswith("past_key_values.")]
-    _, heads, _, head_dim = inputs[past[0]].shape
-    dtype = np.float16 if inputs[past[0]].type == "tensor(float16)" else np.float32
-    feed = dict.fromkeys(past, np.zeros((ids.size(0), heads, 0, head_dim), dtype))
-    new, logits = ids, []
-    for _ in range(steps):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -new.size(1):]
-        feed.update(input_ids=new.numpy(), attention_mask=mask.numpy(), position_ids=positions.numpy())
-        out = session.run(None, feed)
-        feed.update(zip(past, out[1:]))
-        logits.append(torch.from_numpy(out[0]).float())
-        new = logits[-1][:, -1:].argmax(-1)
-        ids, mask = torch.cat((ids, new), 1), torch.cat((mask, torch.ones_like(new)), 1)
-    return ids, torch.cat(logits, 1)
+    """onnxruntime alone: prefill from an empty cache, then a greedy token per call with the cache it returned."""
+    return target.greedy(onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]), ids, mask, steps)
 
 
 def check_against_transformers(hf_dir, onnx_file, prompt_len: int, steps: int, tol: float, batch: bool = True):
@@ -190,3 +172,19 @@ def test_gpt2_124m_shape_in_onnxruntime_as_transformers(tmp_path, dtype, tol):
         with torch.no_grad():
             want = GPT2LMHeadModel.from_pretrained(hf_dir).eval()(tokens).logits[0, :-1]
         assert rel(logits[0], want) < tol
+
+
+def test_an_edit_to_model_py_is_in_the_next_export(tmp_path, tiny_ckpt, monkeypatch):
+    """The graph is the model's own forward: an MLP edited in model.py is what onnxruntime computes (and the proof,
+    which compares with that forward, still passes)."""
+    from gpt2port import GPT, model
+
+    monkeypatch.setattr(model.MLP, "forward", lambda self, x: 0.5 * self.proj(torch.tanh(self.fc(x))))
+    result = export(tiny_ckpt, tmp_path / "o", to="onnx")
+    assert result.proof["max_rel_error"] < 1e-5
+    ids = torch.tensor([[464, 3290, 318, 257]])
+    _, logits = greedy(tmp_path / "o" / target.FILE_NAME, ids, torch.ones_like(ids), 1)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, GPT.from_pretrained(tiny_ckpt)(ids)[0], rtol=1e-5, atol=1e-5)
+        monkeypatch.undo()
+        assert rel(logits, GPT.from_pretrained(tiny_ckpt)(ids)[0]) > 1e-2
