@@ -46,7 +46,7 @@ def proven_everywhere(narrow, model, tmp_path):
     judged = {s["stage"] for s in verdict.localization["stages"]}
     assert {"block 0 attention", "block 1 attention", "block 1 MLP", "final norm"} <= judged, judged
     assert not verdict.localization.get("unobserved"), verdict.localization["unobserved"]
-    object.__delattr__(model, "gpt2port_load")  # save_from reads the class afresh: head count given, activation measured
+    object.__delattr__(model, "gpt2port_load")  # save_from reads the class afresh: n_head given, activation measured
     out = gpt2port.save_from(model, tmp_path / "saved", config={"n_head": config.n_head})
     assert out.report.max_rel <= 1e-5 and PROOF in out.report.proven
 
