@@ -108,6 +108,22 @@ class ModelStages(Stages):
         mlp = self._part(layer, self.mods.mlp, self.mods.mlp_out, "MLP")
         return self._capture(lambda: self.calls.run(layer, x), mlp, {attn: _zeros})
 
+    def whole_block(self, layer, x):
+        """The block's output on x, run as the model runs it (for a block whose parts agree, but not the whole)."""
+        return self.calls.run(layer, x)
+
+    @property
+    def activation(self) -> str | None:
+        """Block 0's MLP activation as measured (activations.py's name; "unknown": none known; None: not
+        measured): the diagnosis never names an activation the class does not have."""
+        if not hasattr(self, "_activation"):
+            from gpt2port.userclass.activation import TOLERANCE, measure
+
+            errors = measure(self.model, self.layout)
+            best = min(errors, key=errors.get) if errors else None
+            self._activation = best if best is None or errors[best] <= TOLERANCE else "unknown"
+        return self._activation
+
     def final_norm(self, x):
         return self._sub(self.mods.final_norm)(x) if self.final_runs() else x
 
