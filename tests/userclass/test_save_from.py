@@ -193,13 +193,21 @@ def test_a_head_count_kept_as_a_shape_is_measured_with_the_mask_the_model_passes
         assert rel(hf(ids()).logits, model(ids())) < REL
 
 
+class ScaledGPT(MaskedGPT):
+    """Logits scaled after the head: every block measures as GPT-2's, the whole is not (block 0 is now run with the
+    mask the model passes, so a wrong n_head given is refused before anything is written)."""
+
+    def forward(self, idx):
+        return super().forward(idx) * 1.5
+
+
 def test_a_checkpoint_that_does_not_compute_the_class_is_removed(tmp_path, real_ckpt):
-    model = as_if_trained(MaskedGPT()).eval()
+    model = as_if_trained(ScaledGPT()).eval()
     dest = tmp_path / "out"
     gpt2port.export(real_ckpt, dest)  # a checkpoint already there, to be replaced only by one that is proven
     before = sorted((p.name, p.read_bytes()) for p in dest.iterdir())
     with pytest.raises(GPT2PortError, match=r"does not compute it: .* differs from the class by .*nothing was saved"):
-        gpt2port.save_from(model, dest, force=True, config={"n_head": 2, "activation": "gelu_new"})
+        gpt2port.save_from(model, dest, force=True, config={"n_head": 4, "activation": "gelu_new"})
     assert sorted((p.name, p.read_bytes()) for p in dest.iterdir()) == before
     assert leftovers(tmp_path) == []
 
