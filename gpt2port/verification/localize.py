@@ -46,8 +46,8 @@ class Localizer:
                 return [run(x.to(dt) if x.is_floating_point() else x) for x in xs]
         rerun = in_eval if module is not None and module.training else None
         if rerun is None:  # in eval mode: a forward that gives two answers to one input is its own finding
-            again = max_errors(list(zip(outs, in_eval() if module is not None else
-                                        [run(x.to(dt) if x.is_floating_point() else x) for x in xs])))[1]
+            again = _apart(outs, in_eval() if module is not None else
+                           [run(x.to(dt) if x.is_floating_point() else x) for x in xs])
             if again > self.tol / 10:
                 self.diagnosis = {"stage": part, "nondeterministic": again}
                 return
@@ -116,6 +116,15 @@ class Localizer:
             message += "; " + describe(self.diagnosis)
         out = {"first_divergence": message, "stages": self.stages, "stream": self.stream, "diagnosis": self.diagnosis}
         return {**out, "unobserved": self.unobserved} if self.unobserved else out  # only where a stage was not run
+
+
+def _apart(first: list[torch.Tensor], second: list[torch.Tensor]) -> float:
+    """How far two runs on the same inputs are apart (relative); NaN and inf where both have them count as equal."""
+    worst = 0.0
+    for a, b in zip(first, second):
+        a, b = (torch.nan_to_num(t.double(), nan=0.0, posinf=0.0, neginf=0.0) for t in (a, b))
+        worst = max(worst, ratio(float((a - b).abs().max()), absmax(b)))
+    return worst
 
 
 _PART_WORDS = {"embeddings": "embeddings differ", "attention": "attention output differs",

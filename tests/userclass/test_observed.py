@@ -88,3 +88,73 @@ def test_check_passes_them(narrow, tmp_path, factory):
     r = run_cli("check", f"{path}:{factory}", ckpt, "--tokens", "16", "--no-hf")
     assert r.exit_code == 0, r.output
     assert "PASS" in r.output and "Traceback" not in r.output and "internal error" not in r.output, r.output
+
+
+# --- names by role, the forward's signature --------------------------------------------------------------------------
+
+def test_the_books_einsum_attention_pairs_bias_q_with_w_query(narrow, tmp_path):
+    """Raw (d_in, d_out) W_query/W_key/W_value with bias_q/bias_k/bias_v: refused, "bias_q belongs to no weight",
+    with advice to rebuild with bias=True, which the class already has."""
+    proven_everywhere(narrow, build(narrow[2], "einsum"), tmp_path)
+
+
+def test_a_forward_that_requires_targets_is_called_with_the_next_tokens(narrow, tmp_path):
+    """forward(idx, targets): a TypeError from the class, reported as an internal error."""
+    proven_everywhere(narrow, build(narrow[2], "targets"), tmp_path)
+
+
+def test_a_forward_argument_that_cannot_be_known_is_refused_in_one_line(narrow):
+    class Tempered(observed.GPT):
+        def forward(self, idx, temperature):
+            return self.body(idx) / temperature
+
+    _, ckpt, config = narrow
+    model = Tempered(config.vocab_size, config.n_positions, config.n_layer, config.n_head, config.n_embd)
+    with pytest.raises(gpt2port.GPT2PortError) as err:
+        load_into(model, ckpt)
+    assert "Tempered.forward requires `temperature`" in str(err.value), err.value
+    assert len(str(err.value).splitlines()) <= 2, err.value
+
+
+def test_an_interleaved_qkv_is_refused_not_crashed(narrow):
+    """`(h three d)`: each head's q, k, v side by side in one projection; load_into ended in IndexError."""
+    _, ckpt, config = narrow
+    with pytest.raises(gpt2port.GPT2PortError, match="block 0: attention output differs"):
+        load_into(build(config, "einops", qkv="interleaved"), ckpt)
+
+
+# --- a diagnosis the class does not contradict ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("plant, stage, cause", [
+    ("normed_residual", "block 0: MLP output differs", "the residual added from the normed input"),
+    ("parallel", "block 0: block output differs", "attention and MLP in parallel"),
+    ("dropout", "block 0: attention output differs", "the forward is not deterministic in eval mode: "
+                                                     "two runs on one input differ"),
+])
+def test_a_misleading_diagnosis_is_replaced_by_the_cause(narrow, plant, stage, cause):
+    """Blamed on "ReLU instead of GELU" or "LayerNorm eps 1e-08" (the class has the tanh GELU and eps 1e-5), on
+    "logits differ", on "mask off by one"."""
+    hf, ckpt, config = narrow
+    model = build(config, "module", plant=plant)
+    with pytest.raises(gpt2port.GPT2PortError) as err:
+        load_into(model, ckpt)
+    message = str(err.value)
+    assert stage in message and cause in message, message
+    for wrong in ("ReLU", "LayerNorm eps", "mask off by one", "logits differ"):
+        assert wrong not in message, message
+    verdict = verify_model(model, hf, tokens=16, hf=False)
+    assert not verdict.passed and cause in verdict.localization["first_divergence"], verdict.to_text()
+
+
+def test_an_erf_gelu_computed_by_a_function_gets_the_erf_note_on_every_path(narrow, tmp_path):
+    """nn.TransformerEncoderLayer(activation='gelu'): refused with "no known mistake" instead of the erf note."""
+    hf, ckpt, config = narrow
+    model = build(config, "encoder", act="erf")
+    report = load_into(model, ckpt)
+    assert any("measures as the exact (erf) GELU" in n for n in report.notes), report.notes
+    assert "with the exact (erf) GELU" in report.proven and "tanh GELU they differ by" in report.proven
+    verdict = verify_model(model, hf, tokens=16, hf=False)
+    assert "the exact (erf) GELU, noted at load" in verdict.localization["first_divergence"], verdict.to_text()
+    object.__delattr__(model, "gpt2port_load")
+    out = gpt2port.save_from(model, tmp_path / "erf", config={"n_head": config.n_head})
+    assert any("the exact (erf) GELU" in n for n in out.report.notes), out.report.notes
