@@ -28,6 +28,7 @@ from gpt2port.version import __version__
 _EXPORTS = {
     "GPT": ("gpt2port.model", "GPT"),
     "KVCache": ("gpt2port.model", "KVCache"),
+    "PastKV": ("gpt2port.model", "PastKV"),
     "GPTConfig": ("gpt2port.config", "GPTConfig"),
     "GPT2PortError": ("gpt2port.errors", "GPT2PortError"),
     "FinetuneSettings": ("gpt2port.training.finetune", "Settings"),

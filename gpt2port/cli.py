@@ -14,9 +14,11 @@ import sys
 import click
 
 from gpt2port.targets import ENCODINGS, TARGETS
-from gpt2port.errors import GPT2PortError, one_line
+from gpt2port.errors import GPT2PortError, allocation_failed, one_line
 from gpt2port.evaluation.options import eval_options
+from gpt2port.generate_options import generate_options, run as run_generate
 from gpt2port.lora import commands as lora
+from gpt2port.usage import OneLineUsageGroup
 from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, program_start, sigterm_as_interrupt
 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
@@ -66,16 +68,13 @@ def _handle_errors(fn):
             what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             click.echo(f"error: {what}; no partial output was left", err=True)
             sys.exit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED)
-        except MemoryError:
-            if debug:
-                raise
-            from gpt2port.outfile import out_of_memory
-
-            click.echo(f"error: {out_of_memory(f'gpt2port {ctx.info_name}')}", err=True)
-            sys.exit(EXIT_FAILURE)
         except Exception as e:  # the last line of defence of the one-line promise
             if debug:
                 raise
+            if isinstance(e, MemoryError) or allocation_failed(e):  # PyTorch's is a RuntimeError
+                from gpt2port.outfile import out_of_memory_line
+                click.echo(f"error: {out_of_memory_line(ctx.info_name)}", err=True)
+                sys.exit(EXIT_FAILURE)
             click.echo(f"error: internal error: {type(e).__name__}: {one_line(e)} (run with --debug for the "
                        f"traceback, and please report it)", err=True)
             sys.exit(EXIT_FAILURE)
@@ -83,7 +82,7 @@ def _handle_errors(fn):
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineUsageGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
 @click.version_option(package_name="gpt2port")
 def main(debug: bool) -> None:
@@ -149,10 +148,11 @@ def info(ckpt, as_json):
 @click.argument("ckpt")
 @click.option("--out", required=True, type=click.Path(path_type=str), help="Output directory.")
 @click.option("--to", "to", type=click.Choice(list(TARGETS)), default="gpt2port", show_default=True,
-              help="Layout: gpt2port's own, Hugging Face's (loads with GPT2LMHeadModel.from_pretrained), "
-                   "llm.c's (gpt2_124M.bin + gpt2_tokenizer.bin; fp32 or bf16), or llama.cpp's GGUF (model.gguf).")
+              help="Layout: gpt2port's own, Hugging Face's (GPT2LMHeadModel.from_pretrained), llm.c's (gpt2_124M.bin; "
+                   "fp32 or bf16), llama.cpp's GGUF (model.gguf) or ONNX with a KV cache (model.onnx; fp32 or fp16).")
 @click.option("--dtype", type=EXPORT_CHOICE, default=None,
-              help="Output dtype (default: the checkpoint's); q8_0 for --to gguf only.")
+              help="Output dtype (default: the checkpoint's); llama.cpp's q8_0, q6_k, q5_k_m, ... q4_0 for --to gguf "
+                   "only, byte for byte what its llama-quantize writes.")
 @click.option("--gguf-output-tensor", is_flag=True,
               help="GGUF: also write the tied head as output.weight (for llama.cpp builds that require it).")
 @click.option("--force", is_flag=True, help="Replace an existing directory at --out.")
@@ -161,8 +161,8 @@ def info(ckpt, as_json):
                    "gradient from gpt2port's model), what llm.c's test_gpt2 checks its C code against.")
 @_handle_errors
 def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
-    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files or llama.cpp's GGUF;
-    a LoRA adapter directory (peft's format): llama.cpp's adapter GGUF (--to gguf)."""
+    """Re-export a converted checkpoint: another dtype, the Hugging Face layout, llm.c's files, llama.cpp's GGUF or
+    ONNX; a LoRA adapter directory (peft's format): llama.cpp's adapter GGUF (--to gguf)."""
     from gpt2port.conversion import export as run_export
 
     if os.path.isfile(os.path.join(ckpt, "adapter_config.json")):
@@ -177,13 +177,14 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
                         options={k: v for k, v in options.items() if v} or None)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
+    for key, value in result.proof.items():  # what the target's own runtime computed from the output (--to onnx)
+        click.echo(f"proof: {key} {value:.1e}" if isinstance(value, float) else f"proof: {key} {value}")
     _succeeded(f"wrote {result.out} ({to} layout, {dtype or _dtype_label(result.dtype)}, "
                f"{result.bytes_written / 1e9:.2f} GB)")
 
 
 def _dtype_label(dtype) -> str:
     from gpt2port.dtypes import label
-
     return label(dtype)
 
 
@@ -229,8 +230,8 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
 @click.option("--no-hf", "no_hf", is_flag=True, help="Skip transformers; judge against the float64 reference alone.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout (schema gpt2port.verify/1).")
 @click.option("--grads", is_flag=True,
-              help="Also compare the loss and every parameter's gradient with transformers' "
-                   "(fp32, needs transformers).")
+              help="Also compare the loss and every parameter's gradient with transformers' (fp32); with "
+                   "--no-hf, with the float64 reference's own.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the verdict line.")
 @_handle_errors
 def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):
@@ -287,7 +288,7 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
 
 @main.command()
 @click.argument("ckpt")
-@click.argument("prompt")
+@click.argument("prompt", required=False)
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=0), default=100, show_default=True,
               help="Stop after this many new tokens (or at <|endoftext|>).")
 @click.option("--temperature", "-t", type=click.FloatRange(min=0), default=1.0, show_default=True,
@@ -299,29 +300,25 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible (sample i uses seed + i).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
               help="Independent continuations of the prompt, one after the other.")
-@click.option("--dtype", type=COMPUTE_CHOICE, default=None,
-              help="Compute dtype (default: the checkpoint's); int8: matrices quantized at load, fast on CPU.")
+@click.option("--dtype", type=click.Choice([*COMPUTE_CHOICE.choices, "int4"]), default=None,  # int4: quant4
+              help="Compute dtype (default: the checkpoint's); int8, int4: matrices quantized at load, fast on CPU.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads for decoding (default: torch's, one per core); on a machine busy with other work, "
                    "fewer (even 1) can be several times faster.")
 @click.option("--verbose", "-v", is_flag=True, help="Also measure the memory bandwidth and say how close decoding "
                                                     "came to the rate it allows.")
+@generate_options
 @_handle_errors
-def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device, threads,
-             verbose):
-    """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin.
+def generate(ckpt, prompt, num_samples, dtype, device, verbose, **settings):
+    """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin (without its
+    trailing newline); --prompts FILE continues many, batched, as JSON lines.
 
     The prompt is echoed, then each sample's continuation; the prefill and decode rates go to stderr. The model sees
     at most its context (1024 tokens): a longer prompt keeps its end (only that is echoed), and a longer generation
     slides its window.
     """
-    from gpt2port.generate import Options
-    from gpt2port.generate_command import run_generate
-
-    options = Options(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                      threads=threads)
-    run_generate(ckpt, sys.stdin.read() if prompt == "-" else prompt, options, num_samples, dtype, device, verbose)
+    run_generate(ckpt, prompt, settings, num_samples, dtype, device, verbose)
 
 
 @main.command("eval")
@@ -363,9 +360,10 @@ def doctor():
 @click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient norm clipping (0: none).")
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="Micro-batches per optimizer step (each process's share of the batch split this many ways).")
-@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: 10 per "
-              "run; 0: none).")
+@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: scaled to "
+              "the run, at most 10 besides the first; 0: none).")
 @click.option("--eval-windows", type=int, default=32, show_default=True, help="Held-out windows per evaluation.")
+@click.option("--sample-every", type=int, default=0, help="Print a sample of the model's text every N steps.")
 @click.option("--save-every", type=int, default=None, help="Steps between training-state saves (default: with "
               "each evaluation).")
 @click.option("--seed", type=int, default=1337, show_default=True)
@@ -392,6 +390,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
 
     from gpt2port.devices import check_device
     from gpt2port.training.finetune import Interrupted, Settings, finetune as run_finetune
+    from gpt2port.training.report import wrote
 
     check_device(device)
     ctx = click.get_current_context()
@@ -409,7 +408,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
             sys.exit(EXIT_FAILURE)
         raise
     if os.environ.get("RANK", "0") == "0":
-        _succeeded(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.svg)")
+        _succeeded(wrote(result))
 
 
 lora.register(main, _handle_errors, _succeeded)

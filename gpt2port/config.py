@@ -8,13 +8,11 @@ import numbers
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from gpt2port import jsonio
 from gpt2port.activations import TABLE
-from gpt2port.errors import GPT2PortError
+from gpt2port.errors import GPT2PortError, did_you_mean
 
 
 # The activations the model implements, by their HF `activation_function` name (activations.py's table): a config is
@@ -212,7 +210,7 @@ def canonical_name(name: str) -> str:
     found = _ALIASES_FOLDED.get(name.lower())
     if found is None:
         raise GPT2PortError(
-            f"unknown model name {name!r}; known: {', '.join(PRESETS)} "
+            f"unknown model name {name!r}{did_you_mean(name, ALIASES)}; known: {', '.join(PRESETS)} "
             f"(aliases: {', '.join(k for k in ALIASES if k not in PRESETS and '/' not in k)})"
         )
     return found
@@ -221,6 +219,3 @@ def canonical_name(name: str) -> str:
 def is_known_name(name: str) -> bool:
     return name.lower() in _ALIASES_FOLDED
 
-
-def read_json(path: Path) -> dict:
-    return jsonio.read(path)

@@ -40,6 +40,7 @@ class ConvertResult:
     seconds: float
     warnings: list[str] = field(default_factory=list)
     dequantized: str | None = None  # the source's stored encoding ("q8_0") its weights were dequantized from
+    proof: dict = field(default_factory=dict)  # what the target's own runtime computed from the output, when it ran
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Job:
     known_sha256: dict[str, str]
     options: dict  # target-specific switches, passed through from convert(..., options=)
     hashes: Hashes  # this conversion's hashing session (the source's reader offers to it); closed by convert()
+    proof: dict = field(default_factory=dict)  # set by a writer that runs its output: the numbers, for the manifest
 
     def staged(self):
         """The output directory being built (fsio.staged_directory), refused if it would replace what is read."""
@@ -72,6 +74,7 @@ class Job:
             prov = checkpoint.manifest(self.dtype, source.config, {"path": str(source.path.resolve()), **self.facts})
         encoding = self.options.get("encoding")
         checkpoint.write_export_manifest(stage, layout, {**prov, **({"encoding": encoding} if encoding else {}),
+                                                         **({"proof": self.proof} if self.proof else {}),
                                                          "warnings": self.warnings})
 
 
@@ -80,7 +83,7 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
             progress: Callable[[int, int], None] | None = None, options: dict | None = None) -> ConvertResult:
     """Convert the GPT-2 weights at `src` (a Hugging Face repo directory or weights file, a gpt2port checkpoint, an
     llm.c model file or a GGUF file) into the directory `out`, in layout `to` (one of targets.REGISTRY: "gpt2port",
-    "hf" for GPT2LMHeadModel.from_pretrained, "llmc", "gguf").
+    "hf" for GPT2LMHeadModel.from_pretrained, "llmc", "gguf", "onnx").
 
     dtype: fp32/fp16/bf16 (default: the source's), or an encoding of the target's own (Target.encodings).
     provenance: extra facts for the manifest (the Hub repo and commit a download came from). known_sha256: file
@@ -118,8 +121,8 @@ def convert(src: str | Path, out: str | Path, dtype=None, force: bool = False, t
                   hashes)
         size = writer(job)
     n_params = sum(math.prod(s) for s in canonical.shapes(source.config).values())
-    return ConvertResult(out, target.name, n_params, encoding or out_dtype, size, time.perf_counter() - t0, warnings,
-                         dequantized)
+    return ConvertResult(out, to, n_params, encoding or out_dtype, size, time.perf_counter() - t0, warnings,
+                         dequantized, job.proof)
 
 
 def export(ckpt, out: str | Path, to: str = "gpt2port", dtype=None, force: bool = False,
@@ -165,6 +168,8 @@ def _items(source: Source, target, out_dtype: torch.dtype, warnings: list[str],
             t = reader.read(r.key, into=buffer if whole else None)
             if not all_finite(t):
                 warnings.append(_non_finite(reader, r.key))
+            else:
+                refuse_overflow(t, out_dtype, reader.tensors[r.key].file, r.key)
             tensors.append((r.transform, t))
         whole = merge(tensors, shapes[name])
         if head is not None and name == canonical.EMBEDDING:
@@ -227,6 +232,21 @@ def _check_head_is_tied(source: Source, head: str, wte: torch.Tensor) -> None:
         raise GPT2PortError(f"{source.reader.tensors[head].file}: {head!r} differs from "
                             f"{source.layout.key_for(canonical.EMBEDDING)}; GPT-2 ties the head to the token "
                             f"embedding, so converting would change the model")
+
+
+def refuse_overflow(t: torch.Tensor, dtype: torch.dtype, file, key: str) -> None:
+    """Refuse a finite tensor holding a value beyond `dtype`'s range (1e30 into fp16): cast, it would be written as
+    Inf in silence."""
+    if not dtype.is_floating_point or t.dtype == dtype or torch.finfo(dtype).max >= torch.finfo(t.dtype).max \
+            or not t.numel():
+        return
+    lo, hi = torch.aminmax(t)
+    top = max(-float(lo), float(hi))
+    if top > torch.finfo(dtype).max:
+        from gpt2port.dtypes import label
+
+        raise GPT2PortError(f"{file}: tensor {key!r} holds {top:.3g}, beyond {label(dtype)}'s largest value "
+                            f"({torch.finfo(dtype).max:.6g}): it would be written as Inf; keep fp32, or use bf16")
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -9,6 +9,8 @@ from gpt2port.errors import GPT2PortError
 DTYPE_ARGS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
               "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_LABELS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Computed in with the matrices quantized at load, on the CPU only (gpt2port.quant, gpt2port.quant4)
+QUANTIZED = ("int8", "int4")
 
 
 def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

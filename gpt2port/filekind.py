@@ -1,7 +1,7 @@
-"""What is at a path, by lstat/stat only (and where it really is: real), and the refusal of what must not be opened:
-a FIFO, socket or device.
+"""What is at a path, by lstat/stat only, and where it really is (real).
 
-A leaf module (it imports only errors), so that the one JSON loader and the readers can ask before opening.
+A leaf module (it imports only errors), so that the gate (gpt2port/inputs.py) and the ownership rule can ask before
+opening.
 """
 
 from __future__ import annotations
@@ -28,13 +28,6 @@ def kind(path: Path, follow: bool = False) -> str | None:
         raise GPT2PortError(f"{path}: cannot look at it: {e.strerror or e}") from None
     return next((name for test, name in _KINDS if test(mode)), "special file")
 
-
-def refuse_special(path: Path) -> None:
-    """Refuse, before opening it, an input or output that is a FIFO, socket or device (reached through links too):
-    opening one may block for ever, and what it yields is no file's content."""
-    what = kind(path, follow=True)
-    if what not in (None, "file", "directory"):
-        raise GPT2PortError(f"{path}: is a {what}, not a regular file; gpt2port does not open it")
 
 
 def real(path) -> Path:

@@ -10,15 +10,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from gpt2port import inputs, records
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import kind, real
-from gpt2port.ownership import OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours
+from gpt2port.ownership import MANIFEST, OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours
 from gpt2port.signals import deferred
 
 __all__ = ["OLD_MARK", "PARTIAL_MARK", "STAGE_MARK", "check_replaceable"]  # the rule itself is ownership.py's
@@ -28,7 +30,7 @@ _STAGE: contextvars.ContextVar = contextvars.ContextVar("gpt2port_stage", defaul
 
 
 def write_file(path: Path, data: bytes) -> None:
-    """A small file (config, manifest), flushed to disk."""
+    """A small file (config, manifest), flushed to disk, and recorded (records.py)."""
     try:
         with open(path, "wb") as f:
             f.write(data)
@@ -36,19 +38,33 @@ def write_file(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
     except OSError as e:
         raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
+    records.written(path, len(data), hashlib.sha256(data).hexdigest())
 
 
 def write_json(path: Path, obj) -> None:
     write_file(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
 
 
+def write_mark(path: Path, mark: dict, files: dict | None = None) -> None:
+    """An output's mark (manifest.json, a token cache's meta.json) carrying the record of `files` (default: every
+    file written so far into the output being built), sealed (records.py)."""
+    write_json(path, records.sealed(mark, records.current() if files is None else files))
+
+
 def copy_file(src: Path, dst: Path) -> None:
+    """A small file (a tokenizer file) copied, flushed, and recorded by the hash of the bytes as they went out."""
+    sha, size = hashlib.sha256(), 0
     try:
-        shutil.copyfile(src, dst)
-        with open(dst, "rb+") as f:
-            os.fsync(f.fileno())
+        with inputs.open_binary(src) as f, open(dst, "wb") as out:  # the source through the gate: no FIFO blocks
+            while piece := f.read(1 << 20):
+                sha.update(piece)
+                out.write(piece)
+                size += len(piece)
+            out.flush()
+            os.fsync(out.fileno())
     except OSError as e:
         raise GPT2PortError(f"{dst}: copy from {src} failed: {os_reason(e)}") from None
+    records.written(dst, size, sha.hexdigest())
 
 
 @contextlib.contextmanager
@@ -87,10 +103,12 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
     scratch: list[Path] = []
     token = _STAGE.set((stage, scratch))
     try:
-        yield stage
+        with records.recording(stage):
+            yield stage
         for d in scratch:
             if d.exists():
                 shutil.rmtree(d)
+        _check_recorded(stage)
         os.unlink(stage / STAGE_MARK)  # the finished output carries its own marks
         _fsync_dir(stage)
         _swap_in(stage, dest, force)
@@ -100,6 +118,19 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
         raise
     finally:
         _STAGE.reset(token)
+
+
+def _check_recorded(stage: Path) -> None:
+    """Every file of a finished output is in its manifest's record: a writer that went around fsio and outfile
+    (and so left a file --force could never tell from a user's) fails here, before the output is put in place."""
+    try:
+        files = records.files_of(inputs.read_json(stage / MANIFEST)) or {}
+    except GPT2PortError:
+        files = {}
+    missing = records.unrecorded(stage, files, skip={STAGE_MARK, MANIFEST})
+    if missing or not files:
+        raise RuntimeError(f"{stage}: written without a record ({', '.join(missing[:4]) or MANIFEST}): every "
+                           f"output file goes through fsio or outfile, and the output's manifest records it")
 
 
 def scratch_directory(prefix: str) -> Path:
@@ -112,6 +143,43 @@ def scratch_directory(prefix: str) -> Path:
     stage, scratch = active
     scratch.append(Path(tempfile.mkdtemp(prefix=f".{prefix}", dir=stage)))
     return scratch[-1]
+
+
+TEMP_MARK = ".gpt2port-temp"  # written first into a temporary directory: names it, for the sweep of a killed run's
+
+
+def temp_directory(prefix: str) -> Path:
+    """A private directory $TMPDIR/PREFIX-PID-XXXX for work that is no output (eval's conversion of a Hugging Face
+    directory), marked; the ones a killed run of any command left there (its process gone) are swept first. Its
+    maker removes it."""
+    sweep_temp(prefix)
+    made = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-"))
+    write_file(made / TEMP_MARK, made.name.encode())
+    return made
+
+
+def sweep_temp(prefix: str) -> list[Path]:
+    """Remove $TMPDIR/PREFIX-PID-* directories of processes that are gone: only real directories of this user that
+    carry the mark naming them (a look-alike of someone else's stays)."""
+    removed = []
+    try:
+        entries = list(Path(tempfile.gettempdir()).iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        pid = p.name[len(prefix) + 1:].split("-", 1)[0]
+        if not (p.name.startswith(f"{prefix}-") and pid.isdigit()) or _pid_alive(pid):
+            continue
+        try:
+            st, mark = p.lstat(), p / TEMP_MARK
+            ours = kind(p) == "directory" and st.st_uid == os.getuid() and kind(mark) == "file" and \
+                inputs.read_bytes(mark, len(p.name.encode()), "a temporary directory's mark") == p.name.encode()
+        except (OSError, GPT2PortError):
+            continue
+        if ours:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
 
 
 def make_stage(stage: Path) -> None:
@@ -229,7 +297,7 @@ def _pid_alive(pid: str) -> bool:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # a directory, for its fsync: nothing read
     try:
         os.fsync(fd)
     finally:

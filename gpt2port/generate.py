@@ -13,6 +13,9 @@ Choices, each a question a user would ask:
   -Inf alone rules a token out.
 - A seed makes sampling reproducible on a given device: it seeds a private torch.Generator, so it neither reads
   nor disturbs torch's global random state.
+- repetition_penalty is HF's (RepetitionPenaltyLogitsProcessor, CTRL's): each token the row has seen (its prompt
+  and what it generated) has its logit divided by the penalty where positive, multiplied where negative, before
+  temperature and top-k/top-p.
 - Generation stops at <|endoftext|> (not returned) or after max_new_tokens; a batch runs until every row stopped.
 - Batches of prompts of different lengths are left-padded. GPT-2's position embeddings are absolute, so each row's
   positions count from its own first token and its padding is hidden from attention: every row gets the tokens it
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -60,6 +64,7 @@ class Options:
     seed: int | None = None
     stop_token: int | None = ENDOFTEXT_ID
     keep: int | None = None
+    repetition_penalty: float | None = None
     fast: Settings | None = None
     threads: int | None = None
 
@@ -117,6 +122,17 @@ def decode(model: GPT, prompts, max_new_tokens: int | None = None, options: Opti
         yield from _decode(model, prompts, options, fast, report, check_finite)
 
 
+THREADS_PER_CORE = 4  # --threads beyond this many per core is refused: more only wait for each other
+
+
+def check_threads(threads: int | None) -> None:
+    """A --threads the machine can start (OpenMP may die starting many more than the cores: a signal)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads is not None and threads > THREADS_PER_CORE * cores:
+        raise GPT2PortError(f"--threads {threads}: at most {THREADS_PER_CORE * cores} on this machine "
+                            f"({THREADS_PER_CORE} per core, {cores} cores); threads beyond the cores only wait")
+
+
 @contextlib.contextmanager
 def cpu_threads(n: int | None):
     """torch's intra-op threads set to n for the duration (None: unchanged). On a machine busy with other work, a
@@ -138,6 +154,8 @@ def _decode(model: GPT, prompts, options: Options, fast: Settings, report: list[
             check_finite: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     o = options
     check_sampling(o.temperature, o.top_k, o.top_p)
+    if o.repetition_penalty is not None and not o.repetition_penalty > 0:
+        raise GPT2PortError(f"repetition_penalty={o.repetition_penalty} must be a number above 0 (1 means off)")
     # The dtype and device the model computes in: the position table's (an int8 model's matrices are int8, its
     # position table and activations fp32).
     param = model.pos_emb.weight
@@ -151,28 +169,38 @@ def _decode(model: GPT, prompts, options: Options, fast: Settings, report: list[
     generator = torch.Generator(param.device).manual_seed(o.seed) if o.seed is not None else None
     tokens, pad = _left_pad([row[-n_ctx:] for row in rows], param.device)
     B = tokens.size(0)
-    # Room for exactly what this call can use: a short generation never allocates the whole context.
-    cache, attention = new_cache(model.config, B, min(n_ctx, tokens.size(1) + o.max_new_tokens), param.dtype,
-                                 param.device, pad, fast)
+    seen = None  # (B, vocab) the tokens each row has seen, for the repetition penalty: the whole prompt, not the window
+    if o.repetition_penalty not in (None, 1.0):
+        seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=param.device)
+        for i, row in enumerate(rows):
+            seen[i, row] = True
+    # Room for exactly what this call can use: a short generation never allocates the whole context. A compiled
+    # step is compiled for the cache's shape: there, the whole context, so that one compile serves every length.
+    length = n_ctx if fast.compile else min(n_ctx, tokens.size(1) + o.max_new_tokens)
+    cache, attention = new_cache(model.config, B, length, param.dtype, param.device, pad, fast)
     logits, _ = model(tokens, cache=cache, logits_to_keep=1)
     step_one = decode_step(model, cache, fast, attention)  # the model's forward, one new token per row
     try:
-        yield from _loop(model, tokens, pad, logits, cache, step_one, o, keep, generator, check_finite)
+        yield from _loop(model, tokens, pad, logits, cache, step_one, o, keep, generator, check_finite, seen)
     finally:
         if report is not None:  # after the steps ran: a CUDA graph that failed its check says so
             report.append(step_one.description)
 
 
 def _loop(model: GPT, tokens: torch.Tensor, pad: torch.Tensor, logits: torch.Tensor, cache, step_one, o: Options,
-          keep: int, generator, check_finite: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+          keep: int, generator, check_finite: bool, seen: torch.Tensor | None = None,
+          ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     B, n_ctx, pos = tokens.size(0), model.config.n_positions, tokens.size(1)
     done = torch.zeros(B, dtype=torch.bool, device=tokens.device)
     for step in range(o.max_new_tokens):
-        nxt = sample(logits[:, -1], o.temperature, o.top_k, o.top_p, generator, check_finite)
+        last = logits[:, -1] if seen is None else penalize(logits[:, -1], seen, o.repetition_penalty)
+        nxt = sample(last, o.temperature, o.top_k, o.top_p, generator, check_finite)
         if o.stop_token is not None:
             nxt = nxt.masked_fill(done, o.stop_token)
             done |= nxt == o.stop_token
-        yield nxt, logits[:, -1]
+        if seen is not None:
+            seen[torch.arange(B, device=seen.device), nxt] = True
+        yield nxt, last
         if step == o.max_new_tokens - 1 or bool(done.all()):
             return
         tokens = torch.cat([tokens, nxt.view(B, 1)], dim=1)
@@ -184,6 +212,13 @@ def _loop(model: GPT, tokens: torch.Tensor, pad: torch.Tensor, logits: torch.Ten
             cache.reset(pad)
             logits, _ = model(tokens, cache=cache, logits_to_keep=1)
             pos = tokens.size(1)
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's repetition penalty on (B, V) logits (in fp32, as HF's generate computes its scores): a seen token's
+    logit divided by the penalty where positive, multiplied where negative."""
+    logits = logits.float()
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
 def sample(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,

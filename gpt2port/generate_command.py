@@ -5,52 +5,61 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 import click
 import torch
 
 from gpt2port.checkpoint import load_tokenizer
-from gpt2port.dtypes import label
+from gpt2port.dtypes import QUANTIZED, label
 from gpt2port.devices import check_device
 from gpt2port.errors import GPT2PortError
 import gpt2port.generate as decoding  # looked up at each run: tests spy on decoding.stream
-from gpt2port.generate import NonFiniteLogits, Options, cpu_threads
-from gpt2port.model import GPT
+from gpt2port.generate import NonFiniteLogits, Options, check_threads, cpu_threads
+from gpt2port.fast import int4
 from gpt2port.tokenizer import StreamDecoder
 
 # The machine is called busy when decoding averaged BUSY_FACTOR times slower than its fastest step (over at least
 # BUSY_STEPS steps): on a quiet machine the steps stay within ~1.5x of each other, a growing context included.
 BUSY_FACTOR, BUSY_STEPS = 3, 8
-THREADS_PER_CORE = 4  # --threads beyond this many per core is refused: more only wait for each other
 
 
-def run_generate(ckpt, prompt: str, options: Options, num_samples: int = 1, dtype: str | None = None,
-                 device: str | None = None, verbose: bool = False) -> None:
-    """Sample `num_samples` continuations of `prompt` (sample i with options.seed + i) and report the rates."""
+def load(ckpt, options: Options, dtype: str | None, device: str | None):
+    """(tokenizer, model, device) for a generation with `options`, each setting checked first."""
     threads = options.threads
     # click's ranges let NaN through
-    for name, value in (("--temperature", options.temperature), ("--top-p", options.top_p)):
+    for name, value in (("--temperature", options.temperature), ("--top-p", options.top_p),
+                        ("--repetition-penalty", options.repetition_penalty)):
         if value is not None and not math.isfinite(value):
             raise GPT2PortError(f"{name} {value}: must be a finite number")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if threads is not None and threads > THREADS_PER_CORE * cores:  # OpenMP may die starting them (a signal)
-        raise GPT2PortError(f"--threads {threads}: at most {THREADS_PER_CORE * cores} on this machine "
-                            f"({THREADS_PER_CORE} per core, {cores} cores); threads beyond the cores only wait")
-    device = device or ("cpu" if dtype == "int8" or not torch.cuda.is_available() else "cuda")
+    check_threads(threads)
+    device = device or ("cpu" if dtype in QUANTIZED or not torch.cuda.is_available() else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")
     check_device(device)
     tokenizer = load_tokenizer(ckpt)
-    model = GPT.from_pretrained(ckpt, dtype=dtype, device=device)
-    ids = tokenizer.encode(prompt, allowed_special="all")  # a typed <|endoftext|> is the document separator
+    return tokenizer, int4.from_pretrained(ckpt, dtype=dtype, device=device), device  # GPT's, and int4
+
+
+def prompt_ids(tokenizer, model, prompt: str, which: str = "the prompt") -> tuple[list[int], str]:
+    """(the prompt's tokens the model sees, their text): a typed <|endoftext|> is the document separator, and a
+    prompt longer than the context keeps its end, with a note."""
+    ids = tokenizer.encode(prompt, allowed_special="all")
     n_ctx = model.config.n_positions
-    if len(ids) > n_ctx:  # what is echoed is what the model sees
-        click.echo(f"note: the prompt has {len(ids)} tokens; the model sees only the last {n_ctx}, and only they are "
-                   f"shown", err=True)
-        ids = ids[-n_ctx:]
-        prompt = tokenizer.decode(ids)
+    if len(ids) <= n_ctx:
+        return ids, prompt
+    click.echo(f"note: {which} has {len(ids)} tokens; the model sees only the last {n_ctx}, and only they are "
+               f"shown", err=True)
+    return ids[-n_ctx:], tokenizer.decode(ids[-n_ctx:])
+
+
+def run_generate(ckpt, prompt: str, options: Options, num_samples: int = 1, dtype: str | None = None,
+                 device: str | None = None, verbose: bool = False, stop=()) -> None:
+    """Sample `num_samples` continuations of `prompt` (sample i with options.seed + i) and report the rates; each
+    ends before the first of the `stop` strings."""
+    threads = options.threads
+    tokenizer, model, device = load(ckpt, options, dtype, device)
+    ids, prompt = prompt_ids(tokenizer, model, prompt)  # what is echoed is what the model sees
     # The first token of a sample comes from the prompt's forward pass (and, the first time, one-time warm-up);
     # each later one from one decode step. Their rates differ by orders of magnitude, so they are timed apart.
     prefill_s = decode_s = 0.0
@@ -61,7 +70,7 @@ def run_generate(ckpt, prompt: str, options: Options, num_samples: int = 1, dtyp
         if i:
             click.echo("-" * 40)
         click.echo(prompt, nl=False)
-        text = StreamDecoder(tokenizer)
+        text = StreamDecoder(tokenizer, stop)
         start = time.perf_counter()
         first = last = None
         try:
@@ -76,10 +85,12 @@ def run_generate(ckpt, prompt: str, options: Options, num_samples: int = 1, dtyp
                     fastest = min(fastest, now - last)
                 last = now
                 click.echo(text.push([token]), nl=False)
+                if text.stopped:
+                    break
         except BaseException as e:
             click.echo(text.flush())  # an error (or Ctrl-C) goes on a line of its own, after the text so far
             if isinstance(e, NonFiniteLogits):
-                raise GPT2PortError(f"{ckpt}: {e}{_non_finite_weights(model)}") from None
+                raise non_finite(e, ckpt, model) from None
             raise
         end = time.perf_counter()
         click.echo(text.flush())
@@ -101,6 +112,11 @@ def run_generate(ckpt, prompt: str, options: Options, num_samples: int = 1, dtyp
         with cpu_threads(threads):  # the floor of the threads decoding had
             for line in decode_report(model, device, rate, how[-1] if how else None):
                 click.echo(line, err=True)
+
+
+def non_finite(e: BaseException, ckpt, model) -> BaseException:
+    """What to raise for an error while decoding: NaN/Inf logits named with the weights that explain them."""
+    return GPT2PortError(f"{ckpt}: {e}{_non_finite_weights(model)}") if isinstance(e, NonFiniteLogits) else e
 
 
 def _non_finite_weights(model) -> str:

@@ -1,4 +1,5 @@
-"""Reading JSON that came from a file: the one loader every reader of a JSON file goes through.
+"""Parsing JSON that came from a file: the one parser every reader of a JSON file goes through (the file itself is
+read through gpt2port/inputs.py, the gate).
 
 json.loads on a hostile file fails in more ways than JSONDecodeError: RecursionError for arrays nested 100k deep,
 a plain ValueError for an integer of more digits than int() converts, UnicodeDecodeError for bytes that are not
@@ -10,10 +11,8 @@ deeper than MAX_DEPTH.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.filekind import refuse_special
 
 MAX_DEPTH = 64  # the deepest gpt2port's own files go is 4 (a manifest); tokenizer.json is about 6
 
@@ -32,21 +31,6 @@ def loads(data: bytes | str, where, invalid: str = "not valid JSON") -> object:
         raise GPT2PortError(f"{where}: JSON nested more than {MAX_DEPTH} deep")
     return value
 
-
-def read(path: Path, what: type | None = dict) -> object:
-    """The JSON value of the file at `path`; refused unless it is a `what` (a JSON object by default; None: any)."""
-    path = Path(path)
-    refuse_special(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise GPT2PortError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise GPT2PortError(f"{path}: is a directory, expected a JSON file") from None
-    value = loads(data, path)
-    if what is not None and not isinstance(value, what):
-        raise GPT2PortError(f"{path}: expected a JSON {'object' if what is dict else what.__name__}")
-    return value
 
 
 def _depth(value) -> int:

@@ -5,21 +5,26 @@ Token + learned position embeddings, a stack of pre-LayerNorm blocks (fused-qkv 
 Parameter names are gpt2port's own and are the canonical names gpt2port/layouts maps every other layout onto.
 
 The optional KVCache lets generation feed one new token per step instead of re-running the whole context: the
-cache and the position are arguments of forward, so a decode step is this forward, nothing else. Nothing here is
-tuned for speed: gpt2port.fast replaces layers and the cache with ones that compute the same on faster kernels,
-from outside (see its docstring).
+cache and the position are arguments of forward, so a decode step is this forward, nothing else. PastKV is the same
+cache as plain tensors that grow by concatenation, with positions and padding given as tensors: what
+torch.export captures (no Python reads a tensor's value on that path), and what an exported graph takes and returns
+(gpt2port/targets/onnx.py). Nothing here is tuned for speed: gpt2port.fast replaces layers and the cache with ones
+that compute the same on faster kernels, from outside (see its docstring).
+
+The file needs only torch, the config and the error type: the checkpoint code is imported inside from_pretrained and
+save_pretrained, so model.py can be lifted out on its own, as nanoGPT's can.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt2port.checkpoint import load_state, save
 from gpt2port.config import ACTIVATIONS, GPTConfig
 from gpt2port.errors import GPT2PortError
 
@@ -80,11 +85,50 @@ class KVCache:
         return self._mask, False
 
     def _hide_padding(self, causal: torch.Tensor, slots: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """causal (T, S), with each row's padding hidden: (B, 1, T, S). A padding query still sees itself, so no row
-        of scores is all masked: that would make NaNs which, times a zero weight later, would still be NaN."""
-        if self.pad is None:
-            return causal
-        return causal & ((slots.view(1, 1, 1, -1) >= self.pad.view(-1, 1, 1, 1)) | (slots.view(1, -1) == q.view(-1, 1)))
+        real = None if self.pad is None else slots.view(1, -1) >= self.pad.view(-1, 1)
+        return hide_padding(causal, slots, q, real)
+
+
+def hide_padding(causal: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """causal (T, S) bool, with each row's padding hidden: (B, 1, T, S); real (B, S) bool marks the slots that hold a
+    real token (None: all do). A padding query still sees itself, so no row of scores is all masked: that would make
+    NaNs which, times a zero weight later, would still be NaN."""
+    if real is None:
+        return causal
+    return causal & (real.view(real.size(0), 1, 1, -1) | (slots.view(1, -1) == q.view(-1, 1)))
+
+
+@dataclass
+class PastKV:
+    """The KV cache as plain tensors (transformers' DynamicCache; optimum's past_key_values.{i}.key/value in,
+    present.{i}.key/value out): forward appends each layer's new keys and values to k[i], v[i] (B, H, S, D), so after
+    a call they hold the cache to pass to the next one. S = 0 is an empty cache. Positions come whole (forward's pos:
+    (B, T) position ids), so nothing here counts; a shape is the only thing read, never a tensor's value.
+
+    mask (B, S + T) bool, optional: which positions, past and new, hold a real token (transformers' attention_mask);
+    padding is hidden from every real query as KVCache hides it.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    mask: torch.Tensor | None = None
+    pad = None  # not a field: positions are given, not counted from each row's padding (forward reads cache.pad)
+
+    @classmethod
+    def empty(cls, config: GPTConfig, batch_size: int, dtype=None, device=None) -> "PastKV":
+        shape = (batch_size, config.n_head, 0, config.head_dim)
+        return cls(*([torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layer)] for _ in "kv"))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos, scale: float | None):
+        """Append k, v (B, H, T, D) to `layer`'s cache; the attention of q (B, H, T, D) over it, each new query seeing
+        every slot up to its own (the last T)."""
+        self.k[layer] = torch.cat((self.k[layer], k), dim=2)
+        self.v[layer] = torch.cat((self.v[layer], v), dim=2)
+        S = self.k[layer].size(2)
+        slots = torch.arange(S, device=q.device)
+        at = slots[S - q.size(2):]  # the new queries' slots
+        mask = hide_padding(slots.view(1, -1) <= at.view(-1, 1), slots, at, self.mask)
+        return F.scaled_dot_product_attention(q, self.k[layer], self.v[layer], attn_mask=mask, scale=scale)
 
 
 class CausalSelfAttention(nn.Module):
@@ -176,6 +220,8 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def embed(self, idx: torch.Tensor, pos: int | torch.Tensor = 0, pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Token plus position embeddings. pos: the first token's position (an int or a (1,) tensor), or (B, T)
+        position ids, taken as they are."""
         V, P = self.config.vocab_size, self.config.n_positions
         if idx.dim() != 2 or idx.dtype not in (torch.long, torch.int) or idx.size(1) == 0:
             raise GPT2PortError(f"idx must be (batch, tokens) integer token ids; got {tuple(idx.shape)} {idx.dtype}")
@@ -184,22 +230,25 @@ class GPT(nn.Module):
             raise GPT2PortError(f"sequence of {pos + T} tokens exceeds the model's context of {P}")
         # Checked on the CPU (elsewhere: a sync per call), not under torch.compile (a captured forward replays no
         # Python; generation's ids come from the vocabulary)
-        checked = idx.device.type == "cpu" and not torch.compiler.is_compiling()
+        checked = idx.device.type == "cpu" and not (torch.compiler.is_compiling() or torch.compiler.is_exporting())
         if checked and not 0 <= int(idx.min()) <= int(idx.max()) < V:
             raise GPT2PortError(f"token ids {int(idx.min())}..{int(idx.max())} are outside the vocabulary (0..{V - 1})")
-        positions = pos + torch.arange(T, device=idx.device)
+        if isinstance(pos, torch.Tensor) and pos.dim() == 2:
+            positions = pos
+        else:
+            positions = pos + torch.arange(T, device=idx.device)
         if pad is not None:  # left-padded rows count positions from their first real token (padding gets 0)
             positions = (positions.view(1, T) - pad.view(-1, 1)).clamp(min=0)
         return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | PastKV | None = None,
                 pos: int | torch.Tensor = 0, logits_to_keep: int | torch.Tensor = 0,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) int64 -> (logits (B, T, vocab), loss): the mean cross-entropy against targets (B, T), or None.
 
         With a cache, idx holds the tokens at positions pos.. (their keys and values are stored there; attention
         sees every position before them): a prompt at pos 0, then one token per call. pos may be a (1,) tensor (a
-        static-shape step, as a CUDA graph records it).
+        static-shape step, as a CUDA graph records it). With a PastKV, pos is (B, T) position ids.
 
         logits_to_keep (as transformers names it): 0 computes the logits at every position; k > 0 at the last k only
         (1: the next token's); a (B, K) index tensor at the K positions it names in each row, giving (B, K, vocab).
@@ -224,23 +273,34 @@ class GPT(nn.Module):
         """Load a converted checkpoint (a directory, or a NAME under ./checkpoints) without random init or copies:
         the model is built on the meta device and the file's memory-mapped tensors are assigned into it.
         dtype "int8": the matrices quantized to int8 as they load, for CPU inference (see gpt2port.quant)."""
+        from gpt2port.checkpoint import load_state
+
         if dtype is torch.int8 or (isinstance(dtype, str) and dtype.lower() == "int8"):
             from gpt2port.quant import quantized_model
 
             return quantized_model(cls, path, device)
         ckpt_dir, config, state = load_state(path, dtype=dtype, device=device)
+        model = cls.from_state(config, state)
+        model.checkpoint_dir = ckpt_dir
+        return model
+
+    @classmethod
+    def from_state(cls, config: GPTConfig, state: dict[str, torch.Tensor]) -> "GPT":
+        """A model (in eval mode) holding the tensors of `state`, by their names here (a tied head's once, under
+        tok_emb.weight): built on the meta device and the tensors assigned into it, no random init, no copies."""
         with torch.device("meta"):
             model = cls(config)
         tied = config.tie_word_embeddings
         if tied:
-            state["lm_head.weight"] = state["tok_emb.weight"]
+            state = {**state, "lm_head.weight": state["tok_emb.weight"]}
         model.load_state_dict(state, assign=True, strict=True)
         if tied:
             model.lm_head.weight = model.tok_emb.weight  # assign made two Parameters of one tensor; make them one
-        model.checkpoint_dir = ckpt_dir
         return model.eval()
 
     def save_pretrained(self, out: str | Path, dtype: torch.dtype | str | None = None, force: bool = False,
                         parent: str | Path | None = None) -> Path:
         """Write this model as a gpt2port checkpoint (see gpt2port.save)."""
+        from gpt2port.checkpoint import save
+
         return save(self, out, dtype=dtype, force=force, parent=parent)

@@ -247,41 +247,52 @@ def linear_names(model: nn.Module) -> list[str]:
 def quantized_model(cls, path, device=None, smoothing: bool = True, fbgemm: bool = True):
     """A GPT whose matrices are int8 (see the module's docstring), built from the checkpoint at `path`; smoothing
     False quantizes every matrix as it is, fbgemm False leaves one row to int8pack (both for comparisons)."""
-    from gpt2port.checkpoint import WEIGHTS, check_weights, read_config, resolve
-    from gpt2port.formats.safetensors import SafetensorsReader
-
     if device is not None and torch.device(device).type != "cpu":
         raise GPT2PortError(f"dtype int8 runs on the CPU (PyTorch's int8 kernel); got device {device}")
     if not _int8pack_works():
         raise GPT2PortError(f"dtype int8 needs PyTorch's int8 weight-packed kernel (torch._weight_int8pack_mm), "
                             f"which this PyTorch ({torch.__version__}) lacks or computes wrongly")
-    ckpt_dir = resolve(path)
-    config = read_config(ckpt_dir)
-    if not config.tie_word_embeddings:
-        raise GPT2PortError(f"{ckpt_dir}: dtype int8 supports GPT-2's tied head; this checkpoint's head is separate")
-    check_weights(ckpt_dir / WEIGHTS, config)  # the names, shapes and dtypes the model expects, or one clear line
-    with torch.device("meta"):
-        model = cls(config)
-    # Each tensor is read with pread rather than memory-mapped: the file's pages never count in this process's
-    # memory, so the peak is the int8 model plus one block's matrices, not the checkpoint's size.
-    reader = SafetensorsReader(ckpt_dir / WEIGHTS)
-    names = linear_names(model)
-    matrices = {f"{n}.weight" for n in names if n != "lm_head"} | {"tok_emb.weight"}
+    model, reader = start_quantizing(cls, path, INT8)
     try:
-        # Norms, biases and the position table first, as they are (fp32): the calibration runs the blocks with them.
-        small = {k: reader.read(k).float() for k in reader.tensors if k not in matrices}
-        missing, unexpected = model.load_state_dict(small, assign=True, strict=False)
-        unloaded = [k for k in missing if k not in matrices | {"lm_head.weight"}]
-        if unloaded or unexpected:
-            raise GPT2PortError(f"{ckpt_dir}: internal error quantizing: unloaded {unloaded}, unexpected {unexpected}")
         model.eval()
         _quantize_matrices(model, reader, smoothing and fbgemm, fbgemm)
     finally:
         reader.close()
     huge_pages([p.data_ptr() for p in model.parameters()])
-    model.checkpoint_dir = ckpt_dir
     model.quantized = INT8
     return model.eval()  # the int8 layers too: they were made after the calibration's eval()
+
+
+def start_quantizing(cls, path, label: str):
+    """(a GPT of the checkpoint at `path` on the meta device but for its norms, biases and position table, loaded
+    in fp32; the checkpoint's reader, open: the caller closes it): what quantizing to `label` at load starts from,
+    here and in gpt2port.quant4. Only GPT-2's tied head is taken."""
+    from gpt2port.checkpoint import WEIGHTS, check_weights, read_config, resolve
+    from gpt2port.formats.safetensors import SafetensorsReader
+
+    ckpt_dir = resolve(path)
+    config = read_config(ckpt_dir)
+    if not config.tie_word_embeddings:
+        raise GPT2PortError(f"{ckpt_dir}: dtype {label} supports GPT-2's tied head; this checkpoint's head is separate")
+    check_weights(ckpt_dir / WEIGHTS, config)  # the names, shapes and dtypes the model expects, or one clear line
+    with torch.device("meta"):
+        model = cls(config)
+    model.checkpoint_dir = ckpt_dir
+    # Each tensor is read with pread rather than memory-mapped: the file's pages never count in this process's
+    # memory, so the peak is the quantized model plus the matrices being quantized, not the checkpoint's size.
+    reader = SafetensorsReader(ckpt_dir / WEIGHTS)
+    matrices = {f"{n}.weight" for n in linear_names(model) if n != "lm_head"} | {"tok_emb.weight"}
+    try:
+        # Norms, biases and the position table first, as they are (fp32): int8's calibration runs the blocks with them.
+        small = {k: reader.read(k).float() for k in reader.tensors if k not in matrices}
+        missing, unexpected = model.load_state_dict(small, assign=True, strict=False)
+        unloaded = [k for k in missing if k not in matrices | {"lm_head.weight"}]
+        if unloaded or unexpected:
+            raise GPT2PortError(f"{ckpt_dir}: internal error quantizing: unloaded {unloaded}, unexpected {unexpected}")
+    except BaseException:
+        reader.close()
+        raise
+    return model, reader
 
 
 def _quantize_matrices(model: nn.Module, reader, smoothing: bool, fbgemm: bool) -> None:

@@ -34,13 +34,17 @@ CHECKPOINT_FILES = ("model.safetensors", "config.json", "manifest.json", TOKENIZ
 
 
 FLOATS = ("fp32", "fp16", "bf16")
+# llama.cpp's file types gpt2port writes (targets/gguf_recipe.py: which tensor takes which GGML type)
+GGUF_QUANTS = ("q8_0", "q6_k", "q5_k_m", "q5_k_s", "q5_1", "q5_0", "q4_k_m", "q4_k_s", "q4_1", "q4_0")
 REGISTRY = {t.name: t for t in (
     Target("gpt2port", "checkpoint", FLOATS, streamed=True, files=CHECKPOINT_FILES),
     Target("hf", "hf", FLOATS, streamed=True, files=CHECKPOINT_FILES),
     Target("llmc", "llmc", ("fp32", "bf16"), options=("debug_state",), tanh_gelu=True,
            files=("gpt2_*.bin", "manifest.json")),
-    Target("gguf", "gguf", FLOATS, encodings=("q8_0",), options=("output_tensor",), tanh_gelu=True,
+    Target("gguf", "gguf", FLOATS, encodings=GGUF_QUANTS, options=("output_tensor",), tanh_gelu=True,
            files=("model.gguf", "manifest.json")),
+    Target("onnx", "onnx", ("fp32", "fp16"), layout="gpt2port",
+           files=("model.onnx", "model.onnx.data", "config.json", "manifest.json", TOKENIZER)),
 )}
 
 # Outputs written by a command of their own, not by conversion (not --to choices): their layout (as their

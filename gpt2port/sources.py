@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from gpt2port import checkpoint
-from gpt2port.config import GPTConfig, read_json
+from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import Reader
 from gpt2port.formats.tf_bundle import STATE_FILE, index_for
 from gpt2port.fsio import scratch_directory
-from gpt2port.filekind import refuse_special
+from gpt2port.inputs import read_json, refuse_special
 from gpt2port.hashing import Hashes
 from gpt2port.layouts import GPT2PORT, Layout, canonical
 from gpt2port.layouts import get as get_layout, recognise

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from gpt2port import jsonio
+from gpt2port import inputs, jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import real
 
@@ -53,12 +54,11 @@ def side_file_problem(path: Path) -> str | None:
     these files into its output, so a link named vocab.json that leads to a private file must not pass."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > SIDE_FILE_LIMIT:
-            return f"{size} bytes, more than any tokenizer file"
-        raw = path.read_bytes()
+        raw = inputs.read_bytes(path, SIDE_FILE_LIMIT, "a tokenizer file")
     except OSError as e:
         return e.strerror or str(e)
+    except GPT2PortError as e:  # its message names the path first: the reason is what follows
+        return str(e).removeprefix(f"{path}: ")
     if path.name in (VOCAB_MERGES[0][1], VOCAB_MERGES[1][1]):  # merges.txt, vocab.bpe
         try:
             lines = raw.decode("utf-8").split("\n")
@@ -68,8 +68,8 @@ def side_file_problem(path: Path) -> str | None:
         bad = next((n for n, line in enumerate(pairs) if len(line.split(" ")) != 2), None)
         return None if pairs and bad is None else "not a '#version' line and 'left right' merge pairs"
     try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
+        data = jsonio.loads(raw, path)
+    except GPT2PortError:
         return "not JSON"
     if path.name in (VOCAB_MERGES[0][0], VOCAB_MERGES[1][0]):  # vocab.json, encoder.json: token -> id
         ok = isinstance(data, dict) and len(data) >= 256 and all(
@@ -154,13 +154,13 @@ def write_bpe_files(directory: Path, tokens: list[str], merges: list[tuple[str, 
 
 
 def _read_json(path: Path):
-    return jsonio.read(path)
+    return inputs.read_json(path)
 
 
 def _read_merges(path: Path) -> list[tuple[str, str]]:
     """merges.txt / vocab.bpe: a '#version' header, then one 'left right' pair per line, highest priority first."""
     merges = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), start=1):
+    for n, line in enumerate(inputs.read_text(path, SIDE_FILE_LIMIT, "a merges file").split("\n"), start=1):
         if not line or line.startswith("#version"):
             continue
         pair = line.split(" ")
@@ -217,17 +217,38 @@ def _mergeable_ranks(vocab: dict[str, int], merges: list[tuple[str, str]], where
 class StreamDecoder:
     """Turns tokens into text as they arrive. A character may span tokens (most emoji and CJK take two or three), so
     bytes are decoded incrementally: an incomplete UTF-8 sequence waits for its next token instead of printing as
-    U+FFFD. Invalid bytes (a model can emit any) become U+FFFD, as in HF's decode(errors="replace")."""
+    U+FFFD. Invalid bytes (a model can emit any) become U+FFFD, as in HF's decode(errors="replace").
 
-    def __init__(self, encoding: tiktoken.Encoding):
+    stop: strings the text ends before (HF's stop_strings). Text that may be the start of one is held back until
+    the next tokens tell; once one appears, `stopped` is set and nothing more comes out."""
+
+    def __init__(self, encoding: tiktoken.Encoding, stop: Sequence[str] = ()):
         self.encoding = encoding
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.stop = [s for s in stop if s]
+        self.stopped = False
+        self._held = ""
 
     def push(self, tokens) -> str:
-        return self._utf8.decode(b"".join(self.encoding.decode_single_token_bytes(int(t)) for t in tokens))
+        text = self._utf8.decode(b"".join(self.encoding.decode_single_token_bytes(int(t)) for t in tokens))
+        return self._until_stop(text) if self.stop else text
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
+        text = self._until_stop(self._utf8.decode(b"", final=True))
+        held, self._held = self._held, ""
+        return text + held
+
+    def _until_stop(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        text = self._held + text
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.stopped, self._held = True, ""
+            return text[:min(found)]
+        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        self._held = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold]
 
 
 # --- GPT-2's files from a bare list of token bytes (llm.c's tokenizer file) ------------------------------------

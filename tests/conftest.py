@@ -25,6 +25,40 @@ os.environ["GPT2PORT_NATIVE_CACHE"] = _NATIVE_CACHE
 
 TINY = hf_fixtures.TINY
 
+# `pytest -m quick`: a check of an install in minutes. Every command and the model once, on the tiny fixtures, by
+# the tests that prove its main promise (node ids, or a prefix that takes each parametrization); docs/testing.md.
+QUICK = (
+    "tests/test_package.py::test_no_module_past_a_readable_size",
+    "tests/test_package.py::test_help_and_usage_errors_import_neither_torch_nor_transformers",
+    "tests/test_model.py::test_logits_to_keep_computes_those_positions_logits",
+    "tests/test_checkpoint.py::test_a_changed_model_saves_and_loads_back_exactly",
+    "tests/test_convert.py::test_every_layout_converts_to_matching_logits[hub-fp32]",
+    "tests/test_convert.py::test_cli_convert_and_info",
+    "tests/test_convert.py::test_round_trip_to_hf_is_bit_exact",
+    "tests/test_safety.py::test_existing_output_needs_force",
+    "tests/hub/test_hub.py::test_download_name_converts_exactly_the_needed_files",
+    "tests/verification/test_verify.py::test_cli_json_pass_exit_0",
+    "tests/verification/test_verify.py::test_cli_fail_exit_1_text_and_json",
+    "tests/test_generate.py::test_greedy_equals_hf_generate_each_prompt",
+    "tests/test_generate.py::test_cli_streams_greedy_text_and_reports_prefill_and_decode_apart",
+    "tests/formats/test_gguf.py::test_cli_export_gguf",
+    "tests/formats/test_llmc.py::test_round_trip_is_bit_exact",
+    "tests/evaluation/test_input.py::test_the_table_the_json_and_the_model_card",
+    "tests/fast/test_native.py::test_doctor_builds_and_reports",
+    "tests/userclass/test_check.py::test_check_passes_and_prints_the_table_and_the_verdict",
+    "tests/training/test_finetune.py::test_loss_falls_and_the_result_is_an_ordinary_checkpoint",
+    "tests/lora/test_lora_cli.py::test_gpt2port_merge_of_the_run_adapter_gives_the_run_checkpoint",
+    "tests/test_quick.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "heavy" not in item.keywords and any(
+                item.nodeid == q or item.nodeid.startswith(q + ("" if q.endswith(".py") else "[")) or
+                item.nodeid.startswith(q + "::") for q in QUICK):
+            item.add_marker(pytest.mark.quick)
+
 
 @pytest.fixture
 def one_thread():

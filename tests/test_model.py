@@ -1,5 +1,6 @@
 """The fast layers' oneDNN kernel against F.linear (gpt2port.fast.kernels), its switch, the activation table that config
-validates against, and that nothing a user calls moves the global random state."""
+validates against, that nothing a user calls moves the global random state, and that torch.export takes the forward
+with its cache as tensors."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 import torch.nn as nn
 
 from gpt2port import GPT, GPTConfig
+from gpt2port.model import PastKV
 from gpt2port.config import ACTIVATIONS
 from gpt2port.errors import GPT2PortError
 from gpt2port.fast import Settings, accelerate
@@ -133,3 +135,40 @@ def test_logits_to_keep_computes_those_positions_logits():
         torch.testing.assert_close(model(idx, logits_to_keep=4)[0], full[:, -4:])
         at = torch.tensor([[0, 5], [10, 10], [3, 2]])
         torch.testing.assert_close(model(idx, logits_to_keep=at)[0], full[torch.arange(3)[:, None], at])
+
+
+def test_torch_export_takes_the_forward_with_the_cache_as_tensors():
+    """torch.export captures GPT.forward with a PastKV, sequence and cache lengths dynamic; the one program then
+    prefills from an empty cache and decodes token by token with the cache it returned, left padding included, and
+    gives the logits of the plain forward over the whole sequence (realistic-scale weights, an odd shape)."""
+    from gpt2port.targets.onnx import Step  # GPT.forward over a PastKV of flat tensors, returning the grown cache
+    from tests.realistic import make_realistic_
+
+    config = GPTConfig(n_layer=3, n_head=3, n_embd=24, vocab_size=67, n_positions=40)
+    model = make_realistic_(GPT(config), seed=5).eval()
+    batch, seq, past = (torch.export.Dim(n) for n in ("batch", "seq", "past"))
+    dims = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: torch.export.Dim("total")},
+            "position_ids": {0: batch, 1: seq}, "past": ({0: batch, 2: past},) * (2 * config.n_layer)}
+    example = PastKV([torch.randn(2, 3, 4, 8) for _ in range(3)], [torch.randn(2, 3, 4, 8) for _ in range(3)])
+    ids = torch.randint(0, 67, (2, 5))
+    with torch.no_grad():
+        program = torch.export.export(Step(model), (ids, torch.ones(2, 9, dtype=torch.long),
+                                                     torch.arange(4, 9).expand(2, 5),
+                                                     *[t for kv in zip(example.k, example.v) for t in kv]),
+                                      dynamic_shapes=dims).module()
+        tokens = torch.randint(0, 67, (2, 13))
+        pad = torch.tensor([0, 3])  # row 1: 3 padding tokens, then the first 10 of row 0's
+        tokens[1] = torch.cat((torch.zeros(3, dtype=torch.long), tokens[0, :10]))
+        mask = (torch.arange(13) >= pad.view(-1, 1)).long()
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = PastKV.empty(config, 2)
+        past_tensors = [t for kv in zip(cache.k, cache.v) for t in kv]
+        got = []
+        for start, end in ((0, 6), *((i, i + 1) for i in range(6, 13))):  # a prompt of 6, then 7 single tokens
+            logits, *past_tensors = program(tokens[:, start:end], mask[:, :end], positions[:, start:end],
+                                            *past_tensors)
+            got.append(logits)
+        got = torch.cat(got, 1)
+        assert past_tensors[0].shape == (2, 3, 13, 8)
+        torch.testing.assert_close(got[0], model(tokens[:1])[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1, 3:], model(tokens[1:, 3:])[0][0], rtol=1e-5, atol=1e-5)

@@ -3,20 +3,18 @@ for a jsonl file the line number (counted from 1, as an editor counts) and the f
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
 
 
 def read_text(path: str | Path, data: bytes | None = None) -> str:
-    """The file's text (data: its bytes, when they were read from an archive)."""
+    """The file's text (data: its bytes, when they were read from an archive), read through the gate."""
     path = Path(path)
-    if data is None and path.is_dir():
-        raise GPT2PortError(f"{path}: is a directory; --data takes a file")
-    data = path.read_bytes() if data is None else data
+    data = inputs.read_bytes(path, inputs.LIMITS["eval data"], "a --data file") if data is None else data
     if not data.strip():
         raise GPT2PortError(f"{path}: is empty")
     try:
@@ -27,17 +25,9 @@ def read_text(path: str | Path, data: bytes | None = None) -> str:
 
 def read_jsonl(path: str | Path) -> list[tuple[int, dict]]:
     """(line number, object) for every non-blank line."""
-    rows = []
-    for number, line in enumerate(read_text(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise GPT2PortError(f"{path}: line {number}: not JSON ({e.msg}, column {e.colno})") from None
-        if not isinstance(obj, dict):
-            raise GPT2PortError(f"{path}: line {number}: not a JSON object")
-        rows.append((number, obj))
+    rows = inputs.read_jsonl(path, inputs.LIMITS["eval data"], what="a --data file")
+    if not rows:
+        raise GPT2PortError(f"{path}: is empty")
     return rows
 
 
@@ -69,6 +59,8 @@ def lambada(path) -> list[Pair]:
         words = field(path, number, obj, "text").split(" ")
         if len(words) < 2:
             raise GPT2PortError(f"{path}: line {number}: text has no last word to predict (one word)")
+        if not words[-1].strip():  # " " alone would be scored: no word, a figure of nothing
+            raise GPT2PortError(f"{path}: line {number}: text ends in a space; it has no last word to predict")
         pairs.append(Pair(" ".join(words[:-1]), [" " + words[-1]]))
     if not pairs:
         raise GPT2PortError(f"{path}: holds no example")
@@ -97,25 +89,36 @@ def hellaswag(path, protocol: str = "harness") -> list[Pair]:
             raise GPT2PortError(f"{path}: line {number}: field 'endings' is not a non-empty list of strings")
         label = _label(path, number, obj, len(endings))
         if protocol == "nanogpt":
+            _nonempty(path, number, endings, "")
             pairs.append(Pair(field(path, number, obj, "ctx"), [" " + e for e in endings], label))
             continue
         ctx = field(path, number, obj, "ctx_a") + " " + field(path, number, obj, "ctx_b").capitalize()
         query = harness_preprocess(field(path, number, obj, "activity_label") + ": " + ctx)
         choices = [harness_preprocess(e) for e in endings]
+        _nonempty(path, number, choices, " after the harness's preprocessing")  # acc_norm divides by its length
         pairs.append(Pair(query, [" " + c for c in choices], label, [float(len(c)) for c in choices]))
     if not pairs:
         raise GPT2PortError(f"{path}: holds no example")
     return pairs
 
 
+def _nonempty(path, number: int, endings: list[str], after: str) -> None:
+    """An empty context is scored as the harness scores it (after the end-of-text token); an empty ending is not
+    scored at all: it has no length to normalize by, no token of its own."""
+    empty = next((i for i, e in enumerate(endings) if not e.strip()), None)
+    if empty is not None:
+        raise GPT2PortError(f"{path}: line {number}: ending {empty} is empty{after}")
+
+
 def _label(path, number: int, obj: dict, n: int) -> int:
     """The published files hold an int; the Hub's copy a string of one."""
     value = obj.get("label")
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    if isinstance(value, str) and re.fullmatch(r"\s*-?[0-9]{1,9}\s*", value):  # ASCII digits, few enough for int()
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         said = "missing" if "label" not in obj else "not an integer"
         raise GPT2PortError(f"{path}: line {number}: field 'label' {said}")
     if not 0 <= value < n:
-        raise GPT2PortError(f"{path}: line {number}: label {value} is out of range (0-{n - 1} for {n} endings)")
+        raise GPT2PortError(f"{path}: line {number}: label {str(value)[:20]} is out of range (0-{n - 1} for {n} "
+                            f"endings)")
     return value

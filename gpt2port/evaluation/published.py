@@ -17,6 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
 
 
@@ -76,8 +77,14 @@ def fetch(name: str, task: str, quiet: bool = False) -> Fetched:
     from gpt2port.hub.fetch import hf_bars, is_connection_error, first_line
 
     offline = hf.is_offline_mode()
+    cached = hf.try_to_load_from_cache(source.repo, source.file, revision=source.revision, repo_type="dataset")
     try:
         with hf_bars(quiet):
+            if not offline and not isinstance(cached, str):
+                # one request without retries first: a Hub out of reach is one line at once, where the download's
+                # own request retries five times over half a minute
+                hf.get_hf_file_metadata(hf.hf_hub_url(source.repo, source.file, repo_type="dataset",
+                                                      revision=source.revision))
             path = Path(hf.hf_hub_download(source.repo, source.file, repo_type="dataset", revision=source.revision,
                                            local_files_only=offline))
     except Exception as e:  # noqa: BLE001 - one line for the user whatever the client raised
@@ -92,7 +99,7 @@ def fetch(name: str, task: str, quiet: bool = False) -> Fetched:
     text = None
     if source.member is not None:
         try:
-            with zipfile.ZipFile(path) as archive:
+            with inputs.open_binary(path, what="a zip archive") as f, zipfile.ZipFile(f) as archive:
                 text = archive.read(source.member)  # its CRC checked as it is read
         except (zipfile.BadZipFile, KeyError) as e:
             raise GPT2PortError(f"--data {name}: {path}: no readable {source.member} ({e})") from None

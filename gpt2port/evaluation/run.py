@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -16,8 +17,17 @@ PROTOCOLS = ("harness", "nanogpt")
 
 def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None, against: str | None = None,
              protocol: str | None = None, dtype: str | None = None, device: str | None = None,
-             batch_tokens: int | None = None, progress=None) -> dict:
-    """The figures of `task` for the model at `ckpt` on the file at `data_path`, with the settings that made them."""
+             batch_tokens: int | None = None, progress=None, threads: int | None = None) -> dict:
+    """The figures of `task` for the model at `ckpt` on the file at `data_path`, with the settings that made them;
+    threads: torch's CPU threads while it runs (None: as they are)."""
+    from gpt2port.generate import check_threads, cpu_threads
+
+    check_threads(threads)
+    with cpu_threads(threads):
+        return _run_eval(ckpt, task, data_path, stride, against, protocol, dtype, device, batch_tokens, progress)
+
+
+def _run_eval(ckpt, task, data_path, stride, against, protocol, dtype, device, batch_tokens, progress) -> dict:
     if task not in TASKS:
         raise GPT2PortError(f"--task {task}: unknown (known: {', '.join(TASKS)})")
     if against is not None and task != "perplexity":
@@ -41,6 +51,7 @@ def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None,
               "dataset": Path(path).name}
     if fetched is not None:  # a published dataset by name: where it came from, and the hash it was checked by
         result.update(data=fetched.source, dataset=data_path, data_sha256=fetched.sha256)
+    check_batch_tokens(batch_tokens, loaded.model, device, against is not None)
     if task == "perplexity":
         from gpt2port.evaluation.windows import TOKENS_PER_BATCH, perplexity
 
@@ -49,7 +60,7 @@ def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None,
             raise GPT2PortError(f"{path}: holds {len(ids)} token; perplexity needs at least two")
         base = None
         if against is not None:
-            base = load(against, None, device).model  # at its file's dtype: the reference the model is judged by
+            base = load(against, None, device, "the --against base").model  # at its file's dtype: the reference
             result["against"] = against
         result.update(perplexity(loaded.model, ids, text, stride, base, progress, batch_tokens or TOKENS_PER_BATCH,
                                  ranks))
@@ -70,6 +81,26 @@ def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None,
     if ranks.world > 1:
         result["ranks"] = ranks.world
     return result
+
+
+def check_batch_tokens(batch_tokens: int | None, model, device: str, two: bool = False) -> None:
+    """--batch-tokens sized before any batch runs: a batch's logits (and their log-softmax, in fp32) and activations,
+    twice with --against, must fit in the device's memory (the CPU's: its physical memory)."""
+    if batch_tokens is None:
+        return
+    import torch
+
+    c = model.config
+    per_token = 4 * (2 * c.vocab_size + 16 * c.n_embd) * (2 if two else 1)
+    if str(device).startswith("cuda"):
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if batch_tokens * per_token > total:
+        need = batch_tokens * per_token / 1e9
+        raise GPT2PortError(f"--batch-tokens {batch_tokens}: a batch would need about {need:,.1f} GB ({per_token:,} "
+                            f"bytes a token), more than the {total / 1e9:,.1f} GB of {device}; "
+                            f"at most {total // per_token:,} fit (default 4096)")
 
 
 def _data_file(data_path: str, task: str, progress=None) -> tuple[Path, published.Fetched | None]:
@@ -96,8 +127,10 @@ def command_output(ckpt: str, settings: dict, as_json: bool, model_card: bool, q
     if as_json and model_card:
         raise GPT2PortError("--json and --model-card: choose one")
     progress = StatusLine("eval", quiet or not first(), lines=True, tick=1.0)
-    result = run_eval(ckpt, settings.pop("task"), settings.pop("data"), progress=progress, **settings)
-    progress(None)
+    try:
+        result = run_eval(ckpt, settings.pop("task"), settings.pop("data"), progress=progress, **settings)
+    finally:
+        progress(None)  # the line cleared and its ticker stopped, on errors too
     if not first():
         return None
     for note in result["notes"]:

@@ -7,14 +7,15 @@
 What is here, one module per concern:
 - settings.py  Settings: which accelerations to use, passed explicitly (`generate` takes one).
 - native.py    gpt2port's own C kernels (matvec.c: one row times a weight; attention.c: attention for one new
-               token), built on purpose into a per-machine cache and registered as torch.ops.gpt2port.*.
+               token; int4.c: 4-bit weights), built on purpose into a per-machine cache and registered as
+               torch.ops.gpt2port.*.
+- int4.py      the int4 kernel checked before use, its quantizer, and the loader of an int4 model (gpt2port.quant4).
 - kernels.py   `choose`, the one function that picks each product's kernel, and `accelerate`, which replaces the
                model's linear layers by ones that use it (same Parameters, same product), and its dropouts by
                ones that skip F.dropout out of training.
 - cache.py     the KV cache generation hands the model: one new token's attention on gpt2port's kernel where it
                computes what model.KVCache.attend does.
-- graph.py     the decode step: the model's own forward, traced on the CPU (one row), on a GPU optionally
-               recorded as a CUDA graph.
+- graph.py     the decode step: the model's own forward, on a GPU optionally recorded as a CUDA graph.
 - speed.py     the memory-bandwidth floor that decode rates are compared with.
 - doctor.py    `gpt2port doctor`: builds the kernels and says what generation will run on.
 

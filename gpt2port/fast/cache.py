@@ -1,7 +1,7 @@
 """The KV cache generation hands the model: model.KVCache, with attention for one new token of one unpadded row on
 gpt2port's kernel (attention.c, torch.ops.gpt2port.attend_one), which also writes the new key and value into the
 cache. The model's attention calls `cache.attend` for its arithmetic over the cache; this cache answers the one case
-the kernel serves (the position a number, or a one-element tensor that the kernel reads when it runs: a traced
+the kernel serves (the position a number, or a one-element tensor that the kernel reads when it runs: a captured
 forward's) and leaves every other (a prompt, a batch, padding, autograd) to KVCache.
 
 The kernel stands in for KVCache.attend only where it computes the same: before it is used it is run beside
@@ -26,11 +26,11 @@ class KernelCache(KVCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # numbers, not sizes read from q (which a trace records, and replays the arithmetic of, every step)
+        # numbers, not sizes read from q (which a capture records, and replays the arithmetic of, every step)
         self.heads, self.head_dim = int(self.k.size(2)), int(self.k.size(4))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos, scale):
-        # pos a number, or a one-element tensor (a traced forward's: the kernel reads it at each replay)
+        # pos a number, or a one-element tensor (a captured forward's: the kernel reads it at each replay)
         at = pos < self.max_len if isinstance(pos, int) else _position(pos)
         if at and q.size(0) == 1 and q.size(2) == 1 and self.pad is None and q.dtype == self.k.dtype and \
                 not torch.is_grad_enabled():
@@ -42,7 +42,7 @@ class KernelCache(KVCache):
                 qkv = q.as_strided((3 * C,), (1,))
             else:
                 qkv = torch.cat((q, k, v)).view(-1)  # (3, H, 1, D): q, k, v in the layout attend_one reads
-            # named overloads: a one-element tensor would pass for the number too, and be traced as a constant
+            # named overloads: a one-element tensor would pass for the number too, and be captured as a constant
             attend = torch.ops.gpt2port.attend_one.default if isinstance(pos, int) else torch.ops.gpt2port.attend_one.at
             y = attend(qkv, self.k[layer], self.v[layer], pos, scale)
             return y.view(1, 1, H, D).transpose(1, 2)  # (1, H, 1, D), as SDPA returns it

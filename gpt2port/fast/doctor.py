@@ -40,9 +40,9 @@ def report(settings: Settings | None = None) -> list[str]:
                      f"{choose(w, None, 1, settings)}, prefill on {choose(w, None, 2, settings)}")
     lines.append("generate --dtype int8: decode products on " + ("fbgemm" if _fbgemm_works() else "int8pack"))
     one_row = settings.native and settings.attend_one and native.kernels().attend_one
-    traced = ("traced once and replayed" if one_row else "not traced (attention is not on gpt2port's kernel)") \
-        if settings.trace else "not traced (GPT2PORT_TRACE=0)"
-    lines.append(f"decode steps of one row on the CPU: the model's forward, {traced}")
+    compiled = ("compiled by torch.compile" if one_row else "not compiled (attention is not on gpt2port's kernel)") \
+        if settings.compile else "not compiled (GPT2PORT_COMPILE=1 compiles it)"
+    lines.append(f"decode steps of one row on the CPU: the model's forward, {compiled}")
     if torch.cuda.is_available():
         graph = "recorded as a CUDA graph" if settings.cuda_graph else "not recorded (GPT2PORT_CUDA_GRAPH=1 records it)"
         lines.append(f"CUDA: {torch.cuda.get_device_name()}; decode step {graph}")

@@ -1,32 +1,30 @@
-"""The decode step: the model's own forward for one new token per row, called as it is, traced on the CPU, or on a
-GPU recorded as a CUDA graph; both captures are replayed per token. Nothing here computes any of the model: a trace
-and a graph are the forward, recorded.
+"""The decode step: the model's own forward for one new token per row, called as it is, compiled by torch.compile
+on the CPU (opt-in), or on a GPU recorded as a CUDA graph. Nothing here computes any of the model: a compiled step
+and a graph are the forward, captured.
 
-Why a trace on the CPU: a step is ~400 small operations, called from Python through ~140 module calls, and that
-Python is a visible share of a step (docs/performance.md). PyTorch's tracer (torch.jit.trace) records every
-operation the forward ran, on the kernels it ran them on (the swapped layers' included), and its interpreter replays
-them without the Python between them. It is the one capture that does so without compiling: torch.compile's
-backends either run the captured graph from Python again or compile for minutes (docs/architecture.md). The trace
-is taken where gpt2port's attention kernel serves the cache (one unpadded row); elsewhere attention over the cache
-would be recorded over every slot, masked. What a trace cannot hold: Python that reads a tensor's value (an `if` on
-a tensor, an `int(t)`) is frozen at the value it had while tracing; the checks below see it where the value changes
-by then (as a position does), and Settings(trace=False) or GPT2PORT_TRACE=0 keeps to the forward as it is.
+On the CPU a step is, by default, the forward called from Python, on the kernels gpt2port.fast swapped in (layers
+and the cache's attention): ~140 module calls a token. It was traced with TorchScript's tracer and replayed without
+that Python; TorchScript is deprecated, and the private graph passes it needed are no supported API, so nothing
+here uses either. The supported capture is torch.compile (Inductor, with its C++ wrapper on the CPU), `Compiled`:
+the same forward, its one-row products and attention still gpt2port's operators, the rest compiled to C++. Its
+first compile of a model shape takes minutes on 2 cores, and a process with Inductor's cache on disk filled still
+spends seconds tracing the forward again, for a gain per token within the noise of what was measured, so it is
+asked for, not the default: Settings(compile=True) or GPT2PORT_COMPILE=1 (docs/performance.md).
 
 Why a graph on a GPU: a step is a few hundred small kernels each launched from Python, bound by launches rather than
 by memory; a graph records them once and replays them with one launch.
 
-Both replay fixed operations, so what they record is the forward's static-shape form: GPT.forward with the position
-a (1,) tensor, which the cache's attention reads when it runs (gpt2port's kernel on the CPU; on a GPU, KVCache.attend
-writes at it by index_copy_ and reads over every slot of the cache, masked). Before a capture is trusted, its first
-replays are checked against the forward called as it is, at the same positions (a trace at two, so that a frozen
-position shows); where they differ, or the forward cannot be captured, decoding goes on without it and says why
+Both captures take the forward's static-shape form: GPT.forward with the position a (1,) tensor, which the cache's
+attention reads when it runs (gpt2port's kernel on the CPU; on a GPU, KVCache.attend writes at it by index_copy_
+and reads over every slot of the cache, masked). Before a capture is trusted, its first steps are checked against
+the forward called as it is, at the same positions (a compiled step at two, so that a position read in Python and
+frozen shows); where they differ, or the forward cannot be captured, decoding goes on without it and says why
 (`generate -v`).
 """
-
 from __future__ import annotations
 
+import functools
 import warnings
-import weakref
 
 import torch
 
@@ -101,136 +99,75 @@ class Graphed(Forward):
         self.graph = graph
 
 
-class _Holder(torch.nn.Module):
-    """A module for the tracer whose attributes are the C++ objects the traced function uses, and nothing else."""
-
-    def __init__(self, function, objects: list):
-        super().__init__()
-        self.__dict__["function"] = function  # not an attribute the tracer would look into
-        for i, o in enumerate(objects):
-            setattr(self, f"object{i}", o)
-
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.function(*args)
+COMPILE_CHECKS = 2  # positions at which a compiled step is checked: one that froze the position agrees at the first
 
 
-TRACE_CHECKS = 2  # positions at which a new trace is checked: one that froze the position agrees at the first only
-# Traces kept while their model lives, by what decides the operations traced (the settings, the cache's dtype, the
-# C++ objects a trace holds): a later generation replays one after checking it at its first step, and traces anew
-# where it disagrees (the model changed since).
-_TRACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _step(model, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return model(ids, cache=cache, pos=pos, logits_to_keep=1)[0]  # what is compiled: the forward, as it is
 
 
-def _fold_shapes(trace, args: tuple) -> None:
-    """The trace's arithmetic on sizes folded into numbers, in place: a step's shapes are fixed, and the tracer records
-    each size the forward reads (~half of a step's operations). PyTorch's own graph passes, which are private: where
-    they fail the trace stays as it was; what they leave is checked with the rest of the trace."""
-    graph, inputs = (trace.forward.graph, (trace._c, *args)) if hasattr(trace, "forward") else (trace.graph, args)
-    try:
-        torch._C._jit_pass_complete_shape_analysis(graph, inputs, False)
-        torch._C._jit_pass_peephole(graph, False)
-        torch._C._jit_pass_constant_propagation(graph)
-        torch._C._jit_pass_dce(graph)
-    except (AttributeError, RuntimeError):
-        pass
+@functools.cache
+def _compiled_step():
+    """_step under torch.compile, made once a process: dynamo keeps what it compiled for each model and cache shape
+    it met (guarded, so a changed model is compiled again), Inductor's cache on disk what it built (TORCHINDUCTOR_
+    CACHE_DIR, else a directory under the system's temp directory), so that a later process builds nothing."""
+    return torch.compile(_step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
 
 
-class Traced(Forward):
-    """The same forward traced on its first call, replayed on the later ones (one unpadded row on the CPU)."""
+class Compiled(Forward):
+    """The same forward compiled by torch.compile on its first call (one unpadded row on the CPU), checked against
+    the forward as it is at its first COMPILE_CHECKS steps, then run compiled."""
 
-    def __init__(self, model, cache: KVCache, settings: Settings, attention: str = ""):
-        super().__init__(model, cache, "the model's forward, traced once and replayed", attention)
-        self.pos = torch.zeros(1, dtype=torch.long)
-        # The trace's inputs besides the token and position: the model's tensors and the cache's, read and written
-        # where they are, not copied
-        self.tensors = (*dict.fromkeys([*model.parameters(), *model.buffers()]), cache.k, cache.v)
-        # Objects of PyTorch's C++ classes the forward passes to operators (fbgemm's packed int8 weights) can be no
-        # input: a trace holds them
-        self.objects = [v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.ScriptObject)]
-        self.key = (settings, cache.k.dtype, tuple(map(id, self.objects)))
-        self.trace = _TRACES.get(model, {}).get(self.key)
-        self.reused = self.trace is not None
-        self.unchecked = 1 if self.reused else TRACE_CHECKS
-        self.declined = False
+    def __init__(self, model, cache: KVCache, attention: str = ""):
+        super().__init__(model, cache, "the model's forward, compiled by torch.compile (Inductor)", attention)
+        # the step's inputs, each a tensor of its own (generation's ids are a view of its tokens, whose strides grow:
+        # each new stride would be compiled anew)
+        self.ids, self.pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        self.unchecked, self.declined = COMPILE_CHECKS, False
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         if self.declined or torch.is_grad_enabled():
             return super().__call__(ids, pos)
+        self.ids.copy_(ids)
         self.pos.fill_(pos)
         if not self.unchecked:
-            return self._replay(ids)
-        # Checked: the forward as it is (the first time, the run that traced it), then the replay from the cache as
-        # it was before (a wrong trace may write anywhere; what lies past `pos` is written before it is read)
+            return _compiled_step()(self.model, self.cache, self.ids, self.pos)
+        # Checked: the compiled step from the cache as it is, then the slots it may have written put back (a wrong
+        # step may write anywhere up to pos; what lies past it is written before it is read) and the forward as it is
         self.unchecked -= 1
         written = self.cache.k[..., : pos + 1, :], self.cache.v[..., : pos + 1, :]
         kept = [t.clone() for t in written]
-        eager = self._take(ids) if self.trace is None else self._forward(ids)
-        if self.declined:
-            return eager if eager is not None else super().__call__(ids, pos)
-        for t, old in zip(written, kept):
-            t.copy_(old)
         try:
-            logits = self._replay(ids)
-        except RuntimeError:  # a kept trace that no longer fits the model
-            logits = None
-        if logits is not None and torch.equal(logits, eager):
-            return logits
+            with warnings.catch_warnings():  # the compiler's notes are not for the user; a failure is said below
+                warnings.simplefilter("ignore")
+                got = _compiled_step()(self.model, self.cache, self.ids, self.pos)
+        except Exception as e:  # noqa: BLE001 - the compiler raises many kinds; each means: decode without it
+            got = None
+            self._decline(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
         for t, old in zip(written, kept):
             t.copy_(old)
-        if self.reused:  # kept from an earlier generation, of a model that changed since: traced again next step
-            _TRACES[self.model].pop(self.key, None)
-            self.trace, self.reused, self.unchecked = None, False, TRACE_CHECKS
-        else:
-            self._decline(f"its trace disagreed with it at position {pos}")
-        return super().__call__(ids, pos)
-
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids, cache=self.cache, pos=self.pos, logits_to_keep=1)[0]  # what is traced, as it is
-
-    def _replay(self, ids: torch.Tensor) -> torch.Tensor:
-        with torch.jit.optimized_execution(False):  # the operations as recorded: nothing fused or reordered
-            return self.trace(ids, self.pos, *self.tensors)
-
-    def _take(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Trace the step at self.pos and return what that run of the forward computed (None if it failed). A trace
-        of a function, its tensors inputs, is made in a fifth of the time of a trace of the module tree."""
-        # The traced function keeps this one, and what it holds: the model and the cache, weakly
-        model, cache, ran = weakref.ref(self.model), weakref.ref(self.cache), []
-
-        def step(ids: torch.Tensor, pos: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-            ran.append(model()(ids, cache=cache(), pos=pos, logits_to_keep=1)[0])
-            return ran[-1]
-
-        # The tracer's warnings are not for the user: that it is deprecated (it is kept as the one capture replayed
-        # without Python), and one per shape the forward looks at (shapes are fixed here; values the checks see).
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            try:
-                self.trace = torch.jit.trace(_Holder(step, self.objects) if self.objects else step,
-                                             (ids, self.pos, *self.tensors), check_trace=False)
-            except (RuntimeError, TypeError, ValueError) as e:  # the forward cannot be traced: it runs as it is
-                self._decline(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                return ran.pop() if ran else None
-        _fold_shapes(self.trace, (ids, self.pos, *self.tensors))
-        _TRACES.setdefault(self.model, {})[self.key] = self.trace
-        return ran.pop()
+        eager = super().__call__(ids, pos)
+        # Inductor fuses and orders the arithmetic its own way: the same numbers to float rounding, which in bf16
+        # is coarse (a wrong position or weight moves logits by far more)
+        tolerance = 1e-3 if eager.dtype == torch.float32 else 3e-2
+        if got is not None and not torch.allclose(got.float(), eager.float(), rtol=tolerance,
+                                                  atol=tolerance * float(eager.abs().max())):
+            self._decline(f"its compiled forward disagreed with it at position {pos}")
+        return eager
 
     def _decline(self, why: str) -> None:
-        if self.trace is not None:  # not kept for a later generation either
-            _TRACES.get(self.model, {}).pop(self.key, None)
-        self.declined, self.trace = True, None
-        self.how = f"the model's forward (not traced: {why})"
+        self.declined, self.how = True, f"the model's forward (not compiled: {why[:300]})"
 
 
 def decode_step(model, cache: KVCache, settings: Settings, attention: str = "") -> Forward:
-    """How generation runs one token per row: the model's forward, traced on the CPU for one unpadded row when
-    settings.trace, recorded as a CUDA graph on a CUDA device when settings.cuda_graph, where nothing forbids it.
+    """How generation runs one token per row: the model's forward, compiled on the CPU for one unpadded row when
+    settings.compile, recorded as a CUDA graph on a CUDA device when settings.cuda_graph, where nothing forbids it.
     `.description` says which (and `attention`, what the cache said)."""
     on_cuda = cache.k.device.type == "cuda"
-    why = _why_not_captured(model, cache, settings.cuda_graph if on_cuda else settings.trace)
+    why = _why_not_captured(model, cache, settings.cuda_graph if on_cuda else settings.compile)
     if why is None:
-        return Graphed(model, cache, attention) if on_cuda else Traced(model, cache, settings, attention)
-    kind = "CUDA graph" if on_cuda else "trace"
+        return Graphed(model, cache, attention) if on_cuda else Compiled(model, cache, attention)
+    kind = "CUDA graph" if on_cuda else "compile"
     return Forward(model, cache, "the model's forward" + (f" (no {kind}: {why})" if why else ""), attention)
 
 
@@ -240,8 +177,8 @@ def _why_not_captured(model, cache: KVCache, asked: bool) -> str | None:
         return ""
     if cache.k.device.type == "cpu" and not isinstance(cache, KernelCache):  # a batch, or the kernel declined
         return "attention is not on gpt2port's kernel"
-    if not hasattr(torch.jit, "trace") and cache.k.device.type == "cpu":
-        return f"this PyTorch ({torch.__version__}) has no tracer"
+    if cache.k.device.type == "cpu" and getattr(model, "quantized", None) == "int8":
+        return "int8's one-row products take fbgemm's packed weights, which torch.compile cannot take"
     if any(m.training for m in model.modules()):
         return "the model is in training mode"
     if hooked(model):

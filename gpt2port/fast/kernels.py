@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from gpt2port.fast import native
 from gpt2port.fast.settings import Settings
 from gpt2port.quant import Int8Linear
+from gpt2port.quant4 import Int4Linear
 
 LINEAR, ONEDNN, NATIVE = "F.linear", "oneDNN", "gpt2port's one-row kernel"
 
@@ -82,15 +83,13 @@ class FastLinear(nn.Linear):
         if torch.is_grad_enabled() or x.dtype is not dtype or weight.dtype is not dtype or x.device != device:
             return F.linear(x, weight, bias)
         if x.numel() == self.in_features:
-            if self.matvec is not None and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and self.matvec is not None:
                 return self.matvec(x, weight, bias)
             kind = self.one_row
         else:
             kind = self.rows
         if kind == ONEDNN and torch.compiler.is_compiling():  # a private op the compiler cannot trace
             return F.linear(x, weight, bias)
-        if kind == ONEDNN and torch.jit.is_tracing():  # nor the tracer record (fast.graph.Traced says so)
-            raise RuntimeError("an fp32 product runs on oneDNN, whose arguments the tracer cannot record")
         return product(kind, x, weight, bias)
 
 
@@ -98,6 +97,29 @@ class FastInt8Linear(Int8Linear):
     """Int8Linear whose many-row products multiply each dequantized block on choose's kernel (oneDNN for fp32)."""
 
     settings: Settings
+
+    def dense(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return product(choose(weight, bias, rows.size(0), self.settings), rows, weight, bias)
+
+
+class FastInt4Linear(Int4Linear):
+    """Int4Linear whose one-row product calls the operator's C++ entry (a decode step makes ~50: the overload's Python
+    __call__ is a frame more each), and whose dequantized blocks multiply on choose's kernel (oneDNN for fp32)."""
+
+    settings: Settings
+
+    @classmethod
+    def of(cls, layer: Int4Linear, settings: Settings | None = None) -> Int4Linear:
+        new = super().of(layer)
+        new.settings = settings or Settings()
+        op = torch.ops.gpt2port.matvec_int4.default
+        new.op = getattr(op, "_op", op)
+        return new
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return super().matvec(x)
+        return self.op(x, self.weight, self.bias, self.padded)
 
     def dense(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return product(choose(weight, bias, rows.size(0), self.settings), rows, weight, bias)
@@ -122,6 +144,8 @@ def _fast(layer: nn.Module, settings: Settings) -> nn.Module:
         return FastDropout.of(layer)
     if type(layer) is nn.Linear:
         return FastLinear.of(layer, settings)
+    if type(layer) is Int4Linear:
+        return FastInt4Linear.of(layer, settings)
     fast = FastInt8Linear.of(layer)
     fast.settings = settings
     return fast
@@ -133,11 +157,14 @@ def _plain(layer: nn.Module) -> nn.Module:
         return FastLinear.of(layer)
     if type(layer) is FastDropout:
         return FastDropout.of(layer, fast=False)
+    if type(layer) is FastInt4Linear:
+        return Int4Linear.of(layer)
     return Int8Linear.of(layer) if type(layer) is FastInt8Linear else layer
 
 
 # Exact types only: a user's subclass (whose forward may compute something else) keeps its own.
-PLAIN_LAYERS, FAST_LAYERS = (nn.Linear, Int8Linear, nn.Dropout), (FastLinear, FastInt8Linear, FastDropout)
+PLAIN_LAYERS = (nn.Linear, Int8Linear, Int4Linear, nn.Dropout)
+FAST_LAYERS = (FastLinear, FastInt8Linear, FastInt4Linear, FastDropout)
 
 
 def _swappable(model: nn.Module, kinds: tuple = PLAIN_LAYERS + FAST_LAYERS) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -148,13 +175,12 @@ def _swappable(model: nn.Module, kinds: tuple = PLAIN_LAYERS + FAST_LAYERS) -> l
 
 
 def accelerate(model: nn.Module, settings: Settings | None = None) -> nn.Module:
-    """Replace the model's linear layers (exactly nn.Linear or Int8Linear, without hooks) by fast ones computing
-    the same product on choose's kernels, and its dropouts (exactly nn.Dropout) by FastDropout, in place, and return
-    it. Each new layer holds the old one's Parameters
-    and buffers (so a state_dict, a tied head, an optimizer's references are the same); it is set where the old one
-    was, as a submodule (a layer given alone is returned replaced). With native kernels asked for, they are
-    built or loaded here (once per machine, with a line on stderr). Calling it again re-chooses with the new
-    settings."""
+    """Replace the model's linear layers (exactly nn.Linear, Int8Linear or Int4Linear, without hooks) by fast ones
+    computing the same product on choose's kernels, and its dropouts (exactly nn.Dropout) by FastDropout, in place,
+    and return it. Each new layer holds the old one's Parameters and buffers (so a state_dict, a tied head, an
+    optimizer's references are the same); it is set where the old one was, as a submodule (a layer given alone is
+    returned replaced). With native kernels asked for, they are built or loaded here (once per machine, with a line
+    on stderr). Calling it again re-chooses with the new settings."""
     settings = settings or Settings.from_env()
     if type(model) in PLAIN_LAYERS + FAST_LAYERS:  # a layer alone: its replacement is returned
         return _fast(_plain(model), settings)

@@ -1,6 +1,7 @@
 """gpt2port's own CPU kernels for a decode step, fp32 and bf16, built on purpose with the machine's C compiler and
-offered to PyTorch as operators: torch.ops.gpt2port.matvec, one row times a weight (matvec.c), and
-torch.ops.gpt2port.attend_one, attention for one new token of one sequence (attention.c).
+offered to PyTorch as operators: torch.ops.gpt2port.matvec, one row times a weight (matvec.c),
+torch.ops.gpt2port.attend_one, attention for one new token of one sequence (attention.c), and the 4-bit weights'
+products of gpt2port.quant4 (int4.c: matvec_int4, dequantize_int4; fast/int4.py checks them).
 
 Why: a decode step is ~50 one-row products, and the kernels PyTorch ships stream GPT-2's narrow weights well below
 what the memory gives (matvec.c says why and how its loops differ); attention for one token is small work that
@@ -37,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 # The library's C files, and the header they share (part of what a build is named after).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "attention.c", "int4.c"))
 HEADERS = (Path(__file__).with_name("vectors.h"),)
 LIBRARY_NAME = "libgpt2port_native.so"
 BINDING_SOURCE, BINDING_NAME = Path(__file__).with_name("native_ops.cpp"), "libgpt2port_ops.so"
@@ -54,7 +56,7 @@ FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"])
 # PyTorch's headers want C++17 or later; C++20 spares warnings from recent ones.
 BINDING_FLAG_SETS = (["-O2", "-std=c++20"], ["-O2", "-std=c++17"])
 BUILD_TIMEOUT_S = 120
-BUILD_MESSAGE = "gpt2port: building gpt2port's CPU kernels, once, ~10 s"
+BUILD_MESSAGE = "gpt2port: building gpt2port's CPU kernels, once per machine (two compiler runs, 10-60 s)"
 # What it multiplies: the dtype of weight, activations, bias and result alike -> the library's function for it
 FUNCTIONS = {torch.float32: "gpt2port_matvec", torch.bfloat16: "gpt2port_matvec_bf16"}
 
@@ -80,7 +82,7 @@ class Kernels:
 def kernels() -> Kernels:
     """Build (or load the cached build of) the library and its operators, once per process, and register
     torch.ops.gpt2port.matvec / attend_one where they work. Never raises: a failure is reported in the result."""
-    cache = cache_dir()
+    cache, announced = cache_dir(), _announce.cache_info().currsize
     # Both builds under one hold of the cache's lock: of N processes starting together, one builds the library and
     # its operators (and says so once); the others wait, then load both.
     with _locked(cache / ".lock", create_parent=True):
@@ -89,6 +91,8 @@ def kernels() -> Kernels:
             return Kernels(None, why_not, why_not)
         _define_ops()
         binding_why_not = bind(cache, compiler("CXX"), lib, lock=False)
+    if _announce.cache_info().currsize > announced:  # built here: the time it took, measured
+        print(f"gpt2port: CPU kernels built in {time.perf_counter() - _announce():.1f} s", file=sys.stderr, flush=True)
     if binding_why_not is not None:
         with warnings.catch_warnings():  # over a C++ kernel that loaded but failed its probe: meant to replace it
             warnings.simplefilter("ignore")
@@ -106,12 +110,17 @@ def _define_ops() -> None:
     _OPS = torch.library.Library("gpt2port", "DEF")
     _OPS.define("matvec(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
     _OPS.define("attend_one(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, int length, float? scale) -> Tensor")
-    # the position as a one-element tensor: what a traced forward replays with a new value each step
+    # the position as a one-element tensor: what a captured forward replays with a new value each step
     _OPS.define("attend_one.at(Tensor qkv, Tensor(a!) keys, Tensor(b!) values, Tensor length, float? scale) -> Tensor")
     _OPS.impl("matvec", lambda x, weight, bias: weight.new_empty(*x.shape[:-1], weight.size(0)), "Meta")
     for name in ("attend_one", "attend_one.at"):
         _OPS.impl(name, lambda qkv, keys, values, length, scale: qkv.new_empty(*qkv.shape[:-1], qkv.size(-1) // 3),
                   "Meta")
+    # 4-bit weights (int4.c, gpt2port.quant4): packed rows (n, k / 2 + k / 8) uint8 of k numbers
+    _OPS.define("matvec_int4(Tensor x, Tensor packed, Tensor? bias, int k) -> Tensor")
+    _OPS.define("dequantize_int4(Tensor packed, int k) -> Tensor")
+    _OPS.impl("matvec_int4", lambda x, packed, bias, k: x.new_empty(*x.shape[:-1], packed.size(0)), "Meta")
+    _OPS.impl("dequantize_int4", lambda packed, k: packed.new_empty(packed.size(0), k, dtype=torch.float32), "Meta")
 
 
 def _matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -291,9 +300,10 @@ def _build(command: list[str], path: Path, lock: bool = True) -> str | None:
 
 
 @functools.cache
-def _announce() -> None:
-    """One line on stderr when this process starts building (a user waiting ~10 s is told why, once)."""
+def _announce() -> float:
+    """One line on stderr when this process starts building (a user waiting is told why, once); when it started."""
     print(BUILD_MESSAGE, file=sys.stderr, flush=True)
+    return time.perf_counter()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 // The kernels of gpt2port's operators on the CPU, in C++: gpt2port::matvec (one row times a weight, matvec.c) and
-// gpt2port::attend_one (attention for one new token, attention.c), each checking its arguments, then calling the
+// gpt2port::attend_one (attention for one new token, attention.c), gpt2port::matvec_int4 and dequantize_int4 (4-bit
+// weights, int4.c), each checking its arguments, then calling the
 // library gpt2port/fast/native.py built from those C files.
 //
 // Why C++: a decode step makes ~50 one-row products (~200 at 1.5B), and a kernel written in Python costs each a round
@@ -26,6 +27,9 @@ void gpt2port_attend_one(const float *qkv, float *K, float *V, float *y, int64_t
                          int64_t length, float scale, float *scratch, int threads);
 void gpt2port_attend_one_bf16(const uint16_t *qkv, uint16_t *K, uint16_t *V, uint16_t *y, int64_t H, int64_t T,
                               int64_t D, int64_t length, float scale, float *scratch, int threads);
+int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k,
+                         int threads);
+void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int threads);
 }
 
 namespace {
@@ -117,10 +121,51 @@ at::Tensor attend_one_at(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &va
   return attend_one(qkv, keys, values, *length.const_data_ptr<int64_t>(), scale);
 }
 
+// int4.c's packed rows (n, k / 2 + k / 8) uint8 of k numbers, k a multiple of 32.
+bool packed_int4(const at::Tensor &packed, int64_t k) {
+  return packed.scalar_type() == at::kByte && packed.device().is_cpu() && packed.dim() == 2 &&
+         packed.is_contiguous() && k > 0 && k % 32 == 0 && packed.size(1) == k / 2 + k / 8;
+}
+
+// x one row (1, ..., k) fp32, packed int4 rows, bias (n,) fp32 -> (1, ..., n) fp32
+at::Tensor matvec_int4(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                       int64_t k) {
+  TORCH_CHECK_VALUE(packed_int4(packed, k) && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 &&
+                        x.size(-1) == k && x.numel() == k &&
+                        (!bias || (bias->scalar_type() == at::kFloat && bias->device().is_cpu() &&
+                                   bias->is_contiguous() && bias->numel() == packed.size(0))),
+                    "gpt2port::matvec_int4 takes one fp32 row of k numbers (1, ..., k), k a multiple of 32, and "
+                    "contiguous packed rows (n, k / 2 + k / 8) uint8; got x ", shape(x), " ", x.scalar_type(),
+                    ", packed ", shape(packed), " ", packed.scalar_type(), ", k ", k);
+  int64_t n = packed.size(0);
+  std::vector<int64_t> shape_of_y = x.sizes().vec();
+  shape_of_y.back() = n;
+  at::Tensor y = at::empty(shape_of_y, x.options());
+  at::Tensor row = x.contiguous();
+  int status = gpt2port_matvec_int4(packed.const_data_ptr<uint8_t>(), row.const_data_ptr<float>(),
+                                    bias ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), n,
+                                    k, at::get_num_threads());
+  TORCH_CHECK(status == 0, "gpt2port::matvec_int4: out of memory for its scratch");
+  return y;
+}
+
+// packed int4 rows (n, k / 2 + k / 8) -> the fp32 rows (n, k) they stand for
+at::Tensor dequantize_int4(const at::Tensor &packed, int64_t k) {
+  TORCH_CHECK_VALUE(packed_int4(packed, k),
+                    "gpt2port::dequantize_int4 takes contiguous packed rows (n, k / 2 + k / 8) uint8, k a multiple "
+                    "of 32; got ", shape(packed), " ", packed.scalar_type(), ", k ", k);
+  at::Tensor w = at::empty({packed.size(0), k}, packed.options().dtype(at::kFloat));
+  gpt2port_dequantize_int4(packed.const_data_ptr<uint8_t>(), w.mutable_data_ptr<float>(), packed.size(0), k,
+                           at::get_num_threads());
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gpt2port, CPU, m) {
   m.impl("matvec", matvec);
   m.impl("attend_one", attend_one);
   m.impl("attend_one.at", attend_one_at);
+  m.impl("matvec_int4", matvec_int4);
+  m.impl("dequantize_int4", dequantize_int4);
 }

@@ -15,15 +15,17 @@ class Settings:
     attend_one: bool = True  # gpt2port's attention for one new token of one sequence (attention.c)
     onednn: bool = True  # fp32 products of several rows (prefill) on oneDNN rather than F.linear's MKL
     cuda_graph: bool = False  # decode steps (the model's forward) as a CUDA graph on CUDA: opt-in until a GPU proves it
-    trace: bool = True  # one row's decode steps on the CPU: the model's forward traced once and replayed (fast.graph)
+    # one row's decode steps on the CPU: the model's forward compiled by torch.compile (Inductor), opt-in: its first
+    # compile of a model shape takes minutes on 2 cores, a start with it cached still seconds (docs/performance.md)
+    compile: bool = False
 
     @classmethod
     def from_env(cls) -> "Settings":
         """The defaults, with GPT2PORT_NATIVE=0 (no C build), GPT2PORT_CUDA_GRAPH=1 (record the decode step) and
-        GPT2PORT_TRACE=0 (no trace) applied: how the command line is switched without a flag."""
+        GPT2PORT_COMPILE=1 (compile it on the CPU) applied: how the command line is switched without a flag."""
         return cls(native=os.environ.get("GPT2PORT_NATIVE", "1") != "0",
                    cuda_graph=os.environ.get("GPT2PORT_CUDA_GRAPH", "0") == "1",
-                   trace=os.environ.get("GPT2PORT_TRACE", "1") != "0")
+                   compile=os.environ.get("GPT2PORT_COMPILE", "0") == "1")
 
 
-OFF = Settings(native=False, attend_one=False, onednn=False, cuda_graph=False, trace=False)
+OFF = Settings(native=False, attend_one=False, onednn=False, cuda_graph=False)

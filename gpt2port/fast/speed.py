@@ -83,7 +83,7 @@ def decode_report(model, device: str | torch.device, rate: float, how: str | Non
         elif built is not None and built.binding_why_not is not None:
             lines.append(f"gpt2port's one-row kernel is reached through Python, a few us slower a product: "
                          f"{built.binding_why_not}")
-    if model.quantized:
+    if model.quantized == "int8":
         from gpt2port.quant import Int8Linear
 
         layers = [m for m in model.modules() if isinstance(m, Int8Linear)]

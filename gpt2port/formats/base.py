@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import hashing
+from gpt2port import hashing, inputs
 from gpt2port.errors import GPT2PortError
 
 FLOAT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
@@ -106,7 +106,7 @@ class TensorStream:
         self.info = info
         self.hashes = hashes
         self.done = 0
-        self._fd = os.open(info.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd = inputs.open_fd(info.file)
 
     def readinto(self, view, loans: hashing.Loans | None = None, at: int = 0) -> int:
         """Read the next bytes into `view`; with `loans`, lend them to the source's hash as the caller's buffer

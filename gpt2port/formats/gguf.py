@@ -2,9 +2,10 @@
 
 A GGUF file is a header, key/value metadata, tensor infos, then the aligned tensor bytes. Reading: the header is
 walked by formats/gguf_scan.py (bounded by the file's size, and far faster than the `gguf` package's reader), the
-tensors read with pread (Q8_0 ones then dequantized to float32). Writing: llama.cpp's own `gguf` package, through
-its public API only, writes the header, metadata and tensor infos; the tensors' bytes then follow at the offsets that
-header gives, each as it is produced, so one tensor is in memory at a time. What the keys and tensors mean for GPT-2
+tensors read with pread (quantized ones then dequantized to float32, formats/gguf_quants.py). Writing: llama.cpp's
+own `gguf` package, through its public API only, writes the header, metadata and tensor infos; the tensors' bytes
+then follow at the offsets that header gives, each as it is produced (quantized by formats/gguf_quants.py), so one
+tensor is in memory at a time. What the keys and tensors mean for GPT-2
 is readers/gguf.py's and targets/gguf.py's. This module is imported only when a .gguf is read or written: `gguf`
 costs ~0.3 s to import on top of torch, which `import gpt2port` and the CLI's --help should not pay.
 """
@@ -18,8 +19,9 @@ import gguf
 import numpy as np
 import torch
 
-from gpt2port import hashing
+from gpt2port import hashing, inputs
 from gpt2port.errors import GPT2PortError
+from gpt2port.formats import gguf_quants
 from gpt2port.formats.base import TensorInfo, read_bytes, refuse_lfs_pointer
 from gpt2port.formats.gguf_scan import read_header, value
 from gpt2port.formats.safetensors import READ_PIECE, PreadReader
@@ -27,11 +29,13 @@ from gpt2port.fsio import os_reason
 from gpt2port.outfile import open_append
 
 Q = gguf.GGMLQuantizationType
-ENCODINGS = {"fp32": Q.F32, "fp16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}  # an encoding's name -> its GGML type
+# a float encoding's name -> its GGML type (the quantized file types: targets/gguf_recipe.py)
+ENCODINGS = {"fp32": Q.F32, "fp16": Q.F16, "bf16": Q.BF16}
 FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
-              Q.BF16: gguf.LlamaFileType.MOSTLY_BF16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
+              Q.BF16: gguf.LlamaFileType.MOSTLY_BF16}
 TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-DEQUANTIZED = {Q.Q8_0: "q8_0"}  # read as float32 values (TensorInfo.encoding names the stored form)
+# read as float32 values (TensorInfo.encoding names the stored form: "q4_k")
+DEQUANTIZED = {q: q.name.lower() for q in gguf_quants.TYPES}
 KEYS = gguf.Keys
 
 
@@ -68,9 +72,9 @@ def _refuse_overlaps(path: Path, tensors) -> None:
 
 
 class GGUFFile(PreadReader):
-    """A GGUF's f32/f16/bf16 tensors (read with pread, as safetensors' are; q8_0 ones read so, then dequantized to
-    float32) and its metadata, read on request by key. Subclasses open it in two steps, _open() then _list_tensors(),
-    so that they can check the metadata before the tensors are listed."""
+    """A GGUF's f32/f16/bf16 tensors (read with pread, as safetensors' are; quantized ones read so, then
+    dequantized to float32) and its metadata, read on request by key. Subclasses open it in two steps, _open() then
+    _list_tensors(), so that they can check the metadata before the tensors are listed."""
 
     _map = None
 
@@ -81,7 +85,7 @@ class GGUFFile(PreadReader):
     def _open(self, path: Path) -> None:
         self.path = Path(path)
         self.files = [self.path]
-        with open(self.path, "rb") as f:
+        with inputs.open_binary(self.path, what="a GGUF file") as f:
             refuse_lfs_pointer(self.path, f.read(64))
             self._map = _whole(f, self.path)  # kept for the metadata values, decoded when asked for
         try:
@@ -100,7 +104,7 @@ class GGUFFile(PreadReader):
                 raise GPT2PortError(unknown) from None
             if qtype not in TORCH_TYPES and qtype not in DEQUANTIZED:
                 raise GPT2PortError(f"{self.path}: tensor {t.name!r} is quantized ({qtype.name}); gpt2port "
-                                    f"imports F32, F16, BF16 and Q8_0 GGUF files only")
+                                    f"imports F32, F16, BF16 and {', '.join(q.name for q in DEQUANTIZED)} only")
             shape = tuple(reversed(t.dims))
             block = gguf.GGML_QUANT_SIZES[qtype][0]
             if block > 1 and (not shape or shape[-1] % block):  # a block never spans two rows
@@ -123,7 +127,10 @@ class GGUFFile(PreadReader):
         if self._loans is None:
             self._loans = hashing.Loans()
         # The stored blocks read as every tensor's bytes are (pread, hashed on the way), then dequantized.
-        return dequantize_q8_0(read_bytes(self.stream(name), into, self._loans, READ_PIECE), info.shape)
+        raw = read_bytes(self.stream(name), into, self._loans, READ_PIECE)
+        out = torch.empty(info.shape, dtype=torch.float32)
+        gguf_quants.dequantize(raw.numpy(), Q[info.encoding.upper()], out.numel(), out.numpy().reshape(-1))
+        return out
 
     def _string(self, key: str, required: bool = True) -> str | None:
         field = self.header.fields.get(key)
@@ -168,31 +175,11 @@ class GGUFFile(PreadReader):
         super().close()
 
 
-_Q8_BLOCK, _Q8_BYTES = gguf.GGML_QUANT_SIZES[Q.Q8_0]  # 32 values: an fp16 scale d, then 32 int8 q
-_DEQUANTIZE_BLOCKS = 1 << 16  # blocks per step: the int8->float32 temporaries stay a few MB
-
-
-def dequantize_q8_0(raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """GGML Q8_0 bytes (uint8, whole blocks) as float32 of `shape`: each value d * q, computed in float32 as
-    llama.cpp computes it."""
-    count = math.prod(shape)
-    if raw.numel() != count // _Q8_BLOCK * _Q8_BYTES or count % _Q8_BLOCK:
-        raise RuntimeError(f"{raw.numel()} bytes of Q8_0 for {count} values")  # the reader checked both
-    blocks = raw.numpy().reshape(-1, _Q8_BYTES)
-    out = torch.empty(shape, dtype=torch.float32)
-    values = out.numpy().reshape(-1, _Q8_BLOCK)
-    for start in range(0, len(blocks), _DEQUANTIZE_BLOCKS):
-        part = blocks[start : start + _DEQUANTIZE_BLOCKS]
-        scale = np.ascontiguousarray(part[:, :2]).view(np.float16).astype(np.float32)
-        np.multiply(part[:, 2:].view(np.int8), scale, out=values[start : start + _DEQUANTIZE_BLOCKS])
-    return out
-
-
 # --- writing ------------------------------------------------------------------------------------------------------
 
 def _encode(tensor: torch.Tensor, qtype: Q) -> np.ndarray:
-    if qtype == Q.Q8_0:
-        return gguf.quants.quantize(tensor.float().contiguous().numpy(), qtype)
+    if qtype in DEQUANTIZED:  # on as many threads as PyTorch computes with
+        return gguf_quants.quantize(tensor.float().contiguous().numpy(), qtype, torch.get_num_threads())
     t = tensor.to(TORCH_TYPES[qtype]).contiguous()
     # numpy has no bfloat16: its bytes go as uint16, as the gguf package takes them for BF16.
     return t.view(torch.int16).numpy().view(np.uint16) if qtype == Q.BF16 else t.numpy()
@@ -202,11 +189,10 @@ def write_gguf(path: Path, arch: str, plan, describe, progress=None) -> int:
     """Write `plan` [(key, shape, GGML type, produce)] as a GGUF of architecture `arch` at `path` (which must not
     exist), each produce() called only when its bytes are due; describe(writer) adds the metadata to the gguf
     package's GGUFWriter. Returns the file's size."""
-    names = {q: name for name, q in ENCODINGS.items()}
     for key, shape, qtype, _ in plan:
         block = gguf.GGML_QUANT_SIZES[qtype][0]
         if shape[-1] % block:
-            raise GPT2PortError(f"{path.parent}: {names[qtype]} needs rows whose length divides by {block}; "
+            raise GPT2PortError(f"{path.parent}: {qtype.name.lower()} needs rows whose length divides by {block}; "
                                 f"{key} has rows of {shape[-1]}")
     head = _header(path, arch, plan, describe)
     layout = read_header(path, head)  # where the header says each tensor's bytes go
@@ -268,4 +254,4 @@ def _header(path: Path, arch: str, plan, describe) -> bytes:
 
 
 def _numpy_dtype(qtype: Q) -> np.dtype:
-    return np.dtype({Q.F32: np.float32, Q.F16: np.float16, Q.BF16: np.uint16, Q.Q8_0: np.float32}[qtype])
+    return np.dtype({Q.F16: np.float16, Q.BF16: np.uint16}.get(qtype, np.float32))  # blocks: the values' shape

@@ -21,9 +21,9 @@ import os
 import struct
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, refuse_lfs_pointer
 from gpt2port.fsio import os_reason
@@ -46,7 +46,7 @@ def header(magic: int, version: int, *fields: int) -> bytes:
 
 def magic_of(path: Path) -> int | None:
     """The llm.c magic number a file starts with, or None."""
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         head = f.read(4)
     found = struct.unpack("<i", head)[0] if len(head) == 4 else None
     return found if found in _KIND else None
@@ -55,7 +55,7 @@ def magic_of(path: Path) -> int | None:
 def read_header(path: Path, magic: int, versions) -> tuple[list[int], int]:
     """The header's ints after checking magic and version; and the file's size."""
     try:
-        with open(path, "rb") as f:
+        with inputs.open_binary(path) as f:
             size = os.fstat(f.fileno()).st_size
             raw = f.read(HEADER_BYTES)
     except OSError as e:
@@ -139,7 +139,7 @@ def read_tokenizer(path: Path) -> tuple[list[bytes], int]:
     """(every token's bytes, in id order; the end-of-text id)."""
     ints, size = read_header(path, TOKENIZER_MAGIC, (TOKENIZER_VERSION,))
     n, eot = ints[2], ints[3]
-    data = np.fromfile(path, dtype=np.uint8, offset=HEADER_BYTES).tobytes()
+    data = inputs.read_bytes(path, inputs.LIMITS["tokenizer"], "an llm.c tokenizer file")[HEADER_BYTES:]
     tokens, at = [], 0
     for _ in range(max(n, 0)):
         if at >= len(data) or at + 1 + data[at] > len(data):
@@ -166,7 +166,7 @@ def open_bin(path: Path, pickle_reader, model_reader) -> Reader:
         return model_reader(path)
     if magic is not None:
         raise GPT2PortError(f"{path}: is llm.c's {_KIND[magic]} file, not a model file")
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         head = f.read(4)
     if head[:2] == b"PK" or head[:1] == b"\x80" or head.startswith(b"version"):
         return pickle_reader(path)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import hashing, jsonio
+from gpt2port import hashing, inputs, jsonio
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader, TensorInfo, TensorStream, read_whole, refuse_lfs_pointer
 from gpt2port.formats.prefetch import Prefetcher
@@ -46,7 +46,7 @@ def read_header(path: Path) -> Header:
     """Parse and validate a safetensors header; raise a one-line error naming `path` on any inconsistency."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with inputs.open_binary(path, what="a safetensors file") as f:
             size = os.fstat(f.fileno()).st_size
             refuse_lfs_pointer(path, f.read(64))
             f.seek(0)

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from gpt2port import jsonio
+from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import Reader
 
@@ -18,7 +18,7 @@ INDEX_SUFFIX = ".index.json"
 def read_index(index_path: Path) -> dict[str, str]:
     """tensor name -> shard file name, every name checked to be a plain file name beside the index: a name with a
     path in it could make us read (and hash into a manifest) any file on the disk."""
-    index = jsonio.read(index_path, None)
+    index = inputs.read_json(index_path, None)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise GPT2PortError(f"{index_path}: no weight_map")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import hashing
+from gpt2port import hashing, inputs
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import FLOAT_DTYPES, Reader, TensorInfo, TensorStream, read_whole, refuse_lfs_pointer
 
@@ -160,7 +160,7 @@ def _entries(block: bytes):
 
 def read_table(path: Path) -> dict[bytes, bytes]:
     """Every key and value of an SSTable file, checked block by block."""
-    data = path.read_bytes()
+    data = inputs.read_bytes(path, inputs.LIMITS["json"], "a TensorFlow checkpoint index")
     refuse_lfs_pointer(path, data[:64])
     if len(data) < FOOTER or struct.unpack_from("<Q", data, len(data) - 8)[0] != TABLE_MAGIC:
         raise GPT2PortError(f"{path}: not a TensorFlow checkpoint index (no table magic number at its end)")
@@ -194,7 +194,8 @@ def checkpoint_in(directory: Path) -> Path | None:
     (model_checkpoint_path), or its only *.index."""
     state = directory / STATE_FILE
     if state.is_file():
-        m = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', state.read_text(errors="replace"), re.M)
+        text = inputs.read_bytes(state, inputs.LIMITS["json"], "a TensorFlow checkpoint file").decode(errors="replace")
+        m = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', text, re.M)
         if m:
             prefix = Path(m.group(1))
             return (prefix if prefix.is_absolute() else directory / prefix).with_name(prefix.name + ".index")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.base import LFS_POINTER_PREFIX, Reader, TensorInfo, refuse_lfs_pointer
 
@@ -45,14 +46,14 @@ class PickleReader(Reader):
 
 def load_state_dict(file: Path) -> dict[str, torch.Tensor]:
     """torch.load with weights_only=True: tensors and plain containers only, so a hostile pickle cannot run code."""
-    with open(file, "rb") as f:
+    with inputs.open_binary(file, what="a PyTorch pickle") as f:
         head = f.read(len(LFS_POINTER_PREFIX))
     refuse_lfs_pointer(file, head)
     zipped = head.startswith(ZIP_MAGIC)  # torch.save's zip format maps; the legacy one (a bare pickle) cannot
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols on stderr; the error says it all
             warnings.simplefilter("ignore")
-            sd = torch.load(file, map_location="cpu", weights_only=True, mmap=zipped)
+            sd = torch.load(inputs.checked(file), map_location="cpu", weights_only=True, mmap=zipped)
     except pickle.UnpicklingError:
         # torch's own message invites the user to retry with weights_only=False: exactly what must not be done
         # with a file that asks for arbitrary globals. Name what it asks for instead.

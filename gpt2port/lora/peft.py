@@ -17,12 +17,13 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import jsonio
+from gpt2port import inputs
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import mmap_tensors, read_header, stream_safetensors
 from gpt2port.fsio import write_json
+from gpt2port.lora import schema
 from gpt2port.lora.spec import TARGETS
 
 CONFIG = "adapter_config.json"
@@ -91,8 +92,8 @@ def read_adapter(path, config: GPTConfig | None = None) -> tuple[dict, dict]:
     cfg_path, weights = path / CONFIG, path / WEIGHTS
     if not cfg_path.is_file():
         raise GPT2PortError(f"{path}: not a peft adapter directory (no {CONFIG})")
-    cfg = jsonio.read(cfg_path)
-    _check_config(cfg, cfg_path)
+    cfg = inputs.read_json(cfg_path)
+    settings = schema.check(cfg, cfg_path)
     if not weights.is_file():
         old = " (only adapter_model.bin, a pickle: save it with safe_serialization=True)" \
             if (path / "adapter_model.bin").is_file() else ""
@@ -119,40 +120,51 @@ def read_adapter(path, config: GPTConfig | None = None) -> tuple[dict, dict]:
         (ka, sa), (kb, sb) = parts["A"], parts["B"]
         if sa[0] != sb[1]:
             raise GPT2PortError(f"{weights}: {ka!r} has rank {sa[0]} (shape {sa}) but {kb!r} {sb[1]} (shape {sb})")
+        module_name = hf_module(name)
+        settings.refuse_unadapted(module_name, layer, ka, weights)
+        r = sa[0]
+        if r != settings.rank(module_name):
+            raise GPT2PortError(f"{weights}: {ka!r} has rank {r} (shape {sa}); {cfg_path} gives {module_name} rank "
+                                f"{settings.rank(module_name)} (r, rank_pattern)")
         if config is not None:
             _check_base(weights, config, layer, module, ka, sa, kb, sb)
-        r = sa[0]
-        alpha = _pattern(cfg.get("alpha_pattern"), hf_module(name), cfg.get("lora_alpha", 8))
-        scaling = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
-        out[name] = (tensors[ka].float(), tensors[kb].float(), float(scaling))
+        a, b = tensors[ka].float(), tensors[kb].float()
+        scaling = settings.scaling(module_name, r)
+        check_tensors(weights, ka, a, kb, b, scaling)
+        out[name] = (a, b, float(scaling))
+    if config is None:
+        _check_gpt2_shapes(weights, found)
     return out, cfg
 
 
-def _check_config(cfg: dict, where: Path) -> None:
-    if cfg.get("peft_type") != "LORA":
-        raise GPT2PortError(f"{where}: peft_type is {cfg.get('peft_type')!r}; gpt2port merges LORA adapters only")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, list):
-        other = [t for t in targets if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in ("c_attn", "c_proj",
-                                                                                               "c_fc")]
-        if other:
-            raise GPT2PortError(f"{where}: target_modules {other} are not GPT-2's c_attn, c_proj or c_fc (only "
-                                f"those can be merged)")
-    if cfg.get("fan_in_fan_out") is not True:
-        raise GPT2PortError(f"{where}: fan_in_fan_out is {cfg.get('fan_in_fan_out')!r}, but GPT-2's c_attn, c_proj "
-                            f"and c_fc are Conv1D, stored (in, out): an adapter of GPT2LMHeadModel says true (peft "
-                            f"sets it); this one was made for another layout")
-    if cfg.get("use_dora"):
-        raise GPT2PortError(f"{where}: use_dora is set; DoRA adapters are not LoRA's B A and are not supported")
-    if cfg.get("modules_to_save"):
-        raise GPT2PortError(f"{where}: modules_to_save {cfg['modules_to_save']} (whole trained modules) are not "
-                            f"supported; only LoRA on c_attn, c_proj and c_fc")
-    if cfg.get("bias", "none") != "none":
-        raise GPT2PortError(f"{where}: bias {cfg['bias']!r}: trained biases are not supported (bias \"none\" only)")
-    for key in ("lora_alpha", "r"):
-        v = cfg.get(key, 8)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise GPT2PortError(f"{where}: {key} is {v!r}; a positive number is needed")
+def check_tensors(weights, ka: str, a: torch.Tensor, kb: str, b: torch.Tensor, scaling: float) -> None:
+    """A and B finite, and scaling * B A within float32 (bounded by rank * max|A| * max|B| * scaling, without
+    forming the product): a NaN or an overflow would become the merged weights, or an adapter GGUF, in silence."""
+    for key, t in ((ka, a), (kb, b)):
+        if not bool(torch.isfinite(t).all()):
+            raise GPT2PortError(f"{weights}: tensor {key!r} holds NaN or Inf")
+    bound = a.shape[0] * float(a.abs().max()) * float(b.abs().max()) * scaling
+    if not bound < torch.finfo(torch.float32).max / 16:
+        raise GPT2PortError(f"{weights}: {ka!r} and {kb!r} at scaling {scaling:g}: their product can overflow "
+                            f"float32 (up to {bound:.3g})")
+
+
+def _check_gpt2_shapes(weights, found: dict) -> None:
+    """With no base to compare with, the shapes a GPT-2 has: one width C for every module, c_attn (C, 3C), attn's
+    c_proj (C, C), c_fc (C, 4C), mlp's c_proj (4C, C), as (in, out)."""
+    widths = {}
+    for (layer, module), parts in found.items():
+        (ka, sa), (_, sb) = parts["A"], parts["B"]
+        n_in, n_out = sa[1], sb[0]
+        ratio = {"attn.c_attn": (1, 3), "attn.c_proj": (1, 1), "mlp.c_fc": (1, 4), "mlp.c_proj": (4, 1)}[module]
+        c = n_in // ratio[0]
+        if n_in != c * ratio[0] or n_out != c * ratio[1] or c < 1:
+            raise GPT2PortError(f"{weights}: {ka!r} adapts a {n_in} x {n_out} matrix, a shape GPT-2's {module} does "
+                                f"not have ({ratio[0]}C inputs, {ratio[1]}C outputs)")
+        widths.setdefault(c, ka)
+    if len(widths) > 1:
+        (c1, k1), (c2, k2) = list(widths.items())[:2]
+        raise GPT2PortError(f"{weights}: {k1!r} is of a model of width {c1}, {k2!r} of width {c2}: no GPT-2 has both")
 
 
 def _check_base(weights, config: GPTConfig, layer, module, ka, sa, kb, sb) -> None:
@@ -166,11 +178,3 @@ def _check_base(weights, config: GPTConfig, layer, module, ka, sa, kb, sb) -> No
         if got != want:
             raise GPT2PortError(f"{weights}: {key!r} has shape {got}; the base (n_embd {C}) needs {want} (an adapter "
                                 f"made for another model)")
-
-
-def _pattern(patterns, module: str, default):
-    """peft's rank_pattern/alpha_pattern lookup: the first key matching the end of the module's name."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default

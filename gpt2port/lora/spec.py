@@ -74,8 +74,8 @@ def spec(rank, alpha, targets, split_qkv, dropout, config: GPTConfig) -> Spec | 
     if split_qkv and "qkv" not in words:
         raise GPT2PortError(f"--lora-split-qkv: the targets ({','.join(words)}) do not include qkv")
     alpha = float(rank if alpha is None else alpha)
-    if not alpha > 0:
-        raise GPT2PortError(f"--lora-alpha {alpha}: must be positive")
+    if not 0 < alpha < float("inf"):
+        raise GPT2PortError(f"--lora-alpha {alpha}: must be a finite number above 0")
     dropout = float(dropout or 0.0)
     if not 0 <= dropout < 1:
         raise GPT2PortError(f"--lora-dropout {dropout}: must be in [0, 1)")

@@ -13,7 +13,7 @@ from gpt2port.formats import WEIGHT_FILES, Reader
 from gpt2port.formats.llmc import open_bin
 from gpt2port.formats.safetensors import SafetensorsReader
 from gpt2port.formats.shards import INDEX_SUFFIX, ShardedReader
-from gpt2port.filekind import refuse_special
+from gpt2port.inputs import checked
 from gpt2port.readers.llmc import LlmcReader
 from gpt2port.readers.torch_pickle import ModelPickleReader
 
@@ -50,9 +50,7 @@ def open_weights(path: str | Path) -> Reader:
         raise GPT2PortError(f"{path}: is a broken symbolic link (its target {os.readlink(path)} is missing)")
     if not path.exists():
         raise GPT2PortError(f"{path}: no such file or directory")
-    refuse_special(path)
-    if not path.is_file():
-        raise GPT2PortError(f"{path}: is a directory, expected a weights file")
+    checked(path, "a weights file")
     if path.stat().st_size == 0:
         raise GPT2PortError(f"{path}: file is empty")
     opener = next((make for suffix, make in READERS.items() if path.name.endswith(suffix)), None)

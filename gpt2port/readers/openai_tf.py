@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpt2port import jsonio
+from gpt2port import inputs
 from gpt2port.formats.tf_bundle import TFBundleReader
 from gpt2port.layouts.openai_tf import OPENAI_TF
 
@@ -23,7 +23,7 @@ def read_hparams(directory: Path) -> dict | None:
     path = directory / HPARAMS_FILE
     if not path.is_file():
         return None
-    raw = jsonio.read(path)
+    raw = inputs.read_json(path)
     return {HPARAMS[k]: v for k, v in raw.items() if k in HPARAMS}
 
 

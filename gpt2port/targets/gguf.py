@@ -1,7 +1,8 @@
 """The gguf target: one self-contained model.gguf (weights, sizes, tokenizer) that llama.cpp loads as it is.
 
-Which tensors go in which GGML type, and the metadata llama.cpp's gpt2 loader reads; the bytes are written by
-formats/gguf.py (imported only here and when a .gguf is read: see its docstring).
+Which tensors go in which GGML type (a quantized file type: llama.cpp's recipe, targets/gguf_recipe.py), and the
+metadata llama.cpp's gpt2 loader reads; the bytes are written by formats/gguf.py (imported only here and when a
+.gguf is read: see its docstring).
 """
 
 from __future__ import annotations
@@ -14,21 +15,25 @@ from gpt2port.config import GPTConfig
 from gpt2port.dtypes import DTYPE_LABELS
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats.gguf import ENCODINGS, FILE_TYPES, Q, write_gguf
+from gpt2port.targets.gguf_recipe import RECIPES, tensor_type
 from gpt2port.layouts import GGUF, canonical
 from gpt2port.layouts.gguf import ARCH
 from gpt2port.targets import REGISTRY
 from gpt2port.tokenizer import ENDOFTEXT, bpe_tables, defines_tokenizer
 
 FILE_NAME = "model.gguf"  # the one file an export writes into its directory
-# What --dtype means in a GGUF: the type of every matrix. Norms, biases and the position table stay F32 whatever
-# is chosen, as llama.cpp's own converter keeps them (they are small, and the loader adds them in F32 anyway).
+# What --dtype means in a GGUF: the type of every matrix (fp32, fp16, bf16), or a file type whose recipe picks each
+# matrix's (q4_k_m, ...). Norms, biases and the position table stay F32 whatever is chosen, as llama.cpp's own
+# converter and quantizer keep them (they are small, and the loader adds them in F32 anyway).
 KEEP_F32 = {GGUF.key_for("pos_emb.weight")}
 # output_tensor: also write the tied head as output.weight, for loaders that need it
 OPTIONS = set(REGISTRY["gguf"].options)
 
 
-def storage_type(key: str, shape: tuple[int, ...], encoding: str) -> Q:
-    return Q.F32 if len(shape) == 1 or key in KEEP_F32 else ENCODINGS[encoding]
+def storage_type(key: str, shape: tuple[int, ...], encoding: str, n_layer: int, tied: bool) -> Q:
+    if len(shape) == 1 or key in KEEP_F32:
+        return Q.F32
+    return tensor_type(key, shape, encoding, n_layer, tied) if encoding in RECIPES else ENCODINGS[encoding]
 
 
 def write(job) -> int:
@@ -54,7 +59,9 @@ def write(job) -> int:
 def stream_gguf(path: Path, items, config: GPTConfig, encoding: str, tokenizer_dir: Path, progress=None) -> int:
     """Write `items` [(key, dtype, shape, produce)] as a GPT-2 GGUF at `path`, each produce() called only when its
     bytes are due. Returns the file's size."""
-    plan = [(key, shape, storage_type(key, shape, encoding), produce) for key, _, shape, produce in items]
+    tied = GGUF.untied_head not in {key for key, *_ in items}
+    plan = [(key, shape, storage_type(key, shape, encoding, config.n_layer, tied), produce)
+            for key, _, shape, produce in items]
     return write_gguf(path, ARCH, plan, lambda writer: _describe(writer, config, encoding, tokenizer_dir), progress)
 
 
@@ -67,7 +74,7 @@ def _describe(writer: gguf.GGUFWriter, config: GPTConfig, encoding: str, tokeniz
     writer.add_feed_forward_length(config.mlp_width)
     writer.add_head_count(config.n_head)
     writer.add_layer_norm_eps(config.layer_norm_epsilon)
-    writer.add_file_type(FILE_TYPES[ENCODINGS[encoding]])
+    writer.add_file_type(RECIPES[encoding][0] if encoding in RECIPES else FILE_TYPES[ENCODINGS[encoding]])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     tokens, merges, specials = bpe_tables(tokenizer_dir)
     if len(tokens) != config.vocab_size:

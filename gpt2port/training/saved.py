@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gpt2port import jsonio
+from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
 from gpt2port.training import limits
 from gpt2port.training.loop import read_rows
@@ -88,7 +88,7 @@ def _regular(path: Path, limit: int | None = None) -> int:
 
 def _meta(path: Path, fields, config) -> tuple[int, int, dict]:
     _regular(path, 1 << 20)
-    meta = jsonio.read(path)
+    meta = inputs.read_json(path, limit=1 << 20)
     if meta.get("format") != FORMAT:
         raise GPT2PortError(f"{path}: not a gpt2port training state (format {str(meta.get('format'))[:80]!r})")
     settings = meta.get("settings")
@@ -121,10 +121,11 @@ def _whole(v) -> bool:
 def _rng(path: Path) -> dict[str, torch.Tensor]:
     """A rank's saved generators: tensors only (weights_only), a CPU state of the size this torch's has."""
     _regular(path, RNG_BYTES_MAX)
+    raw = io.BytesIO(inputs.read_bytes(path, RNG_BYTES_MAX, "a saved random state"))
     try:
         with warnings.catch_warnings():  # torch warns of pickle protocols it may not read: it refuses them anyway
             warnings.simplefilter("ignore")
-            rng = torch.load(io.BytesIO(path.read_bytes()), weights_only=True, map_location="cpu")
+            rng = torch.load(raw, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - whatever the bytes make torch.load raise, the file is refused
         raise GPT2PortError(f"{path}: not a saved random state (torch.load: {type(e).__name__})") from None
     cpu = torch.get_rng_state()
@@ -152,8 +153,9 @@ def _metadata(path: Path):
     from torch.distributed.checkpoint.metadata import Metadata
 
     _regular(path, METADATA_BYTES_MAX)
+    raw = io.BytesIO(inputs.read_bytes(path, METADATA_BYTES_MAX, "DCP metadata"))
     try:
-        metadata = _Unpickler(io.BytesIO(path.read_bytes())).load()
+        metadata = _Unpickler(raw).load()
     except Exception as e:  # noqa: BLE001 - a hostile pickle fails in many ways; each is this one refusal
         raise GPT2PortError(f"{path}: not a torch.distributed.checkpoint metadata file "
                             f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None

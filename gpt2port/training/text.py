@@ -14,13 +14,11 @@ and no natural text has a "word" that long. Only there can the tokens at the cut
 from __future__ import annotations
 
 import codecs
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Iterator
 
-from gpt2port import jsonio
+from gpt2port import inputs, jsonio
 from gpt2port.errors import GPT2PortError
 
 PIECE = 1 << 20  # characters per piece, at most: enough to keep tokenizer threads busy, small enough to stream
@@ -56,14 +54,12 @@ def documents(data: str | Path) -> list[Path]:
         raise GPT2PortError(f"{path}: empty file")
     _peek(path)
     if is_jsonl(path):
-        with open(path, "rb") as f:
+        with inputs.open_binary(path) as f:
             _json_text(f.readline(), path, 1)
     return [path]
 
 
 MODEL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "manifest.json")
-SPECIAL = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-           stat.S_IFSOCK: "a socket"}
 
 
 def _model_files(d: Path) -> list[str]:
@@ -76,20 +72,15 @@ def _model_files(d: Path) -> list[str]:
 
 
 def _kind(path: Path) -> bool:
-    """Whether the file has bytes (False: empty); refuses what is not a regular file, or is one whose size says
-    nothing (files of /proc and /sys report 0 or a page and hold something else), and a model's tokenizer file."""
+    """Whether the file has bytes (False: empty); refuses what the gate refuses (not a regular file, a file of /proc
+    or /sys, whose size says nothing), and a model's tokenizer file."""
+    inputs.checked(path, "a text file")
     st = path.stat()
-    if not stat.S_ISREG(st.st_mode):
-        what = SPECIAL.get(stat.S_IFMT(st.st_mode), "not a regular file")
-        raise GPT2PortError(f"{path}: {what}, not a text file; fine-tuning reads regular files")
-    real = os.path.realpath(path)
-    if real.startswith(("/proc/", "/sys/")):
-        raise GPT2PortError(f"{path}: a file of /{real.split('/')[1]} (its size cannot be known), not a text file")
     if path.name == "merges.txt" and (path.parent / "vocab.json").is_file():
         raise GPT2PortError(f"{path}: a model's tokenizer file (beside vocab.json), not text to fine-tune on")
     if st.st_size:
         return True
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         if f.read(1):
             raise GPT2PortError(f"{path}: its size reads 0 but it holds bytes (a special file: its size cannot be "
                                 f"known), not a text file")
@@ -105,7 +96,7 @@ def _peek(path: Path) -> None:
     it is all whitespace, whatever its size); the rest is checked while tokenizing."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, text = 0, False
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         while chunk := f.read(PEEK):
             _check_bytes(chunk, path, offset)
             text = text or bool(_decode(chunk, path, offset, decoder, final=False).strip())
@@ -151,7 +142,7 @@ def pieces(files: list[Path]) -> Iterator[tuple[bool, str]]:
 def _file_pieces(path: Path) -> Iterator[tuple[bool, str]]:
     decoder = codecs.getincrementaldecoder("utf-8")()
     carry, offset, first = "", 0, True
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         while chunk := f.read(PIECE):
             _check_bytes(chunk, path, offset)
             carry += _decode(chunk, path, offset, decoder, final=False)
@@ -167,7 +158,7 @@ def _file_pieces(path: Path) -> Iterator[tuple[bool, str]]:
 
 def _jsonl_pieces(path: Path) -> Iterator[tuple[bool, str]]:
     texts = 0
-    with open(path, "rb") as f:
+    with inputs.open_binary(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from gpt2port import jsonio
+from gpt2port import inputs
 from gpt2port.activations import TABLE
 from gpt2port.errors import GPT2PortError
 from gpt2port.formats import WEIGHT_FILES
@@ -137,7 +137,7 @@ class HFFiles:
             if f.suffix == ".safetensors":
                 from safetensors import safe_open
 
-                return safe_open(str(f), framework="pt")
+                return safe_open(str(inputs.checked(f)), framework="pt")
             self._open[f] = _BinFile(f)
         except GPT2PortError:
             raise
@@ -179,7 +179,7 @@ class HFFiles:
         path = self.root / "config.json"
         if not path.is_file():
             return {}
-        return jsonio.read(path)
+        return inputs.read_json(path)
 
     def close(self) -> None:
         self._open.clear()

@@ -101,13 +101,12 @@ def checkpoint_files(path: Path) -> CanonicalFiles:
 def is_gpt2port_checkpoint(path: Path) -> bool:
     """A directory whose config.json says it is gpt2port's (an HF directory has model.safetensors and config.json
     too)."""
-    import json
-
+    from gpt2port import inputs
     from gpt2port.checkpoint import CONFIG, CONFIG_FORMAT, is_checkpoint
 
     if not (path.is_dir() and is_checkpoint(path)):
         return False
     try:
-        return json.loads((path / CONFIG).read_text()).get("format") == CONFIG_FORMAT
-    except (OSError, ValueError, AttributeError):
+        return inputs.read_json(path / CONFIG).get("format") == CONFIG_FORMAT
+    except (OSError, GPT2PortError):
         return False

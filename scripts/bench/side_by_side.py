@@ -11,6 +11,8 @@ Usage (from the repository root; any gpt2port checkpoint directory, e.g. one scr
 left, or a small one, where a step is all dispatch and Python):
     python -m scripts.bench.side_by_side --trees /path/to/before,. --ckpt DIR [--threads 1,2] [--rounds 3]
                                          [--json out.json]
+A tree may carry environment variables for its runs, `TREE:NAME=VALUE[:NAME=VALUE]` (`.:GPT2PORT_COMPILE=1`: the
+same tree with the step compiled, its compile in the warm-up, outside the timing).
 The child only uses what both trees have: GPT.from_pretrained, gpt2port.generate.steps and the bandwidth probe.
 """
 
@@ -48,8 +50,8 @@ def child(ckpt: str, threads: int) -> dict:
         for _ in steps(model, prompt[:, :4], max_new_tokens=8, temperature=0, stop_token=None):
             pass
         bandwidth = matvec_bandwidth("cpu", repeats=5)
-        times, cpu = [time.perf_counter()], time.process_time()
-        for _ in steps(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0, stop_token=None):
+        times, cpu, report = [time.perf_counter()], time.process_time(), []
+        for _ in steps(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0, stop_token=None, report=report):
             times.append(time.perf_counter())
         cpu = time.process_time() - cpu
         rate = NEW_TOKENS / (times[-1] - times[0])
@@ -57,7 +59,7 @@ def child(ckpt: str, threads: int) -> dict:
         got[name] = {"tokens_per_s": rate, "bandwidth": bandwidth,
                      "floor_fraction": rate * weight_bytes_per_token(model) / bandwidth,
                      "step_ms_median": 1e3 * statistics.median(gaps),
-                     "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10],
+                     "step_ms_best_decile": 1e3 * gaps[len(gaps) // 10], "how": report[-1] if report else "",
                      "load_average": os.getloadavg()[0],  # the 1-minute load right after the run: a shared machine
                      # CPU time the process spent per token: what a busy machine's waiting for a core leaves out
                      # (at --threads 1; cache and memory contention still count)
@@ -78,18 +80,21 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.ckpt, args.child)))
         return
-    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    trees = args.trees.split(",")
     runs: dict = {}
     for threads in (int(t) for t in args.threads.split(",")):
         for r in range(args.rounds):
-            for tree in trees:
-                env = dict(os.environ, PYTHONPATH=str(tree))
+            for spec in trees:
+                tree, *variables = spec.split(":")
+                tree = Path(tree).resolve()
+                env = dict(os.environ, PYTHONPATH=str(tree), **dict(v.split("=", 1) for v in variables))
                 out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--ckpt", args.ckpt,
                                       "--child", str(threads)], cwd=tree, env=env, stdout=subprocess.PIPE, text=True,
                                      check=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
-                runs.setdefault(f"{threads}", {}).setdefault(str(tree), []).append(got)
-                print(f"threads {threads} round {r + 1} {tree.name}: " + ", ".join(
+                name = ":".join([tree.name, *variables])
+                runs.setdefault(f"{threads}", {}).setdefault(name, []).append(got)
+                print(f"threads {threads} round {r + 1} {name}: " + ", ".join(
                     f"{k} {v['tokens_per_s']:.1f} tok/s ({v['floor_fraction']:.0%} of floor; step median "
                     f"{v['step_ms_median']:.2f} ms, best decile {v['step_ms_best_decile']:.2f} ms; CPU "
                     f"{v['cpu_ms_per_token']:.2f} ms/token; load {v['load_average']:.1f})"
@@ -117,7 +122,7 @@ def report(runs: dict) -> str:
                 cells.append(f"{statistics.median(cpu):.2f} ({min(cpu):.2f}-{max(cpu):.2f})")
             loads = [r[d]["load_average"] for r in rounds for d in DTYPES]
             cells.append(f"{min(loads):.1f}-{max(loads):.1f}")
-            lines.append(f"| {threads} | {Path(tree).name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {threads} | {tree} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

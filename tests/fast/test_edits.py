@@ -141,10 +141,9 @@ def test_every_cpu_path_generates_what_the_edited_model_computes(tmp_path, nativ
         assert r["how"].startswith("the model's forward"), (name, r)
     if got["kernels"]:  # the attention kernel served the one-row paths it serves: the edits did not send it away
         assert got["results"]["fp32, one row, gpt2port's kernels"]["how"].endswith("attention on gpt2port's kernel")
-    # One row's steps on gpt2port's kernels ran traced: the trace, too, computed the edited model.
-    for dtype in ("fp32", "bf16", "int8"):
-        how = got["results"][f"{dtype}, one row, gpt2port's kernels"]["how"]
-        assert how.startswith("the model's forward, traced once and replayed") == bool(got["kernels"]), how
+    # Every step was the edited forward called as it is: nothing captured on the CPU unless asked for
+    for name, r in got["results"].items():
+        assert r["how"].startswith("the model's forward;"), (name, r)
 
 
 def test_a_kernel_that_cannot_follow_an_edit_declines_and_says_so(tmp_path, native_kernels):

@@ -1,8 +1,9 @@
-"""The decode step (gpt2port/fast/graph.py): the model's forward, called as it is, traced on the CPU, or recorded as a
-CUDA graph. Both captures record the forward's static-shape form (the position a tensor): that form is held to the
-forward with the position a number, logits and cache, for a batch with left padding; the trace is held to the forward
-token by token, and one that froze the position is caught and leaves the cache as the forward would; a graph's
-recording needs a CUDA device (those tests skip without one; scripts/gpu_check.sh runs them)."""
+"""The decode step (gpt2port/fast/graph.py): the model's forward, called as it is, compiled by torch.compile on the
+CPU (opt-in), or recorded as a CUDA graph. Both captures take the forward's static-shape form (the position a
+tensor): that form is held to the forward with the position a number, logits and cache, for a batch with left
+padding; the compiled step is held to the forward token by token, and one that cannot be compiled or is not asked
+for says why; a graph's recording needs a CUDA device (those tests skip without one; scripts/gpu_check.sh runs
+them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from gpt2port import GPT, GPTConfig
-from gpt2port.fast import OFF, Settings, accelerate, decode_step
+from gpt2port.fast import OFF, Settings, decode_step
 from gpt2port.fast.cache import new_cache
 from gpt2port.generate import _left_pad, generate
 from gpt2port.model import KVCache
@@ -46,7 +47,7 @@ def test_the_static_shape_forward_is_the_forward(prompts):
 def test_on_the_cpu_the_step_is_the_forward_as_it_is():
     model = model_on()
     cache = KVCache(CONFIG, 1, 8)
-    step = decode_step(model, cache, Settings(cuda_graph=True, trace=False), "attention on SDPA (switched off)")
+    step = decode_step(model, cache, Settings(cuda_graph=True), "attention on SDPA (switched off)")
     assert step.description == "the model's forward; attention on SDPA (switched off)"
     with torch.inference_mode():
         model(torch.tensor([[1, 2]]), cache=cache)
@@ -54,7 +55,7 @@ def test_on_the_cpu_the_step_is_the_forward_as_it_is():
                                    model(torch.tensor([[1, 2, 3]]))[0][:, -1:], rtol=1e-5, atol=1e-5)
 
 
-def traced_model(dtype: str, tmp_path) -> GPT:
+def model_in(dtype: str, tmp_path) -> GPT:
     model = model_on()
     if dtype == "int8":
         model.save_pretrained(tmp_path / "ckpt")
@@ -63,96 +64,87 @@ def traced_model(dtype: str, tmp_path) -> GPT:
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
-def test_on_the_cpu_one_row_is_traced_and_generates_what_the_forward_does(dtype, tmp_path, native_kernels):
-    if not native_kernels.attend_one:
-        pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
-    model = traced_model(dtype, tmp_path)
+def test_on_the_cpu_one_row_generates_what_the_forward_does(dtype, tmp_path, native_kernels):
+    """The forward called as it is, on gpt2port's kernels: nothing captured, nothing replayed."""
+    model = model_in(dtype, tmp_path)
     report = []
     got = generate(model, PROMPTS[:1], 30, temperature=0, stop_token=None, fast=Settings(), report=report)
-    assert report[-1].startswith("the model's forward, traced once and replayed"), report
+    kernel = "gpt2port's kernel" if native_kernels.attend_one else "SDPA ("
+    assert report[-1].startswith(f"the model's forward; attention on {kernel}"), report
     assert got == generate(model, PROMPTS[:1], 30, temperature=0, stop_token=None, fast=OFF)
-    # a batch's attention is not on the kernel: not traced, and said why
-    generate(model, PROMPTS, 3, temperature=0, fast=Settings(), report=report)
-    assert "(no trace: attention is not on gpt2port's kernel" in report[-1], report
+
+
+COMPILED = "the model's forward, compiled by torch.compile (Inductor)"
+
+
+def compiled_generation(model, prompts, n: int, report: list) -> list[list[int]]:
+    return generate(model, prompts, n, temperature=0, stop_token=None, fast=Settings(compile=True), report=report)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.heavy)])
+def test_compiled_the_step_generates_what_the_forward_does(dtype, tmp_path, native_kernels):
+    """Settings(compile=True): the forward compiled by torch.compile on its first step, checked, then run compiled;
+    a later generation of another length runs what the first compiled (the cache is the whole context)."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    model = model_in(dtype, tmp_path)
+    for prompt, n in ((PROMPTS[0], 20), (PROMPTS[0][:2], 30)):
+        report = []
+        got = compiled_generation(model, [prompt], n, report)
+        assert report[-1].startswith(COMPILED), report
+        assert got == generate(model, [prompt], n, temperature=0, stop_token=None, fast=OFF)
+
+
+@pytest.mark.heavy  # a second compile
+def test_a_compiled_step_is_compiled_again_once_the_model_changed(native_kernels):
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    model = model_on()
+    compiled_generation(model, PROMPTS[:1], 4, [])
+    model.blocks[1].mlp.act = torch.tanh  # what the model computes changed after it was compiled
+    report = []
+    got = compiled_generation(model, PROMPTS[:1], 20, report)
+    assert report[-1].startswith(COMPILED), report
+    assert got == generate(model, PROMPTS[:1], 20, temperature=0, stop_token=None, fast=OFF)
 
 
 class FrozenPosition(GPT):
-    """A forward that reads its position's value in Python: a trace holds the number it read."""
+    """A forward that reads its position's value in Python, which a compiled graph cannot hold."""
 
     def embed(self, idx, pos=0, pad=None):
         return super().embed(idx, int(pos) if isinstance(pos, torch.Tensor) else pos, pad)
 
 
-def test_a_trace_that_froze_the_position_is_caught_and_the_cache_kept(native_kernels):
+def test_a_forward_that_cannot_be_compiled_decodes_as_it_is_and_says_why(native_kernels):
     if not native_kernels.attend_one:
-        pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
     model = make_realistic_(FrozenPosition(CONFIG), seed=0).eval()
-    accelerate(model, Settings())
-    tokens = torch.tensor([PROMPTS[0]])
-    cache, attention = new_cache(CONFIG, 1, 20, torch.float32, "cpu", None, Settings())
-    plain = KVCache(CONFIG, 1, 20)
-    step = decode_step(model, cache, Settings(), attention)
-    with torch.inference_mode():
-        for c in (cache, plain):
-            model(tokens, cache=c)
-        for pos in range(7, 11):
-            nxt = torch.tensor([[pos * 3]])
-            torch.testing.assert_close(step(nxt, pos), model(nxt, cache=plain, pos=pos, logits_to_keep=1)[0],
-                                       rtol=1e-5, atol=1e-5)
-    assert step.description.startswith("the model's forward (not traced: its trace disagreed with it at position 8)")
-    torch.testing.assert_close(cache.k, plain.k, rtol=1e-5, atol=1e-5)  # the wrong replay's writes were undone
+    report = []
+    got = compiled_generation(model, PROMPTS[:1], 12, report)
+    assert report[-1].startswith("the model's forward (not compiled: "), report
+    assert got == generate(model, PROMPTS[:1], 12, temperature=0, stop_token=None, fast=OFF)
 
 
-def test_a_trace_is_kept_for_the_model_and_taken_again_once_the_model_changed(native_kernels):
-    """A later generation replays the trace an earlier one took (any length: the cache is an input), after checking
-    it at its first step; once the model computes something else, that check sends it back to be traced again."""
+def test_compiling_declines_hooks_training_a_batch_and_int8_and_says_why(native_kernels, tmp_path):
     if not native_kernels.attend_one:
-        pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
-    from gpt2port.fast import graph
-
-    model = model_on()
-    for prompt, n in ((PROMPTS[0][:2], 4), (PROMPTS[0], 20)):
-        report = []
-        got = generate(model, [prompt], n, temperature=0, stop_token=None, report=report)
-        assert report[-1].startswith("the model's forward, traced once and replayed"), report
-        assert got == generate(model, [prompt], n, temperature=0, stop_token=None, fast=Settings(trace=False))
-    kept = list(graph._TRACES[model].values())
-    assert len(kept) == 1  # one trace, taken by the first generation, replayed by the second
-    model.blocks[1].mlp.act = torch.tanh  # what the model computes changed after it was traced
-    got = generate(model, [PROMPTS[0]], 20, temperature=0, stop_token=None)
-    assert got == generate(model, [PROMPTS[0]], 20, temperature=0, stop_token=None, fast=Settings(trace=False))
-    assert list(graph._TRACES[model].values()) != kept  # traced again
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "int8"])
-def test_a_kept_trace_does_not_keep_its_model_alive(dtype, tmp_path, native_kernels):
-    import gc
-    import weakref
-
-    from gpt2port.fast import graph
-
-    if not native_kernels.attend_one:
-        pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
-    model = traced_model(dtype, tmp_path)
-    generate(model, PROMPTS[:1], 4, temperature=0, stop_token=None)
-    assert model in graph._TRACES
-    gone = weakref.ref(model)
-    del model
-    gc.collect()
-    assert gone() is None
-
-
-def test_the_trace_declines_hooks_and_training_and_says_why(native_kernels):
-    if not native_kernels.attend_one:
-        pytest.skip(f"no attention kernel here (a trace is taken where it serves): {native_kernels.binding_why_not}")
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
     model = model_on()
     cache, attention = new_cache(CONFIG, 1, 20, torch.float32, "cpu", None, Settings())
     hook = model.blocks[0].register_forward_hook(lambda *a: None)
     try:
-        assert "no trace: it has forward hooks" in decode_step(model, cache, Settings()).description
+        assert "no compile: it has forward hooks" in decode_step(model, cache, Settings(compile=True)).description
     finally:
         hook.remove()
-    assert "no trace: the model is in training mode" in decode_step(model.train(), cache, Settings()).description
+    assert "no compile: the model is in training mode" in \
+        decode_step(model.train(), cache, Settings(compile=True)).description
+    report = []
+    generate(model.eval(), PROMPTS, 3, temperature=0, fast=Settings(compile=True), report=report)
+    assert "(no compile: attention is not on gpt2port's kernel" in report[-1], report
+    model.save_pretrained(tmp_path / "ckpt")
+    int8 = GPT.from_pretrained(tmp_path / "ckpt", dtype="int8")
+    generate(int8, PROMPTS[:1], 3, temperature=0, fast=Settings(compile=True), report=report)
+    assert "(no compile: int8's one-row products take fbgemm's packed weights" in report[-1], report
+    assert decode_step(model, cache, Settings()).description == "the model's forward"  # not asked for
 
 
 @cuda

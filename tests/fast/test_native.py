@@ -6,6 +6,7 @@ nothing else changes. The kernels are built on purpose (the native_kernels fixtu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -187,7 +188,8 @@ def test_a_compiler_that_fails(tmp_path):
     cc.chmod(0o755)
     lib, why = native.load(tmp_path / "cache", str(cc))
     assert lib is None
-    assert why.startswith(f"building matvec.c, attention.c with {cc} failed: -O3 -march=native -fopenmp: matvec.c:1:")
+    assert why.startswith(f"building matvec.c, attention.c, int4.c with {cc} failed: -O3 -march=native -fopenmp: "
+                          "matvec.c:1:")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.name != ".lock"]  # nothing half-built
 
 
@@ -264,23 +266,28 @@ def first_calls(env: dict) -> tuple[list[str], str]:
     return proc.stdout.splitlines(), proc.stderr
 
 
+OPERATORS = ("['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::dequantize_int4', 'gpt2port::matvec', "
+             "'gpt2port::matvec_int4'] True")
+
+
 @needs_kernel
 @needs_cxx
 def test_nothing_is_built_or_registered_until_asked_for(tmp_path):
     out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(native.cache_dir())})
-    assert out == ["[] False", "['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True",
-                   "True None"]
+    assert out == ["[] False", OPERATORS, "True None"]
     assert err == ""  # from the cache: no build, no message
     out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(tmp_path)})  # an empty cache: built, and said so once
-    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True", "True None"]
-    assert err == native.BUILD_MESSAGE + "\n"
+    assert out[1:] == [OPERATORS, "True None"]
+    said = err.splitlines()  # the build announced, then its measured time
+    assert said[0] == native.BUILD_MESSAGE and re.fullmatch(r"gpt2port: CPU kernels built in \d+\.\d s", said[1])
+    assert len(said) == 2, err
 
 
 @needs_kernel
 def test_without_a_cpp_compiler_the_python_kernel_serves(tmp_path):
     why = "no C++ compiler found (c++, g++ or clang++ on the PATH, or $CXX)"
     out, _ = first_calls({"CXX": str(tmp_path / "no-such-compiler")})
-    assert out[1:] == ["['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::matvec'] True", f"False {why}"]
+    assert out[1:] == [OPERATORS, f"False {why}"]
 
 
 def test_processes_building_at_once_build_once(tmp_path):
@@ -303,6 +310,7 @@ def test_processes_building_at_once_build_once(tmp_path):
     assert all(o.splitlines()[-1] == "True" for o, _ in outs), outs
     assert sum(o.count("built") for o, _ in outs) == 2  # the C library and the C++ operators, once each
     assert sum(e.count(native.BUILD_MESSAGE) for _, e in outs) == 1
+    assert sum(e.count("CPU kernels built in") for _, e in outs) == 1
 
 
 @needs_kernel
@@ -343,7 +351,7 @@ def test_without_a_compiler_generation_runs_on_pytorchs_kernels(tmp_path):
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["True", "no C compiler found (cc, gcc or clang on the PATH, or $CC)",
-                                        "the model's forward (no trace: attention is not on gpt2port's kernel); "
+                                        "the model's forward; "
                                         "attention on SDPA (no C compiler found (cc, gcc or clang on the PATH, or "
                                         "$CC))"]
 

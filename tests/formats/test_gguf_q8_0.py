@@ -1,6 +1,6 @@
 """GGUF Q8_0 read back: a q8_0 export of realistic-scale weights converts to a checkpoint whose weights are exactly
 the file's q8_0 values (as llama.cpp's `gguf` package dequantizes them), reported as dequantized; a damaged q8_0
-tensor and other quantized types are refused in one line."""
+tensor and the quantized types gpt2port does not write are refused in one line."""
 
 from __future__ import annotations
 
@@ -89,8 +89,8 @@ def test_damaged_q8_0_and_other_quantized_types_are_refused(q8, tmp_path):
         "cut.gguf": (good[:cut], f"truncated: tensor {last.name!r}"),
         "rows.gguf": (_patched(good, "token_embd.weight", dims=(33, TINY["vocab_size"])),
                       "'token_embd.weight' is Q8_0 with rows of 33 values; Q8_0 needs a multiple of 32"),
-        "q4.gguf": (_patched(good, "blk.0.ffn_up.weight", ggml_type=Q.Q4_0),
-                    "'blk.0.ffn_up.weight' is quantized (Q4_0)"),
+        "q2.gguf": (_patched(good, "blk.0.ffn_up.weight", ggml_type=Q.Q2_K),
+                    "'blk.0.ffn_up.weight' is quantized (Q2_K)"),
     }
     for name, (data, reason) in cases.items():
         (tmp_path / name).write_bytes(data)

@@ -397,3 +397,15 @@ def test_fuzz_script_runs_and_finds_nothing(tmp_path):
     assert facts["cases"] == 20 and facts["failures"] == [], facts["failures"]
     assert len(facts["formats"]) >= 8 and facts["formats"]["ownership"] == 4  # what --force must leave alone
     assert facts["formats"].get("run-state", 0) >= 2  # a fine-tuning run's state (scripts/fuzz_state.py)
+    assert facts["formats"].get("eval-data", 0) >= 1 and facts["formats"].get("adapter", 0) >= 1  # fuzz_inputs.py
+
+
+def test_fuzz_of_eval_data_and_adapters_finds_nothing(tmp_path):
+    """Hostile eval jsonl and LoRA adapters (scripts/fuzz_inputs.py), a few cases of each in the default run."""
+    report = tmp_path / "fuzz.json"
+    r = subprocess.run([sys.executable, "-m", "scripts.fuzz", "--cases", "8", "--seed", "11", "--formats",
+                        "eval-data,adapter", "--ownership", "0", "--json", report, "--work", tmp_path / "work"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    facts = json.loads(report.read_text())
+    assert facts["failures"] == [] and facts["formats"] == {"eval-data": 4, "adapter": 4}, facts

@@ -123,3 +123,19 @@ def test_a_fifo_is_refused_without_opening_it(tiny_ckpt, tmp_path):
     line = assert_one_line_error(r.returncode, r.stderr, r.stdout, names=[fifo])
     assert "a FIFO" in line and "empty" not in line, line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("alpha", ["inf", "nan"])
+def test_lora_alpha_not_finite_is_refused_naming_the_option(alpha, tiny_ckpt, corpus, tmp_path):
+    r = run_cli("finetune", tiny_ckpt, "--data", corpus, "--out", tmp_path / "run", "--steps", "4", *RUN,
+                "--lora", "2", "--lora-alpha", alpha)
+    line = assert_clean_failure(r, names=[f"--lora-alpha {alpha}"])
+    assert "finite" in line and not (tmp_path / "run").exists()
+
+
+def test_a_divergence_a_huge_lora_alpha_causes_names_it_not_lr(tiny_ckpt, corpus, tmp_path):
+    """alpha 1e30 at rank 2 (finite, accepted) scales the adapters by 5e29: once B moves, the logits overflow."""
+    r = run_cli("finetune", tiny_ckpt, "--data", corpus, "--out", tmp_path / "run", "--steps", "6", *RUN,
+                "--lora", "2", "--lora-alpha", "1e30")
+    line = assert_clean_failure(r)
+    assert "diverged" in line and "--lora-alpha 1e+30" in line and "--lr" not in line, line

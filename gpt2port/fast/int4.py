@@ -1,0 +1,120 @@
+"""gpt2port's int4 kernel (int4.c, built into the library of gpt2port/fast/native.py, registered as
+torch.ops.gpt2port.matvec_int4 and dequantize_int4; the quantizer through ctypes), checked before use, and the
+loader of an int4 model (gpt2port.quant4 holds the layout and the layers).
+
+The kernel is what an int4 model runs on (gpt2port.quant4 refuses to load without it): `why_not()` builds or loads
+the library (once per machine, under its lock, with its one line on stderr), then runs the operators and the
+quantizer on a probe against plain PyTorch (quant4.dequantize and F.linear), and says why not where anything fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from gpt2port.errors import GPT2PortError
+from gpt2port.fast import native
+from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES, INT4, Int4Embedding, Int4Linear, dequantize, padded, \
+    row_bytes
+
+@functools.cache
+def why_not() -> str | None:
+    """None where the int4 operators are built, registered and agree with plain PyTorch on a probe; else why not."""
+    built = native.kernels()
+    if built.lib is None:
+        return built.why_not
+    if built.binding_why_not is not None:
+        return built.binding_why_not
+    if _quantizer() is None:
+        return f"{built.lib._name} has no int4 quantizer"
+    return None if _agrees() else "gpt2port's int4 kernel disagrees with PyTorch on a probe"
+
+
+@functools.cache
+def _quantizer():
+    """The library's quantizer (int4.c), through ctypes: it runs once per matrix, at load."""
+    fn = getattr(native.kernels().lib, "gpt2port_quantize_int4", None)
+    if fn is not None:
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    return fn
+
+
+def quantize(w: torch.Tensor) -> torch.Tensor:
+    """The packed rows (N, row_bytes(K)) uint8 of a weight (N, K) on the kernel's quantizer (gpt2port.quant4 says
+    how); why_not() must have said None."""
+    N, K = w.shape
+    rows = w.float().contiguous() if padded(K) == K else F.pad(w.float(), (0, padded(K) - K))
+    out = torch.empty(N, row_bytes(K), dtype=torch.uint8)
+    _quantizer()(rows.data_ptr(), out.data_ptr(), N, padded(K), CANDIDATES, CANDIDATE_STEP, torch.get_num_threads())
+    return out
+
+
+def _agrees() -> bool:
+    """The operators against plain PyTorch on the quantizer's own output, from a private generator: one row and
+    many, with and without bias, widths of one and several groups and rows that leave a remainder over the streams,
+    at 1 and 2 threads; and the quantizer's error within a 4-bit code's."""
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((37, 64), (8, 32), (130, 768)):
+            w, x, b = torch.randn(n, k, generator=g) * 0.05, torch.randn(1, k, generator=g), torch.randn(n, generator=g)
+            packed = quantize(w)
+            ref_w = dequantize(packed, k)
+            if not bool(((ref_w - w).abs() <= (w.amax() - w.amin()) / 15).all()):
+                return False
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for bias in (b, None):
+                    want = F.linear(x, ref_w, bias)
+                    y = torch.ops.gpt2port.matvec_int4(x, packed, bias, k)
+                    if y.shape != want.shape or not torch.allclose(y, want, rtol=1e-4, atol=1e-4):
+                        return False
+                if not torch.equal(torch.ops.gpt2port.dequantize_int4(packed, k), ref_w):
+                    return False
+    except RuntimeError:
+        return False
+    finally:
+        torch.set_num_threads(before)
+    return True
+
+
+def from_pretrained(path, dtype: str | torch.dtype | None = None, device=None):
+    """GPT.from_pretrained, and dtype "int4" besides: the model module knows no speed kernels, so an int4 model is
+    made here (what `generate` and `eval` call)."""
+    from gpt2port.model import GPT
+
+    if isinstance(dtype, str) and dtype.lower() == INT4:
+        return quantized_model(GPT, path, device)
+    return GPT.from_pretrained(path, dtype=dtype, device=device)
+
+
+def quantized_model(cls, path, device=None):
+    """A GPT whose matrices are int4 (see the module's docstring), built from the checkpoint at `path`."""
+    from gpt2port.quant import _owner, huge_pages, linear_names, start_quantizing
+
+    if device is not None and torch.device(device).type != "cpu":
+        raise GPT2PortError(f"dtype int4 runs on the CPU (gpt2port's int4 kernel); got device {device}")
+    missing = why_not()
+    if missing is not None:
+        raise GPT2PortError(f"dtype int4 needs gpt2port's int4 kernel, which is not available here: {missing}")
+    model, reader = start_quantizing(cls, path, INT4)
+    try:
+        for name in linear_names(model):
+            if name != "lm_head":
+                owner, attr = _owner(model, name)
+                setattr(owner, attr, _layer(reader.read(f"{name}.weight"), getattr(owner, attr).bias))
+        head = _layer(reader.read("tok_emb.weight"), None)
+    finally:
+        reader.close()
+    model.lm_head, model.tok_emb = head, Int4Embedding(head)
+    huge_pages([t.data_ptr() for t in (*model.parameters(), *model.buffers())])
+    model.quantized = INT4
+    return model.eval()
+
+
+def _layer(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear:
+    return Int4Linear(quantize(weight), weight.size(1), bias)

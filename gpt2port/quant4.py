@@ -1,0 +1,121 @@
+"""int4 weight-only inference (`generate`/`eval --dtype int4`, gpt2port.fast.int4.from_pretrained(path, "int4")):
+the packed layout and the layers. The kernel, the quantizer and the loader are in gpt2port's speed package
+(gpt2port/fast/int4.py, int4.c), which the layers reach through their operators.
+
+Every matrix of the model (the four per block, and the token embedding, which is also the tied head) is stored in
+groups of GROUP numbers along its input dimension, each group as 4-bit codes with an fp16 scale and an fp16 minimum
+(asymmetric): w ~= code * scale + min, code in 0..15. 5 bits per weight in all (4 + 2 x 16 / 32), the tied matrix
+once. Norms, biases and the position table stay fp32.
+
+Each group's scale and minimum are fitted, not just taken from its range: over candidate scales around
+(max - min) / 15 the codes are rounded, the scale and minimum refitted to them by least squares, and the pair with
+the least squared error kept (llama.cpp's make_qkx2_quants does the same for Q4_K, there with weights); rounded to
+fp16, the codes are rounded once more against the stored pair. scripts/bench/int4_error.py compares the logits'
+KL divergence from fp32 with llama.cpp's Q4_K_M on the same weights (docs/performance.md).
+
+One row (a decode step) is multiplied by the packed bytes as they are, activations in fp32
+(torch.ops.gpt2port.matvec_int4); many rows (a prompt, eval) by BLOCK_ROWS output rows at a time dequantized to fp32
+(torch.ops.gpt2port.dequantize_int4), each block multiplied while it is in cache (on oneDNN once
+gpt2port.fast.accelerate swaps its kernels in). Without the kernel (no C compiler, GPT2PORT_NATIVE=0) or on another
+device, loading refuses in one line: a model that computed at a fraction of fp32's speed would be no use. The
+matrices are quantized at load, one at a time, from the checkpoint's tensors in whatever dtype they are stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+GROUP = 32
+# Candidate scales: span / (15 + CANDIDATE_STEP * i) for |i| <= CANDIDATES (make_qkx2_quants': -1 .. 1 by 0.1)
+CANDIDATES, CANDIDATE_STEP = 10, 0.1
+
+
+def padded(k: int) -> int:
+    """The input width a packed row holds: k rounded up to whole groups (the padding's weights are zero)."""
+    return -(-k // GROUP) * GROUP
+
+
+def row_bytes(k: int) -> int:
+    """Bytes of one packed row of k numbers: codes, then scales, then minimums (int4.c's layout)."""
+    return padded(k) // 2 + 4 * (padded(k) // GROUP)
+
+
+def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The fp32 rows (..., k) that packed rows (..., row_bytes(k)) stand for, in plain PyTorch: code * scale + min
+    (the reference the kernel is checked against)."""
+    Kp, G = padded(k), padded(k) // GROUP
+    lead = packed.shape[:-1]
+    flat = packed.reshape(-1, packed.size(-1))
+    codes = flat[:, : Kp // 2].reshape(-1, G, 16)
+    codes = torch.cat((codes & 15, codes >> 4), dim=2).float()  # (rows, G, 32): low nibbles first
+    halves = flat[:, Kp // 2 :].contiguous().view(torch.float16).float().view(-1, 2, G)
+    w = codes * halves[:, 0, :, None] + halves[:, 1, :, None]
+    return w.reshape(*lead, Kp)[..., :k]
+
+INT4 = "int4"
+# Output rows dequantized per block for many-row products (as gpt2port.quant's int8: 26 MB of fp32 at 6400 inputs)
+BLOCK_ROWS = 1024
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + bias, W held as packed int4 rows (see the module's docstring): one row on gpt2port's kernel,
+    many rows on blocks of the weight dequantized to fp32."""
+
+    def __init__(self, packed: torch.Tensor, in_features: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, packed.size(0)
+        self.padded = padded(in_features)
+        self.register_buffer("weight", packed)  # bytes, not numbers: a buffer, not a Parameter
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @classmethod
+    def of(cls, layer: "Int4Linear") -> "Int4Linear":
+        """A layer of this class over `layer`'s own tensors (nothing quantized again)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features, new.padded = layer.in_features, layer.out_features, layer.padded
+        new.register_buffer("weight", layer.weight)
+        new.bias = layer.bias
+        new.train(layer.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.dtype == torch.float32 else x.float()
+        if x.numel() == self.in_features:
+            return self.matvec(x if self.padded == self.in_features else F.pad(x, (0, self.padded - self.in_features)))
+        rows = x.reshape(-1, self.in_features)
+        y = torch.empty(rows.size(0), self.out_features, dtype=torch.float32)
+        for a in range(0, self.out_features, BLOCK_ROWS):
+            w = torch.ops.gpt2port.dequantize_int4(self.weight[a : a + BLOCK_ROWS], self.padded)
+            w = w if self.padded == self.in_features else w[:, : self.in_features]
+            y[:, a : a + BLOCK_ROWS] = self.dense(rows, w, None if self.bias is None else self.bias[a : a + BLOCK_ROWS])
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor:
+        """One row (1, ..., padded) -> (1, ..., out_features) on gpt2port's kernel."""
+        y = torch.ops.gpt2port.matvec_int4(x, self.weight, self.bias, self.padded)
+        return y
+
+    def dense(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """One dequantized block's fp32 product (gpt2port.fast swaps in a faster kernel)."""
+        return F.linear(rows, weight, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight this layer stands for, in plain PyTorch (for checks)."""
+        return dequantize(self.weight, self.in_features)
+
+
+class Int4Embedding(nn.Module):
+    """Rows of the int4 table, dequantized on lookup; shares its bytes with the tied head."""
+
+    def __init__(self, table: Int4Linear):
+        super().__init__()
+        self.table = table  # not a copy: the head itself
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        rows = torch.ops.gpt2port.dequantize_int4(table.weight[idx.reshape(-1)], table.padded)
+        return rows[:, : table.in_features].view(*idx.shape, table.in_features)
