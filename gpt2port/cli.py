@@ -24,7 +24,6 @@ from gpt2port.signals import EXIT_TERMINATED, Terminated, command, program_end, 
 DTYPE_CHOICE = click.Choice(["fp32", "fp16", "bf16"])
 EXPORT_CHOICE = click.Choice([*DTYPE_CHOICE.choices, *sorted({e for t in ENCODINGS.values() for e in t})])
 COMPUTE_CHOICE = click.Choice([*DTYPE_CHOICE.choices, "int8"])  # int8: matrices quantized at load (gpt2port.quant)
-GENERATE_CHOICE = click.Choice([*COMPUTE_CHOICE.choices, "int4"])  # int4: gpt2port.quant4 (dtypes.QUANTIZED)
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
 DONE = "gpt2port.done"  # the exit code, set in the context's meta once a command's work is done (_succeeded)
@@ -186,7 +185,6 @@ def export(ckpt, out, to, dtype, gguf_output_tensor, force, debug_state):
 
 def _dtype_label(dtype) -> str:
     from gpt2port.dtypes import label
-
     return label(dtype)
 
 
@@ -232,8 +230,8 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
 @click.option("--no-hf", "no_hf", is_flag=True, help="Skip transformers; judge against the float64 reference alone.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout (schema gpt2port.verify/1).")
 @click.option("--grads", is_flag=True,
-              help="Also compare the loss and every parameter's gradient with transformers' "
-                   "(fp32, needs transformers).")
+              help="Also compare the loss and every parameter's gradient with transformers' (fp32); with "
+                   "--no-hf, with the float64 reference's own.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the verdict line.")
 @_handle_errors
 def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):
@@ -302,7 +300,7 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible (sample i uses seed + i).")
 @click.option("--num-samples", type=click.IntRange(min=1), default=1, show_default=True,
               help="Independent continuations of the prompt, one after the other.")
-@click.option("--dtype", type=GENERATE_CHOICE, default=None,
+@click.option("--dtype", type=click.Choice([*COMPUTE_CHOICE.choices, "int4"]), default=None,  # int4: quant4
               help="Compute dtype (default: the checkpoint's); int8, int4: matrices quantized at load, fast on CPU.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available, else cpu).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -312,8 +310,7 @@ def check(factory, ckpt, reference, tokens, no_hf, drop_biases, crop_positions, 
                                                     "came to the rate it allows.")
 @generate_options
 @_handle_errors
-def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples, dtype, device, threads,
-             verbose, **more):
+def generate(ckpt, prompt, num_samples, dtype, device, verbose, **settings):
     """Continue PROMPT with CKPT, streaming the text as it is produced; PROMPT `-` reads it from stdin (without its
     trailing newline); --prompts FILE continues many, batched, as JSON lines.
 
@@ -321,9 +318,7 @@ def generate(ckpt, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_
     at most its context (1024 tokens): a longer prompt keeps its end (only that is echoed), and a longer generation
     slides its window.
     """
-    fields = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                  threads=threads)
-    run_generate(ckpt, prompt, fields, num_samples, dtype, device, verbose, **more)
+    run_generate(ckpt, prompt, settings, num_samples, dtype, device, verbose)
 
 
 @main.command("eval")
@@ -365,9 +360,10 @@ def doctor():
 @click.option("--clip", type=float, default=1.0, show_default=True, help="Gradient norm clipping (0: none).")
 @click.option("--grad-accum", type=int, default=1, show_default=True,
               help="Micro-batches per optimizer step (each process's share of the batch split this many ways).")
-@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: 10 per "
-              "run; 0: none).")
+@click.option("--eval-every", type=int, default=None, help="Steps between held-out evaluations (default: scaled to "
+              "the run, at most 10 besides the first; 0: none).")
 @click.option("--eval-windows", type=int, default=32, show_default=True, help="Held-out windows per evaluation.")
+@click.option("--sample-every", type=int, default=0, help="Print a sample of the model's text every N steps.")
 @click.option("--save-every", type=int, default=None, help="Steps between training-state saves (default: with "
               "each evaluation).")
 @click.option("--seed", type=int, default=1337, show_default=True)
@@ -394,6 +390,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
 
     from gpt2port.devices import check_device
     from gpt2port.training.finetune import Interrupted, Settings, finetune as run_finetune
+    from gpt2port.training.report import wrote
 
     check_device(device)
     ctx = click.get_current_context()
@@ -411,7 +408,7 @@ def finetune(ckpt, data, out, device, fsdp, compile_model, resume, force, quiet,
             sys.exit(EXIT_FAILURE)
         raise
     if os.environ.get("RANK", "0") == "0":
-        _succeeded(f"wrote {result} (fine-tuned checkpoint, train_log.jsonl, loss.svg)")
+        _succeeded(wrote(result))
 
 
 lora.register(main, _handle_errors, _succeeded)

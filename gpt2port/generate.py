@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -119,6 +120,17 @@ def decode(model: GPT, prompts, max_new_tokens: int | None = None, options: Opti
     fast = options.fast or Settings.from_env()
     with cpu_threads(options.threads), accelerated(model, fast) as model:
         yield from _decode(model, prompts, options, fast, report, check_finite)
+
+
+THREADS_PER_CORE = 4  # --threads beyond this many per core is refused: more only wait for each other
+
+
+def check_threads(threads: int | None) -> None:
+    """A --threads the machine can start (OpenMP may die starting many more than the cores: a signal)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads is not None and threads > THREADS_PER_CORE * cores:
+        raise GPT2PortError(f"--threads {threads}: at most {THREADS_PER_CORE * cores} on this machine "
+                            f"({THREADS_PER_CORE} per core, {cores} cores); threads beyond the cores only wait")
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 
 import click
@@ -16,14 +15,13 @@ from gpt2port.dtypes import QUANTIZED, label
 from gpt2port.devices import check_device
 from gpt2port.errors import GPT2PortError
 import gpt2port.generate as decoding  # looked up at each run: tests spy on decoding.stream
-from gpt2port.generate import NonFiniteLogits, Options, cpu_threads
+from gpt2port.generate import NonFiniteLogits, Options, check_threads, cpu_threads
 from gpt2port.fast import int4
 from gpt2port.tokenizer import StreamDecoder
 
 # The machine is called busy when decoding averaged BUSY_FACTOR times slower than its fastest step (over at least
 # BUSY_STEPS steps): on a quiet machine the steps stay within ~1.5x of each other, a growing context included.
 BUSY_FACTOR, BUSY_STEPS = 3, 8
-THREADS_PER_CORE = 4  # --threads beyond this many per core is refused: more only wait for each other
 
 
 def load(ckpt, options: Options, dtype: str | None, device: str | None):
@@ -34,10 +32,7 @@ def load(ckpt, options: Options, dtype: str | None, device: str | None):
                         ("--repetition-penalty", options.repetition_penalty)):
         if value is not None and not math.isfinite(value):
             raise GPT2PortError(f"{name} {value}: must be a finite number")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if threads is not None and threads > THREADS_PER_CORE * cores:  # OpenMP may die starting them (a signal)
-        raise GPT2PortError(f"--threads {threads}: at most {THREADS_PER_CORE * cores} on this machine "
-                            f"({THREADS_PER_CORE} per core, {cores} cores); threads beyond the cores only wait")
+    check_threads(threads)
     device = device or ("cpu" if dtype in QUANTIZED or not torch.cuda.is_available() else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise GPT2PortError(f"--device {device}: CUDA is not available on this machine")

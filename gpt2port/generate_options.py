@@ -26,9 +26,11 @@ def generate_options(fn):
     return fn
 
 
-def run(ckpt, prompt: str | None, fields: dict, num_samples: int, dtype, device, verbose: bool, stop: tuple,
-        repetition_penalty: float | None, prompts_file: str | None) -> None:
-    """One PROMPT (`-`: stdin) streamed, or a file of them batched."""
+def run(ckpt, prompt: str | None, settings: dict, num_samples: int, dtype, device, verbose: bool) -> None:
+    """One PROMPT (`-`: stdin) streamed, or a file of them batched. settings: the command's other options, by
+    name: the fields of gpt2port.generate.Options, and this module's."""
+    fields = dict(settings)
+    stop, repetition_penalty, prompts_file = (fields.pop(k) for k in ("stop", "repetition_penalty", "prompts_file"))
     if (prompt is None) == (prompts_file is None):
         raise click.UsageError("give PROMPT or --prompts FILE" + (", not both" if prompt is not None else ""))
     if prompts_file is not None and num_samples > 1:

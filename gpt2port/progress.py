@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from gpt2port.outfile import start_thread
+from gpt2port.threads import start_thread
 
 
 def show_bars(quiet: bool = False) -> bool:
@@ -49,7 +49,8 @@ class StatusLine:
     """Progress of a long job on stderr. On a terminal: one self-overwriting line, "LABEL [elapsed s] message", with
     a bar when the message ends in a count ("block 3/12"); with `tick`, re-drawn every `tick` seconds so that a
     long step still shows time passing. Elsewhere (a log, a pipe, a notebook), when `lines`: one plain line per
-    new step ("LABEL [elapsed s] message\n", counts thinned to one line per `every` seconds). Nothing when quiet.
+    new step ("LABEL [elapsed s] message\n", counts thinned to one line per `every` seconds), and with `tick` the
+    step again after `every` seconds without a line: a log never falls silent longer. Nothing when quiet.
 
     Call it with a message to show, or with None to clear the line (do that before printing anything else).
     """
@@ -68,7 +69,7 @@ class StatusLine:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.ticker = None
-        if self.tty and tick:
+        if tick and self.enabled:
             self.ticker = threading.Thread(target=self._tick, args=(tick,), daemon=True, name="gpt2port-progress")
             start_thread(self.ticker, label)
 
@@ -101,6 +102,9 @@ class StatusLine:
         step, now = _COUNT.sub("", message), time.perf_counter()
         if step == self.last_step and now - self.last_line < self.every:
             return
+        self._write(message, step, now)
+
+    def _write(self, message: str, step: str, now: float) -> None:
         self.last_step, self.last_line = step, now
         sys.stderr.write(f"{self._elapsed()} {message}\n")
         sys.stderr.flush()
@@ -108,16 +112,30 @@ class StatusLine:
     def _tick(self, period: float) -> None:
         while not self.stop.wait(period):
             with self.lock:
-                if self.message is not None:
+                now = time.perf_counter()
+                if self.message is None:
+                    continue
+                if self.tty:
                     self._draw()
+                elif now - self.last_line >= self.every:  # the same step, still running: say so
+                    self._write(self.message, _COUNT.sub("", self.message), now)
+
+
+def rate(done: int, total: int, t0: float, unit: str) -> str:
+    """", 3.1 windows/s, 40 s left" for `done` of `total` since t0 (perf_counter), or "" before the first is done."""
+    seconds = time.perf_counter() - t0
+    if done <= 0 or seconds <= 0:
+        return ""
+    per_s = done / seconds
+    return f", {per_s:.3g} {unit}/s, {(total - done) / per_s:.0f} s left"
 
 
 _COUNT = re.compile(r"\d+")
-_FRACTION = re.compile(r"(\d+)/(\d+)$")
+_FRACTION = re.compile(r"(\d+)/(\d+)(?=,|$)")  # "block 3/12", "window 4/8, 2.1 windows/s, 2 s left"
 
 
 def _bar(message: str, width: int = 20) -> str:
-    m = _FRACTION.search(message)
+    m = _FRACTION.search(message)  # the first count: a rate after it is no count
     if not m or int(m.group(2)) <= 0:
         return ""
     filled = min(width, width * int(m.group(1)) // int(m.group(2)))

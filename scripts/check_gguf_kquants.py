@@ -16,8 +16,12 @@ Prints one line per check. Needs llama-cpp-python (not a gpt2port dependency: it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import functools
+import os
+import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -91,13 +95,30 @@ def check_blocks(width: int, rows: int, types=gguf_quants.TYPES) -> dict[str, tu
 
 
 def llama_quantize(src: Path, dst: Path, recipe: str, threads: int = 2) -> None:
+    """llama-cpp-python's llama_model_quantize of the GGUF `src` at file type `recipe`, its log (a line per tensor,
+    on the C stderr) silenced."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = int(RECIPES[recipe][0])
     params.nthread = threads
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+    with _quiet_stderr():
+        failed = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if failed:
         raise RuntimeError(f"llama_model_quantize failed on {src}")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def tensors(path: Path) -> dict[str, tuple[str, bytes]]:
@@ -117,10 +138,9 @@ def compare(ours: Path, theirs: Path) -> list[str]:
     return problems
 
 
-def check_files(ckpt: Path, recipes, work: Path) -> dict[str, dict]:
-    """recipe -> {problems, types (GGML type -> count), ours_s, llama_s} for the checkpoint `ckpt`."""
+def check_files(ckpt: Path, recipes, work: Path):
+    """Yields (recipe, {problems, types (GGML type -> count), ours_s, llama_s}) for the checkpoint `ckpt`."""
     export(ckpt, work / "f32", to="gguf", dtype="fp32", force=True)
-    results = {}
     for recipe in recipes:
         t0 = time.perf_counter()
         export(ckpt, work / recipe, to="gguf", dtype=recipe, force=True)
@@ -132,9 +152,9 @@ def check_files(ckpt: Path, recipes, work: Path) -> dict[str, dict]:
         types: dict[str, int] = {}
         for kind, _ in tensors(ours).values():
             types[kind] = types.get(kind, 0) + 1
-        results[recipe] = {"problems": compare(ours, theirs), "types": types, "ours_s": t1 - t0, "llama_s": t2 - t1}
+        yield recipe, {"problems": compare(ours, theirs), "types": types, "ours_s": t1 - t0, "llama_s": t2 - t1}
         theirs.unlink()
-    return results
+        shutil.rmtree(work / recipe)
 
 
 def realistic_gpt2(out: Path, width: int, layers: int) -> Path:
@@ -157,17 +177,17 @@ def main() -> None:
     for width in widths:
         for extra in (1, 4):  # the matrices' input widths in a GPT-2: C (qkv, attn_output, ffn_up), 4C (ffn_down)
             for name, (equal, rows) in check_blocks(width * extra, args.rows).items():
-                print(f"blocks {name:5s} width {width * extra:5d}: {equal}/{rows} rows byte-equal to ggml")
+                print(f"blocks {name:5s} width {width * extra:5d}: {equal}/{rows} rows byte-equal to ggml", flush=True)
     if args.no_files:
         return
     for width in widths:
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = realistic_gpt2(Path(tmp) / "model", width, args.layers)
-            for recipe, r in check_files(ckpt, args.types.split(","), Path(tmp)).items():
+            for recipe, r in check_files(ckpt, args.types.split(","), Path(tmp)):
                 kinds = " ".join(f"{k}x{n}" for k, n in sorted(r["types"].items()))
                 verdict = "byte-equal" if not r["problems"] else f"{len(r['problems'])} differ: {r['problems'][:3]}"
                 print(f"file {recipe:6s} width {width} layers {args.layers}: {verdict} ({kinds}; "
-                      f"gpt2port {r['ours_s']:.1f} s, llama.cpp {r['llama_s']:.1f} s)")
+                      f"gpt2port {r['ours_s']:.1f} s, llama.cpp {r['llama_s']:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def run_cli(*args, env: dict | None = None):
     return CliRunner().invoke(main, [str(a) for a in args], env=env)
 
 
-PROGRESS_LINE = re.compile(r"^[\w-]+ \[\s*\d+s\] ")
+PROGRESS_LINE = re.compile(r"^[\w-]+ \[(\s*\d+s|\d+/\d+)\] ")  # "verify [  3s] ...", "check [1/4] 0.1 s: ..."
 
 
 def assert_one_line_error(exit_code: int, stderr: str, stdout: str = "", names=()) -> str:

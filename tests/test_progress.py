@@ -81,7 +81,31 @@ def test_status_lines_in_a_log_one_per_step_and_counts_thinned(monkeypatch):
     assert progress.StatusLine("job").enabled is False  # without `lines` a log gets nothing, as before
 
 
+def test_a_step_still_running_says_so_again_in_a_log(monkeypatch):
+    import time
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    say = progress.StatusLine("job", lines=True, tick=0.02, every=0.1)
+    say("block 1/4")
+    time.sleep(0.5)
+    say(None)
+    lines = err.getvalue().splitlines()
+    time.sleep(0.2)
+    assert len(lines) >= 3 and all(line.endswith("block 1/4") for line in lines), lines
+    assert err.getvalue().splitlines() == lines  # stopped with the step
+
+
+def test_a_rate_and_what_is_left():
+    import time
+
+    assert progress.rate(0, 8, time.perf_counter(), "windows") == ""
+    text = progress.rate(2, 8, time.perf_counter() - 1.0, "windows")
+    assert text.startswith(", 2 windows/s, 3 s left") or text.startswith(", 1.99 windows/s, 3 s left"), text
+
+
 @pytest.mark.parametrize("message, bar", [("block 0/4", " |....................|"),
-                                          ("block 3/12", " |#####...............|"), ("loading", "")])
+                                          ("block 3/12", " |#####...............|"), ("loading", ""),
+                                          ("window 2/4, 1.5 windows/s, 1 s left", " |##########..........|")])
 def test_the_bar_follows_the_count(message, bar):
     assert progress._bar(message) == bar

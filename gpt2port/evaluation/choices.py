@@ -12,12 +12,15 @@ follows). The head (the vocabulary projection) runs only at the positions scored
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from gpt2port.evaluation.data import Pair
 from gpt2port.evaluation.load import logits
 from gpt2port.evaluation.ranks import ONE, Ranks
 from gpt2port.model import KVCache
+from gpt2port.progress import rate
 
 TOKENS_PER_BATCH = 4096
 WASTE = 1 / 8  # the padding a batch may add to its examples' own tokens
@@ -61,14 +64,14 @@ def score(model, tokenizer, pairs: list[Pair], nanogpt: bool = False, progress=N
             loose += [(i, j, (c + k)[-(n_ctx + 1):][:-1], k) for j, (c, k) in enumerate(encoded)]
     shared.sort(key=lambda g: -len(g[1]))
     loose.sort(key=lambda r: -len(r[2]))
-    found, number = {}, 0  # (pair, continuation) -> result; the batch's number, over both kinds
+    found, number, t0 = {}, 0, time.perf_counter()  # (pair, continuation) -> result; the batch's number
     for start, batch in _batches(shared, _shared_tokens, tokens_per_batch):
         if ranks.mine(number):
             for (i, _, _), result in zip(batch, _shared(model, [(g[1], g[2]) for g in batch])):
                 found.update(((i, j), r) for j, r in enumerate(result))
         number += 1
         if progress:
-            progress(f"example {start + len(batch)}/{len(pairs)}")
+            progress(f"example {start + len(batch)}/{len(pairs)}{rate(start + len(batch), len(pairs), t0, 'examples')}")
     for start, batch in _batches(loose, lambda b: (len(b) * len(b[0][2]), sum(len(r[2]) for r in b)),
                                  tokens_per_batch):
         if ranks.mine(number):
@@ -76,7 +79,8 @@ def score(model, tokenizer, pairs: list[Pair], nanogpt: bool = False, progress=N
                 found[i, j] = result
         number += 1
         if progress:
-            progress(f"continuation {start + len(batch)}/{len(loose)}")
+            progress(f"continuation {start + len(batch)}/{len(loose)}"
+                     f"{rate(start + len(batch), len(loose), t0, 'continuations')}")
     found = ranks.gather(found)
     return [[found[i, j] for j in range(len(p.continuations))] for i, p in enumerate(pairs)]
 

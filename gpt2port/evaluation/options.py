@@ -23,6 +23,9 @@ OPTIONS = [
     click.option("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available, else cpu)."),
     click.option("--batch-tokens", type=click.IntRange(min=1), default=None,
                  help="Tokens per forward pass (default 4096: four windows of 1024)."),
+    click.option("--threads", type=click.IntRange(min=1), default=None,
+                 help="CPU threads (default: torch's, one per core); on a machine busy with other work, fewer (even "
+                      "1) can be several times faster."),
     click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
     click.option("--model-card", is_flag=True, help="Print a model-index block for a Hugging Face model card."),
     click.option("--quiet", "-q", is_flag=True, help="No progress on stderr."),

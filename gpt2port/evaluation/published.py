@@ -77,8 +77,14 @@ def fetch(name: str, task: str, quiet: bool = False) -> Fetched:
     from gpt2port.hub.fetch import hf_bars, is_connection_error, first_line
 
     offline = hf.is_offline_mode()
+    cached = hf.try_to_load_from_cache(source.repo, source.file, revision=source.revision, repo_type="dataset")
     try:
         with hf_bars(quiet):
+            if not offline and not isinstance(cached, str):
+                # one request without retries first: a Hub out of reach is one line at once, where the download's
+                # own request retries five times over half a minute
+                hf.get_hf_file_metadata(hf.hf_hub_url(source.repo, source.file, repo_type="dataset",
+                                                      revision=source.revision))
             path = Path(hf.hf_hub_download(source.repo, source.file, repo_type="dataset", revision=source.revision,
                                            local_files_only=offline))
     except Exception as e:  # noqa: BLE001 - one line for the user whatever the client raised

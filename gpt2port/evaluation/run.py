@@ -17,8 +17,17 @@ PROTOCOLS = ("harness", "nanogpt")
 
 def run_eval(ckpt: str, task: str, data_path: str, *, stride: int | None = None, against: str | None = None,
              protocol: str | None = None, dtype: str | None = None, device: str | None = None,
-             batch_tokens: int | None = None, progress=None) -> dict:
-    """The figures of `task` for the model at `ckpt` on the file at `data_path`, with the settings that made them."""
+             batch_tokens: int | None = None, progress=None, threads: int | None = None) -> dict:
+    """The figures of `task` for the model at `ckpt` on the file at `data_path`, with the settings that made them;
+    threads: torch's CPU threads while it runs (None: as they are)."""
+    from gpt2port.generate import check_threads, cpu_threads
+
+    check_threads(threads)
+    with cpu_threads(threads):
+        return _run_eval(ckpt, task, data_path, stride, against, protocol, dtype, device, batch_tokens, progress)
+
+
+def _run_eval(ckpt, task, data_path, stride, against, protocol, dtype, device, batch_tokens, progress) -> dict:
     if task not in TASKS:
         raise GPT2PortError(f"--task {task}: unknown (known: {', '.join(TASKS)})")
     if against is not None and task != "perplexity":
@@ -118,8 +127,10 @@ def command_output(ckpt: str, settings: dict, as_json: bool, model_card: bool, q
     if as_json and model_card:
         raise GPT2PortError("--json and --model-card: choose one")
     progress = StatusLine("eval", quiet or not first(), lines=True, tick=1.0)
-    result = run_eval(ckpt, settings.pop("task"), settings.pop("data"), progress=progress, **settings)
-    progress(None)
+    try:
+        result = run_eval(ckpt, settings.pop("task"), settings.pop("data"), progress=progress, **settings)
+    finally:
+        progress(None)  # the line cleared and its ticker stopped, on errors too
     if not first():
         return None
     for note in result["notes"]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from gpt2port.errors import GPT2PortError
 from gpt2port.evaluation.load import logits
 from gpt2port.evaluation.ranks import ONE, Ranks
+from gpt2port.progress import rate
 
 TOKENS_PER_BATCH = 4096  # windows per forward: 4 at GPT-2's context (0.8 GB of fp32 logits)
 
@@ -78,14 +80,14 @@ def perplexity(model, ids: list[int], text: str, stride: int | None, base=None, 
     tokens = torch.tensor(ids, dtype=torch.long)
     per_batch = max(1, tokens_per_batch // context)
     device = model.pos_emb.weight.device
-    found = {}
+    found, t0 = {}, time.perf_counter()
     for number, i in enumerate(range(0, len(windows), per_batch)):
         if progress:
-            progress(f"window {i}/{len(windows)}")
+            progress(f"window {i}/{len(windows)}{rate(i, len(windows), t0, 'windows')}")
         if ranks.mine(number):
             found[number] = _score(model, base, tokens, windows[i:i + per_batch], device)
     if progress:
-        progress(None)
+        progress(f"window {len(windows)}/{len(windows)}{rate(len(windows), len(windows), t0, 'windows')}")
     found = ranks.gather(found)
     totals = Totals(against=base is not None)
     for number in sorted(found):

@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"])
 # PyTorch's headers want C++17 or later; C++20 spares warnings from recent ones.
 BINDING_FLAG_SETS = (["-O2", "-std=c++20"], ["-O2", "-std=c++17"])
 BUILD_TIMEOUT_S = 120
-BUILD_MESSAGE = "gpt2port: building gpt2port's CPU kernels, once, ~10 s"
+BUILD_MESSAGE = "gpt2port: building gpt2port's CPU kernels, once per machine (two compiler runs, 10-60 s)"
 # What it multiplies: the dtype of weight, activations, bias and result alike -> the library's function for it
 FUNCTIONS = {torch.float32: "gpt2port_matvec", torch.bfloat16: "gpt2port_matvec_bf16"}
 
@@ -81,7 +82,7 @@ class Kernels:
 def kernels() -> Kernels:
     """Build (or load the cached build of) the library and its operators, once per process, and register
     torch.ops.gpt2port.matvec / attend_one where they work. Never raises: a failure is reported in the result."""
-    cache = cache_dir()
+    cache, announced = cache_dir(), _announce.cache_info().currsize
     # Both builds under one hold of the cache's lock: of N processes starting together, one builds the library and
     # its operators (and says so once); the others wait, then load both.
     with _locked(cache / ".lock", create_parent=True):
@@ -90,6 +91,8 @@ def kernels() -> Kernels:
             return Kernels(None, why_not, why_not)
         _define_ops()
         binding_why_not = bind(cache, compiler("CXX"), lib, lock=False)
+    if _announce.cache_info().currsize > announced:  # built here: the time it took, measured
+        print(f"gpt2port: CPU kernels built in {time.perf_counter() - _announce():.1f} s", file=sys.stderr, flush=True)
     if binding_why_not is not None:
         with warnings.catch_warnings():  # over a C++ kernel that loaded but failed its probe: meant to replace it
             warnings.simplefilter("ignore")
@@ -297,9 +300,10 @@ def _build(command: list[str], path: Path, lock: bool = True) -> str | None:
 
 
 @functools.cache
-def _announce() -> None:
-    """One line on stderr when this process starts building (a user waiting ~10 s is told why, once)."""
+def _announce() -> float:
+    """One line on stderr when this process starts building (a user waiting is told why, once); when it started."""
     print(BUILD_MESSAGE, file=sys.stderr, flush=True)
+    return time.perf_counter()
 
 
 @contextlib.contextmanager

@@ -178,8 +178,8 @@ class GGUFFile(PreadReader):
 # --- writing ------------------------------------------------------------------------------------------------------
 
 def _encode(tensor: torch.Tensor, qtype: Q) -> np.ndarray:
-    if qtype in DEQUANTIZED:
-        return gguf_quants.quantize(tensor.float().contiguous().numpy(), qtype)
+    if qtype in DEQUANTIZED:  # on as many threads as PyTorch computes with
+        return gguf_quants.quantize(tensor.float().contiguous().numpy(), qtype, torch.get_num_threads())
     t = tensor.to(TORCH_TYPES[qtype]).contiguous()
     # numpy has no bfloat16: its bytes go as uint16, as the gguf package takes them for BF16.
     return t.view(torch.int16).numpy().view(np.uint16) if qtype == Q.BF16 else t.numpy()

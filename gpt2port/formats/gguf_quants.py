@@ -14,6 +14,8 @@ Reading back is the `gguf` package's dequantizers (which compute as ggml's do), 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import gguf
 import numpy as np
 
@@ -22,12 +24,12 @@ F32 = np.float32
 QK_K = 256
 _SIMPLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # the `gguf` package's quantizers: exact ports of ggml's
 TYPES = (*_SIMPLE, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # what quantize() writes and dequantize() reads
-_CHUNK = 1 << 18  # values per step: the temporaries of a step stay a few MB, in cache as far as they can
+_CHUNK = 1 << 16  # values per step: the temporaries of a step stay a few MB, in cache as far as they can
 
 
-def quantize(values: np.ndarray, qtype: Q) -> np.ndarray:
+def quantize(values: np.ndarray, qtype: Q, threads: int = 1) -> np.ndarray:
     """float32 `values` (rows of a multiple of the type's block size) as GGML `qtype` blocks: uint8, one row of
-    bytes per row of values."""
+    bytes per row of values. threads: chunks quantized at once (numpy lets go of the GIL in its loops)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rows = np.ascontiguousarray(values, dtype=F32).reshape(-1, values.shape[-1])
     if rows.shape[1] % block:
@@ -35,11 +37,19 @@ def quantize(values: np.ndarray, qtype: Q) -> np.ndarray:
     flat = rows.reshape(-1, block)
     out = np.empty((len(flat), size), dtype=np.uint8)
     step = max(1, _CHUNK // block)
-    encode = _KQUANTS.get(qtype)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for start in range(0, len(flat), step):
-            part = flat[start : start + step]
-            out[start : start + step] = encode(part) if encode else gguf.quants.quantize(part, qtype)
+    encode = _KQUANTS.get(qtype) or (lambda part: gguf.quants.quantize(part, qtype))
+
+    def one(start: int) -> None:
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # per thread: errstate is thread-local
+            out[start : start + step] = encode(flat[start : start + step])
+
+    starts = range(0, len(flat), step)
+    if threads > 1 and len(starts) > 1:
+        with ThreadPoolExecutor(min(threads, len(starts))) as pool:
+            list(pool.map(one, starts))
+    else:
+        for start in starts:
+            one(start)
     return out.reshape(*values.shape[:-1], values.shape[-1] // block * size)
 
 
@@ -60,7 +70,11 @@ def dequantize(raw: np.ndarray, qtype: Q, count: int, out: np.ndarray | None = N
 # --- the reference's arithmetic -----------------------------------------------------------------------------------
 
 def _sum(a: np.ndarray) -> np.ndarray:
-    """Sum over axis 0 as `for (i = 0; i < n; ++i) s += a[i]` does in float32 (the first term exact either way)."""
+    """Sum over axis 0 as `for (i = 0; i < n; ++i) s += a[i]` does in float32. numpy's reduce over the outer axis of
+    a C-ordered (k, m) array adds row after row (its pairwise summation applies along the contiguous axis only,
+    which is the only axis when m == 1)."""
+    if a.shape[1] > 1:
+        return np.add.reduce(a, axis=0)
     s = a[0].copy()
     for row in a[1:]:
         s += row
@@ -83,25 +97,45 @@ def _make_qkx2(x, w, nmax: int, rmin: float, rdelta: float, nstep: int):
     mx, mn = x.max(axis=0), np.minimum(x.min(axis=0), F32(0))
     sum_w, sum_x = _sum(w), _sum(w * x)
     flat = mx == mn
+    lv, t, u = np.empty_like(x), np.empty_like(x), np.empty_like(x)  # reused: no allocation per step
+
+    def quantize_at(iscale):  # lv = clamp(nearest_int(iscale * (x - mn)), 0, nmax)
+        np.subtract(x, mn, out=lv)
+        np.multiply(lv, iscale, out=lv)
+        np.rint(lv, out=lv)
+        np.maximum(lv, F32(0), out=lv)
+        np.minimum(lv, F32(nmax), out=lv)
+
+    def error(scale, low):  # sum of w * (scale * lv + low - x)^2
+        np.multiply(lv, scale, out=t)
+        np.add(t, low, out=t)
+        np.subtract(t, x, out=t)
+        np.square(t, out=t)
+        np.multiply(t, w, out=t)
+        return _sum(t)
+
     iscale = F32(nmax) / (mx - mn)
     scale = F32(1) / iscale
-    levels = np.clip(_nearest(iscale * (x - mn)), 0, nmax)
-    best = _sum(w * np.square(scale * levels + mn - x))
+    quantize_at(iscale)
+    levels, best = lv.copy(), error(scale, mn)
     for step in range(nstep + 1):
-        iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (mx - mn)  # mn as the search has moved it
-        lv = np.clip(_nearest(iscale * (x - mn)), 0, nmax)
-        wl = w * lv
-        sum_l, sum_l2, sum_xl = _sum(wl), _sum(wl * lv), _sum(wl * x)
+        quantize_at((F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / (mx - mn))  # mn as the search moved it
+        np.multiply(w, lv, out=t)
+        sum_l = _sum(t)
+        np.multiply(t, lv, out=u)
+        sum_l2 = _sum(u)
+        np.multiply(t, x, out=u)
+        sum_xl = _sum(u)
         d = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / d
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / d
         positive = this_min > 0
         this_min = np.where(positive, F32(0), this_min)
         this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
-        error = _sum(w * np.square(this_scale * lv + this_min - x))
-        better = (d > 0) & (error < best)
-        levels = np.where(better, lv, levels)
-        best = np.where(better, error, best)
+        cur = error(this_scale, this_min)
+        better = (d > 0) & (cur < best)
+        np.copyto(levels, lv, where=better)
+        best = np.where(better, cur, best)
         scale = np.where(better, this_scale, scale)
         mn = np.where(better, this_min, mn)
     levels[:, flat] = 0

@@ -333,12 +333,19 @@ def cached_file(name: str, path: Path) -> RemoteFile:
 
 
 class hf_bars:
-    """huggingface_hub's own download bars (bytes, rate), silenced with --quiet. On a non-TTY they hide themselves."""
+    """huggingface_hub's own download bars (bytes, rate), silenced with --quiet. On a non-TTY they hide themselves.
+    Its retry chatter ("'[Errno 111] Connection refused' thrown while requesting HEAD ...", "Retrying in 1s [Retry
+    1/5]", two lines a try) is silenced always: what failed is gpt2port's one line."""
 
     def __init__(self, quiet: bool):
         self.quiet = quiet
 
     def __enter__(self):
+        import logging
+
+        self._hub_log = logging.getLogger("huggingface_hub")
+        self._level = self._hub_log.level
+        self._hub_log.setLevel(logging.ERROR)
         if self.quiet:
             from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
 
@@ -347,6 +354,7 @@ class hf_bars:
         return self
 
     def __exit__(self, *exc):
+        self._hub_log.setLevel(self._level)
         if self.quiet and not self._was_disabled:
             from huggingface_hub.utils import enable_progress_bars
 

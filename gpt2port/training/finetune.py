@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2port.checkpoint import WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
+from gpt2port import records
+from gpt2port.checkpoint import MANIFEST, WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads, sweep_leftovers
 from gpt2port.lora import train as lora_train
@@ -36,7 +37,7 @@ KEPT = ("steps", "batch_size", "block_size", "lr", "min_lr", "warmup", "weight_d
         "lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype")
 # absent from older saved states
 ADDED = ("lora", "lora_alpha", "lora_targets", "lora_split_qkv", "lora_dropout", "lora_base_dtype",
-         "checkpoint_activations")
+         "checkpoint_activations", "sample_every")
 
 
 class Interrupted(GPT2PortError):
@@ -59,9 +60,10 @@ class Settings:
     weight_decay: float = 0.1
     clip: float = 1.0
     grad_accum: int = 1
-    eval_every: int | None = None  # None: ten evaluations per run; 0: none
+    eval_every: int | None = None  # None: scaled to the run (default_eval_every); 0: none
     eval_windows: int = 32
     save_every: int | None = None  # None: with each evaluation
+    sample_every: int = 0  # steps between samples of the model's text printed (nanoGPT's); 0: none
     seed: int = 1337
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 elsewhere
     dropout: float = 0.0
@@ -79,9 +81,22 @@ class Settings:
         s.block_size = context if s.block_size is None else s.block_size
         s.min_lr = s.lr / 10 if s.min_lr is None else s.min_lr
         s.warmup = min(100, s.steps // 10) if s.warmup is None else s.warmup
-        s.eval_every = max(1, s.steps // 10) if s.eval_every is None else s.eval_every
+        s.eval_every = default_eval_every(s.steps, s.batch_size, s.eval_windows) if s.eval_every is None \
+            else s.eval_every
         s.save_every = s.eval_every if s.save_every is None else s.save_every
         return s
+
+
+EVAL_SHARE = 0.1  # of training's work, what the default evaluations may take between the first and the last
+
+
+def default_eval_every(steps: int, batch_size: int, eval_windows: int) -> int:
+    """Evaluations scaled to the run: always before the first step and after the last; between them at most 10
+    (every steps // 10, nanoGPT-like, on a long run), and only as many as keep them within EVAL_SHARE of the
+    training's work (a step's forward and backward: about 3 forward passes of its batch). A 6-step run of batch 8
+    with 32 held-out windows evaluates twice, not seven times."""
+    between = int(EVAL_SHARE * steps * 3 * batch_size / max(1, eval_windows))
+    return max(1, steps // max(1, min(10, between)))
 
 
 def _what_may_help(s: Settings) -> str:
@@ -106,6 +121,8 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     ckpt_dir = resolve(ckpt)
     config = read_config(ckpt_dir)
     refuse_overlap(out, ckpt_dir, "the checkpoint being fine-tuned")
+    if resume and os.path.lexists(out):  # only a run of ours, as it wrote it, is written into (before any of it is
+        check_replaceable(out, earlier=True)  # read); one an earlier version began continues
     s = (settings or Settings()).resolved(config.n_positions)
     saved = _check_out(out, resume, force, config)
     if saved is not None:
@@ -118,8 +135,8 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     files = tokens.documents(data)  # refuses bad data (one line) before anything is written
     if saved is None:  # a fresh run empties --out first: it must hold neither the data nor the checkpoint
         refuse_replacing_reads(out, [Path(data), *files, ckpt_dir, *ckpt_dir.iterdir()])
-    if os.path.lexists(out):  # --force or --resume (_check_out): only a run or checkpoint of ours is removed or
-        check_replaceable(out)  # written over, every entry at every depth; never through a link (fsio)
+    if not resume and os.path.lexists(out):  # --force (_check_out): only a run or checkpoint of ours, as it wrote
+        check_replaceable(out)  # it, is removed, every entry at every depth; never through a link (fsio)
     rt = dist.start(device, fsdp)
     try:
         return _run(ckpt_dir, config, data, out, s, rt, saved, compile, quiet)
@@ -168,6 +185,10 @@ def _run(ckpt_dir, config, data, out, s: Settings, rt, saved, compile_model, qui
 
     progress = Progress(s.steps, start, quiet or not rt.main)
     trainer = Trainer(runner, optimizer, rt, plan, cache.train, cache.val, log, progress)
+    if s.sample_every:
+        from gpt2port.training.sample import sampler
+
+        trainer.sample = sampler(model, ckpt_dir, cache.val, s.seed, s.sample_every, progress)
 
     saved_at = [start] if saved is not None else []
 
@@ -210,17 +231,19 @@ def _finish(out, ckpt_dir, config, model, rt, s, cache, log) -> None:
         stage = out / ".checkpoint"
         shutil.rmtree(stage, ignore_errors=True)
         save_state(full, config, stage, dtype=torch.float32, origin=ckpt_dir, kind="fine-tuned GPT",
-                   record=record)
-        if taken:
-            lora_train.write(stage, out, taken)
-        for f in sorted(stage.iterdir(), key=lambda f: f.name == WEIGHTS):
+                   record=record, extra=(lambda st: lora_train.write(st, out, taken)) if taken else None)
+        # The manifest (which records them all) goes in after the other files, the weights last: `out` reads as a
+        # checkpoint only once it is whole, and every file moved in is claimed by a manifest at all times.
+        for f in sorted(stage.iterdir(), key=lambda f: (f.name == WEIGHTS, f.name == MANIFEST)):
             os.replace(f, out / f.name)
         stage.rmdir()
         from gpt2port.training.plot import loss_plot
 
-        loss_plot(out / PLOT, [(r["step"], r["loss"]) for r in log.rows if "loss" in r],
-                  [(r["step"], r["eval_loss"]) for r in log.rows if "eval_loss" in r],
-                  title=f"fine-tuning {ckpt_dir.name}")
+        with records.recording(out) as chart:
+            loss_plot(out / PLOT, [(r["step"], r["loss"]) for r in log.rows if "loss" in r],
+                      [(r["step"], r["eval_loss"]) for r in log.rows if "eval_loss" in r],
+                      title=f"fine-tuning {ckpt_dir.name}")
+        log.record.add(chart.files)
         state.remove(out)
     rt.barrier()
 

@@ -37,6 +37,7 @@ RULES: dict[str, tuple] = {
     "eval_every": (int, 0, STEPS_MAX, False, False),  # 0: no evaluation
     "eval_windows": (int, 1, STEPS_MAX, False, False),
     "save_every": (int, 0, STEPS_MAX, False, False),  # 0: saved only when stopped
+    "sample_every": (int, 0, STEPS_MAX, False, False),  # 0: no samples
     "seed": (int, 0, SEED_MAX, False, False),
     "dropout": (float, 0.0, 1.0, False, True),
     "val_fraction": (float, 0.0, 1.0, True, True),

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import inspect
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -225,16 +226,41 @@ def cli_words(text: str) -> str:
 
 
 class Steps:
-    """Step lines while check works ("check [3/4] 2.1 s: verifying ..."), through `say`."""
+    """Step lines while check works ("check [3/4] 2.1 s: verifying ..."), on stderr: the table and the verdict, the
+    results, go to stdout. A step that speaks for itself (beat=False: verify's progress) aside, a step still running
+    after `every` seconds says so again, so that a log never falls silent longer (a load ends proving the class over
+    its whole context: minutes at 124M on a busy machine)."""
 
-    def __init__(self, say, total: int):
-        self.say, self.total, self.n, self.t0 = say, total, 0, time.perf_counter()
-        self.current = "starting"
+    def __init__(self, total: int, every: float = 10.0):
+        self.total, self.n, self.t0, self.every = total, 0, time.perf_counter(), every
+        self.current, self.what, self.beat, self.last = "starting", "", False, self.t0
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.ticker = None
 
-    def __call__(self, what: str) -> None:
-        self.n += 1
-        self.current = what[0].lower() + what[1:]
-        self.say(f"check [{self.n}/{self.total}] {time.perf_counter() - self.t0:.1f} s: {what}")
+    def __call__(self, what: str, beat: bool = True) -> None:
+        with self.lock:
+            self.n += 1
+            self.current, self.what, self.beat = what[0].lower() + what[1:], what, beat
+            self._say(what)
+        if self.ticker is None:
+            from gpt2port.outfile import start_thread
+
+            self.ticker = threading.Thread(target=self._tick, daemon=True, name="gpt2port-check-steps")
+            start_thread(self.ticker, "check")
+
+    def _say(self, what: str) -> None:
+        self.last = time.perf_counter()
+        sys.stderr.write(f"check [{self.n}/{self.total}] {self.last - self.t0:.1f} s: {what}\n")
+        sys.stderr.flush()
+
+    def _tick(self) -> None:
+        while not self.stop.wait(min(1.0, self.every / 4)):
+            with self.lock:
+                if self.beat and time.perf_counter() - self.last >= self.every:
+                    self._say(f"{self.what} (still working)")
+
+    def close(self) -> None:
+        self.stop.set()
 
 
 def run_check(spec: str, ckpt: str, reference=None, tokens: int = 64, hf: bool = True, say=print, *,
@@ -243,7 +269,7 @@ def run_check(spec: str, ckpt: str, reference=None, tokens: int = 64, hf: bool =
     """The whole check, printed through `say`; True when the class computes GPT-2. An exception raised in the
     user's file comes out as their error (UserCodeError), with where it happened there."""
     root = Path(spec.rpartition(":")[0] or ".").resolve().parent
-    step = Steps(say, 4)
+    step = Steps(4)
     try:
         return _run(spec, ckpt, reference, tokens, hf, say, drop_biases, crop_positions, tie, progress, step)
     except GPT2PortError:
@@ -256,6 +282,8 @@ def run_check(spec: str, ckpt: str, reference=None, tokens: int = 64, hf: bool =
         if mine is None:
             raise
         raise mine from e
+    finally:
+        step.close()
 
 
 def _where(e: BaseException, root: Path) -> str:
@@ -294,7 +322,8 @@ def _run(spec, ckpt, reference, tokens, hf, say, drop_biases, crop_positions, ti
         recorded = read_manifest(path).get("source", {}).get("path") if is_gpt2port_checkpoint(path) else None
         # verify's reference reads a gpt2port checkpoint's own weights as well as an HF directory: CKPT itself
         reference = recorded if recorded and Path(recorded).exists() else path
-    step(f"verifying {type(model).__name__} against {reference}" + (" and transformers" if hf else ""))
+    step(f"verifying {type(model).__name__} against {reference}" + (" and transformers" if hf else ""),
+         beat=not progress)  # verify's own progress speaks
     verdict = verify_model(model, reference, tokens=tokens, hf=hf, progress=progress)
     step("done")
     say(verdict.to_text())

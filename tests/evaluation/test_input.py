@@ -4,6 +4,7 @@ model loaded for a data file that is wrong. And what it prints: the table, --jso
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -101,6 +102,23 @@ def test_progress_goes_to_stderr_in_step_lines(realistic, text_file):
     result = _eval(realistic[1], "perplexity", text_file, "--json")
     assert json.loads(result.stdout)["tokens"] > 0  # stdout is the JSON alone
     assert "eval [" in result.stderr and "window 0/" in result.stderr
+    # the last count with a rate and what is left, not "window 0/N" until the table
+    n = json.loads(result.stdout)["windows"] if "windows" in result.stdout else None
+    last = [line for line in result.stderr.splitlines() if "window" in line][-1]
+    assert re.search(r"window (\d+)/\1, [\d.e+]+ windows/s, 0 s left$", last), result.stderr
+    assert n is None or f"/{n}," in last
+
+
+def test_threads_are_an_option_and_restored(realistic, text_file):
+    import torch
+
+    before = torch.get_num_threads()
+    one = _eval(realistic[1], "perplexity", text_file, "--json", "-q", "--threads", "1")
+    assert one.exit_code == 0, one.output
+    assert torch.get_num_threads() == before
+    default = json.loads(_eval(realistic[1], "perplexity", text_file, "--json", "-q").stdout)
+    assert json.loads(one.stdout)["perplexity"] == pytest.approx(default["perplexity"], rel=1e-6)
+    assert_clean_failure(_eval(realistic[1], "perplexity", text_file, "--threads", "100000"), names=["--threads"])
 
 
 def test_against_a_model_of_another_shape(realistic, text_file, tmp_path):

@@ -84,6 +84,25 @@ def test_offline_and_not_cached_says_to_pass_a_file(realistic, published, tmp_pa
     assert "HF_HUB_OFFLINE=1" in line and "--data FILE" in line
 
 
+def test_a_hub_out_of_reach_is_one_line_at_once(realistic, tmp_path):
+    """Not offline mode, but nothing listening: huggingface_hub's download would retry five times over 23 s of
+    sleeps, two lines a try; gpt2port asks once."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+
+    class Nowhere:
+        url = f"http://127.0.0.1:{port}"
+
+    t0 = time.perf_counter()
+    r = _eval(Nowhere, tmp_path, realistic[1], "--task", "lambada", "--data", "lambada")
+    line = assert_one_line_error(r.returncode, r.stderr, r.stdout, names=["--data lambada", "cannot be reached"])
+    assert "--data FILE" in line and time.perf_counter() - t0 < 20
+
+
 def test_a_corrupted_copy_is_refused_and_removed(realistic, published, tmp_path):
     hub, _ = published
     hub.reset()

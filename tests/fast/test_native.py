@@ -6,6 +6,7 @@ nothing else changes. The kernels are built on purpose (the native_kernels fixtu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -277,7 +278,9 @@ def test_nothing_is_built_or_registered_until_asked_for(tmp_path):
     assert err == ""  # from the cache: no build, no message
     out, err = first_calls({"GPT2PORT_NATIVE_CACHE": str(tmp_path)})  # an empty cache: built, and said so once
     assert out[1:] == [OPERATORS, "True None"]
-    assert err == native.BUILD_MESSAGE + "\n"
+    said = err.splitlines()  # the build announced, then its measured time
+    assert said[0] == native.BUILD_MESSAGE and re.fullmatch(r"gpt2port: CPU kernels built in \d+\.\d s", said[1])
+    assert len(said) == 2, err
 
 
 @needs_kernel
@@ -307,6 +310,7 @@ def test_processes_building_at_once_build_once(tmp_path):
     assert all(o.splitlines()[-1] == "True" for o, _ in outs), outs
     assert sum(o.count("built") for o, _ in outs) == 2  # the C library and the C++ operators, once each
     assert sum(e.count(native.BUILD_MESSAGE) for _, e in outs) == 1
+    assert sum(e.count("CPU kernels built in") for _, e in outs) == 1
 
 
 @needs_kernel

@@ -134,5 +134,5 @@ def test_exports_equal_llama_quantize(width, tmp_path):
     from scripts.check_gguf_kquants import check_files, realistic_gpt2
 
     ckpt = realistic_gpt2(tmp_path / "model", width, layers=4)
-    for recipe, r in check_files(ckpt, GGUF_QUANTS, tmp_path).items():
+    for recipe, r in check_files(ckpt, GGUF_QUANTS, tmp_path):
         assert r["problems"] == [], (recipe, r["problems"][:5])

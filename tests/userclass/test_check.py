@@ -109,6 +109,31 @@ def test_check_passes_and_prints_the_table_and_the_verdict(user_file, tiny_ckpt)
     assert "PASS" in r.output.splitlines()[-1]
 
 
+def test_check_steps_go_to_stderr_and_the_results_to_stdout(user_file, tiny_ckpt):
+    r = run_cli("check", f"{user_file}:make", tiny_ckpt, "--tokens", "16", "--no-hf")
+    assert r.exit_code == 0, r.output
+    assert "check [" not in r.stdout and "PASS" in r.stdout.splitlines()[-1]
+    assert [line.split("]")[0] for line in r.stderr.splitlines() if line.startswith("check [")][:4] == \
+        ["check [1/4", "check [2/4", "check [3/4", "check [4/4"], r.stderr
+
+
+def test_a_long_check_step_says_so_again(capsys):
+    import time
+
+    from gpt2port.userclass.check import Steps
+
+    step = Steps(2, every=0.1)
+    step("loading")
+    time.sleep(0.5)
+    step("verifying", beat=False)  # speaks for itself
+    time.sleep(0.5)
+    step.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("check [1/2]") and lines[0].endswith(": loading")
+    assert sum(line.endswith("loading (still working)") for line in lines) >= 2
+    assert lines[-1].endswith(": verifying")
+
+
 def test_check_refuses_a_relu_mlp_with_the_reason(user_file, tiny_ckpt):
     r = run_cli("check", f"{user_file}:make_relu", tiny_ckpt, "--no-hf")
     assert r.exit_code == 1
