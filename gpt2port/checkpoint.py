@@ -24,7 +24,7 @@ from gpt2port.inputs import read_json
 from gpt2port.filekind import real
 from gpt2port.formats import FLOAT_DTYPES
 from gpt2port.formats.safetensors import Header, mmap_tensors, read_header, stream_safetensors
-from gpt2port.fsio import STAGE_MARK, copy_file, refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import copy_file, refuse_overlap, staged_directory, write_json, write_mark
 from gpt2port.hashing import BackgroundHasher, Hashes
 from gpt2port.layouts import canonical
 from gpt2port.layouts.gpt2port import FORMAT_KEY, READABLE, metadata_for
@@ -218,13 +218,15 @@ def load_state(ckpt, dtype=None, device=None) -> tuple[Path, GPTConfig, dict[str
 # --- writing one -----------------------------------------------------------------------------------------------
 
 def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict],
-          tokenizer_files: list[Path] | Callable[[], list[Path]], force: bool = False, progress=None, reads=()) -> int:
+          tokenizer_files: list[Path] | Callable[[], list[Path]], force: bool = False, progress=None, reads=(),
+          extra: Callable[[Path], object] | None = None) -> int:
     """A checkpoint directory at `out`, built aside and renamed into place when complete (see fsio).
 
     items: [(name, dtype, shape, produce)] in storage order, produce() called only when its tensor's turn comes.
     provenance() gives the manifest, asked for after the weights are written (a conversion hashes its source
     meanwhile); so are the tokenizer files, when a function gives them (one that rebuilds them does so inside the
-    output being built). reads: the files the items come from (see fsio.staged_directory). Returns the weights
+    output being built). reads: the files the items come from (see fsio.staged_directory). extra(stage) writes
+    more files into it (a run's adapter/) before the manifest records them all (records.py). Returns the weights
     file's size.
     """
     with staged_directory(out, force, reads) as stage:
@@ -232,16 +234,17 @@ def write(out: Path, config: GPTConfig, items, provenance: Callable[[], dict],
         write_json(stage / CONFIG, config_json(config))
         for f in tokenizer_files() if callable(tokenizer_files) else tokenizer_files:
             copy_file(f, stage / f.name)
+        if extra is not None:
+            extra(stage)
         size = (stage / WEIGHTS).stat().st_size
-        write_json(stage / MANIFEST, {**provenance(), "files": {WEIGHTS: size}})
+        write_mark(stage / MANIFEST, provenance())
     return size
 
 
 def write_export_manifest(stage: Path, layout: str, provenance: dict) -> None:
     """manifest.json of an export in another layout (hf, llmc, gguf): where its weights came from, what it holds,
     and gpt2port's mark on the directory (what --force may replace)."""
-    files = {p.name: p.stat().st_size for p in sorted(Path(stage).iterdir()) if p.is_file() and p.name != STAGE_MARK}
-    write_json(Path(stage) / MANIFEST, {**provenance, "tool": "gpt2port", "layout": layout, "files": files})
+    write_mark(Path(stage) / MANIFEST, {**provenance, "tool": "gpt2port", "layout": layout})
 
 
 def manifest(dtype: torch.dtype, config: GPTConfig, source: dict, warnings: list[str] | None = None) -> dict:
@@ -304,10 +307,12 @@ def save(model, out: str | Path, dtype=None, force: bool = False, tokenizer_from
 
 def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Path, *, dtype=None,
                force: bool = False, origin: Path | None = None, tokenizer_from: str | Path | None = None,
-               kind: str = "in-memory model", record: dict | None = None) -> Path:
+               kind: str = "in-memory model", record: dict | None = None,
+               extra: Callable[[Path], object] | None = None) -> Path:
     """Write canonical tensors as a checkpoint. origin: the checkpoint they were loaded from (its provenance and
     tokenizer carry over, its tensor order is kept); tokenizer_from: where the tokenizer files are otherwise;
-    record: what made these weights (a fine-tuning run's data and settings), added to the manifest's entry."""
+    record: what made these weights (a fine-tuning run's data and settings), added to the manifest's entry; extra:
+    see write."""
     out = Path(out)
     shapes = canonical.shapes(config)
     out_dtype = parse_dtype(dtype) or state[canonical.EMBEDDING].dtype
@@ -336,5 +341,5 @@ def save_state(state: dict[str, torch.Tensor], config: GPTConfig, out: str | Pat
     # derived from names bytes, not only a path. Whatever fails, the session stops the hash.
     with Hashes() as hashes:
         hasher = BackgroundHasher([parent_weights], {}, hashes) if parent_weights and parent_weights.is_file() else None
-        write(out, config, items, lambda: provenance(hasher), tokenizer_files, force)
+        write(out, config, items, lambda: provenance(hasher), tokenizer_files, force, extra=extra)
     return out

@@ -230,8 +230,8 @@ def download(name, revision, out, dtype, run_verify, force, quiet):
 @click.option("--no-hf", "no_hf", is_flag=True, help="Skip transformers; judge against the float64 reference alone.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report on stdout (schema gpt2port.verify/1).")
 @click.option("--grads", is_flag=True,
-              help="Also compare the loss and every parameter's gradient with transformers' "
-                   "(fp32, needs transformers).")
+              help="Also compare the loss and every parameter's gradient with transformers' (fp32); with "
+                   "--no-hf, with the float64 reference's own.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress line; print only the verdict line.")
 @_handle_errors
 def verify(ckpt, reference, dtype, tokens, no_hf, as_json, grads, quiet):

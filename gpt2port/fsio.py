@@ -10,16 +10,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import errno
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from gpt2port import inputs
+from gpt2port import inputs, records
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import kind, real
-from gpt2port.ownership import OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours
+from gpt2port.ownership import MANIFEST, OLD_MARK, PARTIAL_MARK, STAGE_MARK, check_replaceable, is_ours
 from gpt2port.signals import deferred
 
 __all__ = ["OLD_MARK", "PARTIAL_MARK", "STAGE_MARK", "check_replaceable"]  # the rule itself is ownership.py's
@@ -29,7 +30,7 @@ _STAGE: contextvars.ContextVar = contextvars.ContextVar("gpt2port_stage", defaul
 
 
 def write_file(path: Path, data: bytes) -> None:
-    """A small file (config, manifest), flushed to disk."""
+    """A small file (config, manifest), flushed to disk, and recorded (records.py)."""
     try:
         with open(path, "wb") as f:
             f.write(data)
@@ -37,20 +38,33 @@ def write_file(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
     except OSError as e:
         raise GPT2PortError(f"{path}: write failed: {os_reason(e)}") from None
+    records.written(path, len(data), hashlib.sha256(data).hexdigest())
 
 
 def write_json(path: Path, obj) -> None:
     write_file(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
 
 
+def write_mark(path: Path, mark: dict, files: dict | None = None) -> None:
+    """An output's mark (manifest.json, a token cache's meta.json) carrying the record of `files` (default: every
+    file written so far into the output being built), sealed (records.py)."""
+    write_json(path, records.sealed(mark, records.current() if files is None else files))
+
+
 def copy_file(src: Path, dst: Path) -> None:
+    """A small file (a tokenizer file) copied, flushed, and recorded by the hash of the bytes as they went out."""
+    sha, size = hashlib.sha256(), 0
     try:
         with inputs.open_binary(src) as f, open(dst, "wb") as out:  # the source through the gate: no FIFO blocks
-            shutil.copyfileobj(f, out, 1 << 20)
+            while piece := f.read(1 << 20):
+                sha.update(piece)
+                out.write(piece)
+                size += len(piece)
             out.flush()
             os.fsync(out.fileno())
     except OSError as e:
         raise GPT2PortError(f"{dst}: copy from {src} failed: {os_reason(e)}") from None
+    records.written(dst, size, sha.hexdigest())
 
 
 @contextlib.contextmanager
@@ -89,10 +103,12 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
     scratch: list[Path] = []
     token = _STAGE.set((stage, scratch))
     try:
-        yield stage
+        with records.recording(stage):
+            yield stage
         for d in scratch:
             if d.exists():
                 shutil.rmtree(d)
+        _check_recorded(stage)
         os.unlink(stage / STAGE_MARK)  # the finished output carries its own marks
         _fsync_dir(stage)
         _swap_in(stage, dest, force)
@@ -102,6 +118,19 @@ def staged_directory(dest: Path, force: bool = False, reads=()):
         raise
     finally:
         _STAGE.reset(token)
+
+
+def _check_recorded(stage: Path) -> None:
+    """Every file of a finished output is in its manifest's record: a writer that went around fsio and outfile
+    (and so left a file --force could never tell from a user's) fails here, before the output is put in place."""
+    try:
+        files = records.files_of(inputs.read_json(stage / MANIFEST)) or {}
+    except GPT2PortError:
+        files = {}
+    missing = records.unrecorded(stage, files, skip={STAGE_MARK, MANIFEST})
+    if missing or not files:
+        raise RuntimeError(f"{stage}: written without a record ({', '.join(missing[:4]) or MANIFEST}): every "
+                           f"output file goes through fsio or outfile, and the output's manifest records it")
 
 
 def scratch_directory(prefix: str) -> Path:

@@ -1,4 +1,5 @@
-"""sha256 of source files, computed beside the work that reads them.
+"""sha256 of source files, computed beside the work that reads them; and of outputs as they are written
+(StreamHash, for records.py).
 
 A conversion records every source file's sha256 in its manifest. For a large checkpoint that is as much CPU time
 as any other part of a conversion, so it must not sit on its path.
@@ -33,7 +34,7 @@ from typing import Callable
 
 from gpt2port import inputs
 from gpt2port.errors import GPT2PortError
-from gpt2port.outfile import start_thread
+from gpt2port.threads import start_thread
 
 HASH_CHUNK = 16 << 20
 OFFERED = 1 << 16  # pieces waiting for the hasher at most (views of a reader's buffer: they cost no memory)
@@ -274,3 +275,51 @@ class BackgroundHasher:
         digests = {f: h.result() for f, h in self._hashes.items()}
         return [{"name": f.name, "size": f.stat().st_size, "sha256": self._known.get(f.name) or digests[f]}
                 for f in self._files]
+
+
+class StreamHash:
+    """The sha256 of a file's bytes as they are written, taken on a thread of its own in the order handed in, so
+    that an output carries its fingerprint without being read back (records.py) and the writer does not wait for
+    the hash: update() queues a piece and returns; then(), where given, runs once that piece is hashed (the writer
+    hands its chunk on, to be written and reused, only then)."""
+
+    def __init__(self, what):
+        self._sha = hashlib.sha256()
+        self._queue: queue.Queue = queue.Queue()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gpt2port-sha256-out", daemon=True)
+        start_thread(self._thread, what)
+
+    def update(self, data, then: Callable[[], object] | None = None) -> None:
+        self._queue.put((data, then))
+
+    def hexdigest(self) -> str:
+        """The digest of every piece handed in (waits for the last)."""
+        self._finish()
+        if self._error is not None:
+            raise self._error
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        """Stop hashing; the pieces still queued are handed on (then()) unhashed."""
+        self._stopped = True
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (got := self._queue.get()) is not None:
+            data, then = got
+            try:
+                if not self._stopped and self._error is None:
+                    self._sha.update(data)
+            except BaseException as e:  # noqa: BLE001 - raised on the writer's thread by hexdigest()
+                self._error = e
+            finally:
+                del data
+                if then is not None:
+                    then()

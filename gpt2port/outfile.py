@@ -24,7 +24,11 @@ import os
 import queue
 import threading
 
-from gpt2port.errors import GPT2PortError
+import hashlib
+
+from gpt2port import records
+from gpt2port.hashing import StreamHash
+from gpt2port.threads import out_of_memory, start_thread
 
 BLOCK = 4096  # alignment of O_DIRECT offsets, lengths and buffers: a page, a multiple of every device block
 CHUNK = 16 << 20  # bytes per write() call: large enough that the device streams
@@ -57,9 +61,10 @@ class DirectAppend:
     """Appends through O_DIRECT: bytes gathered into page-aligned chunks, written whole by writer threads."""
 
     def __init__(self, fd: int, path=None):
-        self._fd = fd
+        self._fd, self._path = fd, path
         self._free: queue.Queue = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._hash: StreamHash | None = None
         try:
             for _ in range(CHUNKS):
                 self._free.put(mmap.mmap(-1, CHUNK))  # anonymous mappings are page-aligned, as O_DIRECT wants
@@ -76,6 +81,7 @@ class DirectAppend:
         try:
             for t in self._threads:
                 start_thread(t, path)
+            self._hash = StreamHash(path)
         except BaseException:
             self.abort()
             raise
@@ -112,10 +118,14 @@ class DirectAppend:
     def flush(self) -> None:
         """Nothing to do: a chunk goes out when full, the rest at close()."""
 
-    def _submit(self, length: int) -> None:
+    def _submit(self, length: int, data: int | None = None) -> None:
+        """Hand the chunk on: hashed first (its first `data` bytes, all by default; the rest is padding), then to
+        the writers, in order; the caller goes on with a free chunk meanwhile."""
         if self._error is not None:
             raise self._error
-        self._full.put((self._chunk, length, self._offset))
+        chunk, offset = self._chunk, self._offset
+        self._hash.update(memoryview(chunk)[: length if data is None else data],
+                          lambda: self._full.put((chunk, length, offset)))
         self._offset += length
         self._chunk, self._fill = self._free.get(), 0
 
@@ -140,7 +150,8 @@ class DirectAppend:
             if self._fill:
                 padded = -(-self._fill // BLOCK) * BLOCK
                 self._chunk[self._fill : padded] = bytes(padded - self._fill)
-                self._submit(padded)
+                self._submit(padded, self._fill)
+            digest = self._hash.hexdigest()
             self._stop()
             if self._error is not None:
                 raise self._error
@@ -148,9 +159,12 @@ class DirectAppend:
             os.fsync(self._fd)
         finally:
             self.abort()
+        records.written(self._path, self._size, digest)
 
     def abort(self) -> None:
         """Stop the writer threads and close the file, whatever state it is in (once: later calls do nothing)."""
+        if self._hash is not None:
+            self._hash.abort()  # first: it hands the chunks it holds on to the writers
         self._stop()
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
@@ -197,11 +211,13 @@ class BufferedAppend:
     """Appends through the page cache (write_in_slices, BackgroundFlusher below)."""
 
     def __init__(self, file, path=None):
-        self._file = file
+        self._file, self._path = file, path
         self._flusher = BackgroundFlusher(file.fileno(), path)
+        self._sha = hashlib.sha256()  # here, not on a thread: the caller may change its buffer once write returns
 
     def write(self, data) -> int:
         write_in_slices(self._file, data, self._flusher)
+        self._sha.update(memoryview(data).cast("B"))
         return memoryview(data).nbytes
 
     def tell(self) -> int:
@@ -220,7 +236,9 @@ class BufferedAppend:
         except OSError:
             self.abort()
             raise
+        size = self._file.tell()
         self._file.close()  # on network filesystems a delayed write error can surface only here
+        records.written(self._path, size, self._sha.hexdigest())
 
     def abort(self) -> None:
         """Stop flushing and close, quietly: this runs while a failure is being reported, and on a full disk close()
@@ -294,25 +312,6 @@ class BackgroundFlusher:
             self.finish()
         except OSError:
             pass
-
-
-def start_thread(thread: threading.Thread, what) -> None:
-    """thread.start(), refused in one line naming `what` (the file it works on) when the system starts no thread:
-    Python's RuntimeError when there is no memory, or no address space under a `ulimit -v`, for its stack."""
-    try:
-        thread.start()
-    except RuntimeError:
-        raise out_of_memory(what, "cannot start a thread") from None
-
-
-def out_of_memory(what, doing: str = "out of memory") -> GPT2PortError:
-    """The one line for memory refused (ENOMEM, MemoryError, no thread), with the address-space limit if any."""
-    import resource
-
-    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-    limit = "" if soft == resource.RLIM_INFINITY else f" (address space limited to {soft >> 20} MB: ulimit -v)"
-    return GPT2PortError(f"{what}: {doing}: out of memory{limit}" if doing != "out of memory" else
-                         f"{what}: out of memory{limit}")
 
 
 # What each command can be asked to hold less of, named in its out-of-memory line.

@@ -2,23 +2,24 @@
 
 A directory is gpt2port's only if every entry in it, at every depth, is something a gpt2port writer makes, of the
 kind it makes (a regular file where gpt2port writes a file, a directory where it writes one; never a link, FIFO,
-socket or device), and is claimed by a mark that checks out against what it describes:
+socket or device), and is claimed by a mark that checks out against what it describes, by content (records.py):
 
-- manifest.json ("tool": "gpt2port") claims itself and the files it lists, each under a name its layout's target
-  writes (registry.REGISTRY) and at the size it records;
-- a checkpoint's config.json ("format": "gpt2port") claims itself, the tokenizer files, and the weights when no
-  manifest records them;
-- a fine-tuning run's tokens/meta.json claims tokens/ when train.bin and val.bin have the sizes its counts and dtype
-  give; train_state/meta.json claims the state when there is an rng file for every rank of its world and DCP's
-  .metadata; either makes the directory a run, which claims the run's own files (log, chart, state being saved,
-  the checkpoint being moved in);
-- an export written before exports had a manifest: an hf config.json gpt2port wrote ("dtype", no
-  "transformers_version"), a GGUF gpt2port named "GPT-2";
+- a sealed record claims the files it lists, each under a name its output's writer gives it, only while its content
+  is what was recorded: manifest.json ("tool": "gpt2port"; a checkpoint's or an export's files, a run's adapter/),
+  a run's tokens/meta.json (train.bin, val.bin), a run's train_log.record.json (its log and chart);
+- a fine-tuning run's train_state/meta.json claims the state (torch's DCP files) when there is an rng file for every
+  rank of its world and DCP's .metadata; a record or a state makes the directory a run, which claims the run's own
+  directories (the state being saved, the checkpoint being moved in);
 - a build directory (.NAME.partial-PID) carries the stage mark written first into it, naming it; a checkpoint moved
   aside (.NAME.replaced-PID) is checked as any output.
 
-Entries are looked at with lstat only: nothing is followed and nothing is opened but the small JSON marks and a
-GGUF's first 4 KB, and those only once lstat says they are regular files (a FIFO is never opened).
+The marks of versions that recorded no fingerprints (a manifest of sizes, a checkpoint's config.json, a token
+cache's counts, an hf config.json or a GGUF of gpt2port's without a manifest) claim nothing here: check_replaceable
+names such an output as an earlier version's, and accepts it only where asked (finetune --resume).
+
+Entries are looked at with lstat only: nothing is followed and nothing is opened but the small JSON marks, a GGUF's
+first 4 KB and files whose identity moved since they were recorded, and those only once lstat says they are
+regular files (a FIFO is never opened).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import re
 import stat
 from pathlib import Path
 
+from gpt2port import records
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import kind
+from gpt2port.records import RUN_RECORD, RUN_RECORD_NEW
 from gpt2port.registry import ADAPTER_DIR, ADAPTER_FILES, OTHER_OUTPUTS, REGISTRY, TOKENIZER
 
 PARTIAL_MARK = ".partial-"  # temporary build directories: .<name>.partial-<pid>
@@ -50,17 +53,25 @@ SCRATCH = ".gpt2port-"  # the prefix of the scratch directories made inside a bu
 _FILE_NAMES = (*(p for t in REGISTRY.values() for p in t.files), *(p for f in OTHER_OUTPUTS.values() for p in f),
                *RUN_FILES, *TOKENS_FILES)
 _TAG_LIMIT = 64 << 20  # bytes: far above any manifest or meta.json gpt2port writes
-def check_replaceable(dest: Path) -> None:
-    """Refuse, in one line naming the first foreign paths, to replace a directory gpt2port did not write."""
+def check_replaceable(dest: Path, earlier: bool = False) -> None:
+    """Refuse, in one line naming the first entries at fault, to replace a directory that is not gpt2port's as
+    gpt2port wrote it. An output of a version that recorded no fingerprints is refused in a line of its own, or
+    accepted with `earlier` (finetune --resume of a run it began)."""
     dest = Path(dest)
     if os.path.islink(dest):
         raise GPT2PortError(f"{dest}: is a symbolic link (to {os.readlink(dest)}); gpt2port replaces a directory "
                             f"only by its own path: give that as --out")
     foreign = output_problems(dest)
+    if foreign and not output_problems(dest, earlier=True):
+        if earlier:
+            return
+        raise GPT2PortError(f"{dest}: written by an earlier version of gpt2port, which kept no fingerprint of the "
+                            f"files it wrote, so --force cannot tell whether they were changed since (it still "
+                            f"loads); choose another --out or remove it yourself")
     if foreign:
         shown = ", ".join(foreign[:4]) + (", …" if len(foreign) > 4 else "")
-        raise GPT2PortError(f"{dest}: holds files gpt2port did not write ({shown}); choose another --out or remove "
-                            f"it yourself")
+        raise GPT2PortError(f"{dest}: holds files gpt2port did not write ({shown}); choose another "
+                            f"--out or remove it yourself")
 
 
 def is_ours(leftover: Path) -> bool:
@@ -68,39 +79,25 @@ def is_ours(leftover: Path) -> bool:
     return kind(leftover) == "directory" and not _leftover(leftover, "", nested=False)
 
 
-def output_problems(d: Path, rel: str = "") -> list[str]:
-    """The entries of output directory `d` (at every depth) that are not gpt2port's, as paths relative to the
-    directory checked, with why when the name alone does not say; [] when all are."""
+def output_problems(d: Path, rel: str = "", earlier: bool = False) -> list[str]:
+    """The entries of output directory `d` (at every depth) that are not gpt2port's as it wrote them, as paths
+    relative to the directory checked, with why when the name alone does not say; [] when all are. earlier: the
+    marks of versions that recorded no fingerprints claim what they claimed then (names and sizes)."""
     entries = _list(d)
     claims: dict[str, object] = {}  # name -> None (a file) or a checker for a directory: (path, rel) -> problems
     problems: dict[str, str] = {}
     manifest = _json(d, MANIFEST, entries) or {}
-    config = _json(d, CONFIG, entries) or {}
-    checkpoint = run = False
-    listed = _manifest_files(manifest)
-    if listed is not None:
-        files = _layout_files(manifest.get("layout", "gpt2port"))
-        claims[MANIFEST] = None
-        for name, size in listed.items():
-            if entries.get(name) != "file" or not _matches(name, files):
-                continue  # absent (nothing to lose), or judged below as any other entry
-            actual = os.lstat(d / name).st_size
-            if actual == size:
-                claims[name] = None
-            else:
-                problems[name] = f"{rel}{name} ({actual:,} bytes; {MANIFEST} records {size:,})"
-        run = _finetuned(manifest)
-    if config.get("format") == "gpt2port":  # a checkpoint (its tokenizer files are listed nowhere: claimed by name)
-        checkpoint = True
-        claims[CONFIG] = None
-        if listed is None or WEIGHTS not in listed:
-            claims[WEIGHTS] = None
-    if checkpoint:
-        claims.update((n, None) for n in _tokenizer_names())
-    if listed is None and not checkpoint:
-        claims.update((n, None) for n in _old_export(d, entries, config))
+    run = False
+    if records.is_mark(manifest) and _manifest_ours(manifest):
+        if _recorded(d, rel, MANIFEST, manifest, _recordable(manifest), entries, claims, problems):
+            run = _finetuned(manifest)
+    elif earlier:
+        run = _claim_earlier(d, rel, entries, manifest, claims, problems)
+    run_record = _json(d, RUN_RECORD, entries) or {}
+    if records.is_mark(run_record):
+        run = _recorded(d, rel, RUN_RECORD, run_record, RUN_FILES, entries, claims, problems) or run
     if entries.get(TOKENS) == "directory":
-        unclaimed = _tokens_unclaimed(d / TOKENS)
+        unclaimed = _tokens_unclaimed(d / TOKENS, earlier)
         if unclaimed is None:
             claims[TOKENS], run = _tokens_dir, True
         elif unclaimed:  # marked as gpt2port's, but the mark does not describe the files: say which
@@ -109,9 +106,14 @@ def output_problems(d: Path, rel: str = "") -> list[str]:
         if entries.get(name) == "directory" and _state_ok(d / name):
             claims[name], run = _state_dir, True
     if run:
-        claims.update((n, None) for n in RUN_FILES)
-        claims[ADAPTER_DIR] = _adapter_dir
-        claims[STATE_SAVING], claims[RUN_CHECKPOINT] = _state_dir, _checkpoint_dir
+        claims[STATE_SAVING], claims[RUN_CHECKPOINT], claims[RUN_RECORD_NEW] = _state_dir, _checkpoint_dir, None
+        moving = _json(d / RUN_CHECKPOINT, MANIFEST, _list(d / RUN_CHECKPOINT)) \
+            if entries.get(RUN_CHECKPOINT) == "directory" else None
+        if moving and records.files_of(moving) is not None:  # a finish killed while it moved the files in
+            _claim(d, rel, entries, records.files_of(moving), _recordable(moving), claims, problems)
+        if earlier:
+            claims.update((n, None) for n in RUN_FILES if n not in claims)
+            claims.setdefault(ADAPTER_DIR, _adapter_dir)
     for name, what in sorted(entries.items()):
         if name in problems:
             continue
@@ -127,6 +129,86 @@ def output_problems(d: Path, rel: str = "") -> list[str]:
         elif claims[name] is not None:
             problems.update((p, p) for p in claims[name](d / name, f"{rel}{name}/"))
     return [problems[name] for name in sorted(problems)]  # in the order of the names, however found
+
+
+def _recorded(d: Path, rel: str, name: str, mark: dict, allowed, entries, claims, problems) -> bool:
+    """Claim the mark `name` and the files it records, each only as gpt2port wrote it; False (and the mark named)
+    when the mark itself was changed since it was sealed."""
+    files = records.files_of(mark)
+    if files is None:
+        problems[name] = f"{rel}{name} (changed since gpt2port wrote it)"
+        return False
+    claims[name] = None
+    _claim(d, rel, entries, files, allowed, claims, problems)
+    return True
+
+
+def _claim(d: Path, rel: str, entries, files: dict, allowed, claims, problems) -> None:
+    """Claim each entry of `d` that `files` records (under a name `allowed`) and that is still what was recorded;
+    a recorded file changed since is a problem named with why. One level down: a run's adapter/."""
+    below: dict[str, dict] = {}
+    for path, rec in files.items():
+        name, _, rest = path.partition("/")
+        if rest:
+            if name == ADAPTER_DIR and ADAPTER_DIR in allowed and rest in ADAPTER_FILES:
+                below.setdefault(name, {})[rest] = rec
+        elif _matches(name, allowed) and entries.get(name) == "file" and name not in claims:
+            why = records.changed(d / name, rec)  # absent, or not a file: nothing to lose, or judged as any other
+            if why:
+                problems[name] = f"{rel}{name} ({why})"
+            else:
+                claims[name] = None
+    for name, recs in below.items():
+        if entries.get(name) == "directory":
+            claims[name] = _recorded_dir(recs)
+
+
+def _recorded_dir(recs: dict[str, dict]):
+    """The checker of a directory whose files a record lists ({name: record}): each recorded and unchanged."""
+    def check(d: Path, rel: str) -> list[str]:
+        out = []
+        for name, what in sorted(_list(d).items()):
+            if name not in recs or what != "file":
+                out += _names_of(d, rel, name, what, tuple(recs))
+            elif why := records.changed(d / name, recs[name]):
+                out.append(f"{rel}{name} ({why})")
+        return out
+    return check
+
+
+def _recordable(manifest: dict) -> tuple[str, ...]:
+    """The names a manifest may record: its layout's files, and a fine-tuning run's adapter/."""
+    return (*_layout_files(manifest.get("layout", "gpt2port")), ADAPTER_DIR)
+
+
+def _claim_earlier(d: Path, rel: str, entries, manifest: dict, claims, problems) -> bool:
+    """What the marks of a version that recorded no fingerprints claim (names, and sizes where it recorded them);
+    whether they make `d` a run."""
+    config = _json(d, CONFIG, entries) or {}
+    checkpoint = run = False
+    listed = _manifest_files(manifest)
+    if listed is not None:
+        files = _layout_files(manifest.get("layout", "gpt2port"))
+        claims[MANIFEST] = None
+        for name, size in listed.items():
+            if entries.get(name) != "file" or not _matches(name, files):
+                continue  # absent (nothing to lose), or judged below as any other entry
+            actual = os.lstat(d / name).st_size
+            if actual == size:
+                claims[name] = None
+            else:
+                problems[name] = f"{rel}{name} ({actual:,} bytes; {MANIFEST} records {size:,})"
+        run = _finetuned(manifest)
+    if config.get("format") == "gpt2port" and listed is not None:  # a checkpoint (every version wrote a manifest;
+        checkpoint = True  # the tokenizer files are listed nowhere: claimed by name)
+        claims[CONFIG] = None
+        if listed is None or WEIGHTS not in listed:
+            claims[WEIGHTS] = None
+    if checkpoint:
+        claims.update((n, None) for n in _tokenizer_names())
+    if listed is None and not checkpoint:
+        claims.update((n, None) for n in _old_export(d, entries, config))
+    return run
 
 
 # --- the parts of an output ------------------------------------------------------------------------------------------
@@ -208,13 +290,17 @@ def _leftover(d: Path, rel: str, nested: bool) -> list[str]:
 
 def _manifest_files(manifest: dict) -> dict[str, int] | None:
     """What a gpt2port manifest.json records, {name: size}; None when it is not one ({} when it records nothing)."""
-    layout = manifest.get("layout", "gpt2port")
-    if manifest.get("tool") != "gpt2port" or not isinstance(layout, str) or layout not in {*REGISTRY, *OTHER_OUTPUTS}:
+    if not _manifest_ours(manifest):
         return None
     files = manifest.get("files", {})
     if not isinstance(files, dict) or not all(type(v) is int and v >= 0 for v in files.values()):
         return None
     return files
+
+
+def _manifest_ours(manifest: dict) -> bool:
+    layout = manifest.get("layout", "gpt2port")
+    return manifest.get("tool") == "gpt2port" and isinstance(layout, str) and layout in {*REGISTRY, *OTHER_OUTPUTS}
 
 
 def _finetuned(manifest: dict) -> bool:
@@ -224,13 +310,25 @@ def _finetuned(manifest: dict) -> bool:
     return isinstance(last, dict) and "finetune" in last
 
 
-def _tokens_unclaimed(d: Path) -> str | None:
-    """None when a run's tokens/ is gpt2port's (meta.json names the format and the token files have the sizes its
-    counts give); else why not: "" where there is no mark (or not one gpt2port writes), the file and its sizes
-    where the mark does not describe the files."""
+def _tokens_unclaimed(d: Path, earlier: bool = False) -> str | None:
+    """None when a run's tokens/ is gpt2port's (meta.json names the format and records the token files as they are;
+    with `earlier`, a meta.json without a record whose counts give the files' sizes); else why not: "" where there
+    is no mark (or not one gpt2port writes), the file and why where the mark does not describe the files."""
     entries = _list(d)
     meta = _json(d, "meta.json", entries) or {}
     if not str(meta.get("format", "")).startswith("gpt2port-tokens/"):
+        return ""
+    if records.is_mark(meta):
+        files = records.files_of(meta)
+        if files is None or not {"train.bin", "val.bin"} <= set(files):
+            return "meta.json (changed since gpt2port wrote it)"
+        for f in ("train.bin", "val.bin"):
+            if entries.get(f) != "file":
+                return f"{f} (missing or not a file)"
+            if why := records.changed(d / f, files[f]):
+                return f"{f} ({why})"
+        return None
+    if not earlier:
         return ""
     width = {"uint16": 2, "uint32": 4}.get(meta.get("dtype"))
     counts = meta.get("n_train"), meta.get("n_val")

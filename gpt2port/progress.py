@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from gpt2port.outfile import start_thread
+from gpt2port.threads import start_thread
 
 
 def show_bars(quiet: bool = False) -> bool:

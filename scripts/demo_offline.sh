@@ -45,13 +45,15 @@ export HF_ENDPOINT="http://127.0.0.1:$PORT" HF_HUB_DISABLE_XET=1 HF_HOME="$WORK/
 # checkpoint already there that did not come from a stand-in Hub is the user's own: it is left alone and the demo
 # writes under $WORK instead, saying so at the end.
 CKPTS="${GPT2PORT_CHECKPOINTS:-checkpoints}"
-from_demo() {  # $1: a checkpoint directory; true when absent or written by an earlier demo
+from_demo() {  # $1: a checkpoint directory; true when absent or written by an earlier demo of a version that
+  # records its files (--force refuses what an earlier version wrote: records.py)
   [ ! -e "$1" ] || $PY -c 'import json, sys
-src = json.load(open(sys.argv[1] + "/manifest.json")).get("source", {})
-sys.exit(0 if str(src.get("endpoint", "")).startswith("http://127.0.0.1:") else 1)' "$1" 2>/dev/null
+m = json.load(open(sys.argv[1] + "/manifest.json"))
+src = m.get("source", {})
+sys.exit(0 if str(src.get("endpoint", "")).startswith("http://127.0.0.1:") and "records" in m else 1)' "$1" 2>/dev/null
 }
 if ! from_demo "$CKPTS/$SIZE" || ! from_demo "$CKPTS/$SIZE-again"; then
-  echo "demo: $CKPTS/$SIZE or $CKPTS/$SIZE-again holds a checkpoint of yours; the demo writes under $WORK/checkpoints instead" >&2
+  echo "demo: $CKPTS/$SIZE or $CKPTS/$SIZE-again holds a checkpoint of yours (or an earlier version's); the demo writes under $WORK/checkpoints instead" >&2
   CKPTS="$WORK/checkpoints"
 fi
 export GPT2PORT_CHECKPOINTS="$CKPTS"

@@ -18,7 +18,8 @@ Ownership cases (--ownership, by default a fifth of --cases, ownership_case belo
 or inside a gpt2port output: a file of theirs at any depth (tokens/, train_state/, .checkpoint/, a build directory),
 a directory under a name gpt2port writes as a file, a FIFO or a link under such a name, marks that do not check out
 (a tokens/meta.json whose counts miss its files, a manifest recording another size or listing a foreign name, a
-stage mark naming another directory), and look-alike .out.partial-PID / .out.replaced-PID siblings; then run
+stage mark naming another directory), a file gpt2port wrote edited in place at its size (its modification time set
+back: only its content tells), and look-alike .out.partial-PID / .out.replaced-PID siblings; then run
 `convert SRC --out OUT --force`. A failure is also any of the user's files removed or changed.
 
 Each command runs in a child forked from one worker process that has imported gpt2port (a fresh interpreter per case
@@ -30,6 +31,7 @@ by more than --rss, death by a signal, or any change to the source's bytes. Exit
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -178,7 +180,7 @@ def ownership_case(rng: random.Random, case_dir: Path, checkpoint: Path) -> tupl
     shutil.copytree(checkpoint, out)
     kind = rng.choice(["nested file", "directory under a file name", "forged tokens mark", "manifest size",
                        "manifest lists a foreign name", "stage mark of another", "sibling look-alike",
-                       "special file", "link"])
+                       "special file", "link", "edited in place"])
     mine = b"the user's own bytes " + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
     planted: list[Path] = []
 
@@ -207,12 +209,25 @@ def ownership_case(rng: random.Random, case_dir: Path, checkpoint: Path) -> tupl
     elif kind in ("manifest size", "manifest lists a foreign name"):
         manifest = json.loads((out / "manifest.json").read_text())
         if kind == "manifest size":
-            manifest["files"]["model.safetensors"] += rng.choice([-1, 1]) * rng.randrange(1, 4096)
+            manifest["files"]["model.safetensors"]["size"] += rng.choice([-1, 1]) * rng.randrange(1, 4096)
             planted.append(out / "model.safetensors")  # no longer what gpt2port wrote: the user's
-        else:
+        else:  # sealed again, as a forger would: the record still lists only names its layout writes
+            from gpt2port import records
+
             name = rng.choice(["notes.txt", "thesis.tex", "data.csv"])
-            manifest["files"][name] = len(plant(out / name).read_bytes())
+            data = plant(out / name).read_bytes()
+            manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            manifest = records.sealed(manifest, manifest["files"])
         (out / "manifest.json").write_text(json.dumps(manifest))
+    elif kind == "edited in place":  # the same size, the modification time set back: only the content tells
+        name = rng.choice(sorted(json.loads((out / "manifest.json").read_text())["files"]))
+        path, st = out / name, (out / name).stat()
+        data = bytearray(path.read_bytes())
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        with open(path, "r+b") as f:
+            f.write(data)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        planted.append(path)
     elif kind == "stage mark of another":
         stage = out / f".{rng.choice(['x', 'tokens', 'out'])}.partial-{rng.randrange(1, 10 ** 6)}"
         stage.mkdir()

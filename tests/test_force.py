@@ -161,35 +161,42 @@ def test_force_refuses_a_look_alike_without_gpt2ports_mark(tmp_path, make_hf_rep
     assert "config.json" in line and "did not write" in line
 
 
-def test_a_previous_versions_checkpoint_is_still_replaced(tmp_path, make_hf_repo):
+EARLIER = "written by an earlier version of gpt2port, which kept no fingerprint of the files it wrote"
+
+
+def test_a_previous_versions_checkpoint_is_refused_by_force_and_still_loads(tmp_path, make_hf_repo):
+    """A version that recorded no fingerprints leaves nothing to tell its files from a user's edits of them:
+    --force refuses it in a line of its own; it loads as ever."""
     old = tmp_path / "old"
     shutil.copytree(FIXTURES / "v1-checkpoint", old)
-    r = run_cli("convert", make_hf_repo("hub"), "--out", old, "--force", "-q", "--dtype", "fp16")
-    assert r.exit_code == 0, r.stderr
+    line = refused(["convert", make_hf_repo("hub"), "--out", old, "--force", "-q", "--dtype", "fp16"], old,
+                   names=[old])
+    assert EARLIER in line, line
     assert_valid_checkpoint(old)
-    assert json.loads((old / "manifest.json").read_text())["dtype"] == "fp16"
 
 
 @pytest.mark.parametrize("to", ["hf", "llmc", "gguf"])
-def test_exports_carry_gpt2ports_mark_and_older_ones_are_still_replaced(to, tiny_ckpt, tmp_path):
-    """Older hf and GGUF exports carry marks of gpt2port's own; llm.c's files are the same bytes whoever wrote them
-    (llm.c's train_gpt2.py, or gpt2port before exports had a manifest), so a directory of them is refused."""
+def test_exports_carry_gpt2ports_mark_and_older_ones_are_refused(to, tiny_ckpt, tmp_path):
+    """Older hf and GGUF exports carry marks of gpt2port's own, but no fingerprints: refused as an earlier version's;
+    llm.c's files are the same bytes whoever wrote them (llm.c's train_gpt2.py, or gpt2port before exports had a
+    manifest), so a directory of them is refused as the user's."""
     out = tmp_path / "export"
     r = run_cli("export", tiny_ckpt, "--out", out, "--to", to)
     assert r.exit_code == 0, r.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["tool"] == "gpt2port" and manifest["layout"] == to
     assert set(manifest["files"]) == {p.name for p in out.iterdir()} - {"manifest.json"}
+    r = run_cli("export", tiny_ckpt, "--out", out, "--to", to, "--force")  # its own export is replaced
+    assert r.exit_code == 0, r.stderr
     (out / "manifest.json").unlink()  # as the version before manifests wrote it
     before = snapshot(out)
     r = run_cli("export", tiny_ckpt, "--out", out, "--to", to, "--force")
+    line = assert_one_line_error(r.exit_code, r.stderr, r.stdout)
+    assert snapshot(out) == before
     if to == "llmc":
-        line = assert_one_line_error(r.exit_code, r.stderr, r.stdout)
         assert f"{out}: holds files gpt2port did not write (gpt2_" in line, line
-        assert snapshot(out) == before
     else:
-        assert r.exit_code == 0, r.stderr
-        assert (out / "manifest.json").is_file()
+        assert EARLIER in line, line
     assert leftovers(tmp_path) == []
 
 

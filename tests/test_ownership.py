@@ -47,7 +47,7 @@ def stopped(tmp_path_factory, tiny_ckpt, corpus) -> Path:
             torch.set_num_threads(threads)
     out = run.parent / "stopped"
     out.mkdir()
-    for name in ("tokens", "train_state", "train_log.jsonl"):
+    for name in ("tokens", "train_state", "train_log.jsonl", "train_log.record.json"):
         (shutil.copytree if (run / name).is_dir() else shutil.copy)(run / name, out / name)
     return out
 
@@ -136,16 +136,16 @@ def test_a_forged_manifest_claims_nothing_gpt2port_did_not_write(forged, name, m
     (home / name).write_text("my notes\n\n")
     (home / "manifest.json").write_text(json.dumps(forged))
     line = refused(["convert", make_hf_repo("hub"), "--out", home, "--force", "-q"], home, names=[home])
-    assert f"did not write ({name})" in line, line
+    assert f"did not write (manifest.json, {name})" in line, line
 
 
 def test_weights_swapped_into_a_checkpoint_are_not_replaced(tiny_ckpt, make_hf_repo, tmp_path):
     out = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, out)
-    recorded = json.loads((out / "manifest.json").read_text())["files"]["model.safetensors"]
+    recorded = json.loads((out / "manifest.json").read_text())["files"]["model.safetensors"]["size"]
     (out / "model.safetensors").write_bytes(b"the user's own weights, of another size")
     line = refused(["convert", make_hf_repo("hub"), "--out", out, "--force", "-q"], out, names=[out])
-    assert f"model.safetensors (39 bytes; manifest.json records {recorded:,})" in line, line
+    assert f"model.safetensors (39 bytes; gpt2port wrote {recorded:,})" in line, line
 
 
 def test_resume_into_a_folder_holding_a_copied_train_state_keeps_the_users_config(stopped, tiny_ckpt, corpus,
@@ -266,10 +266,11 @@ def test_out_nested_2000_directories_deep(make_hf_repo, tmp_path, monkeypatch):
 
 def write(job) -> int:
     """The writer of the throwaway target below: every tensor's bytes, one after another, in toy.bin."""
+    from gpt2port.fsio import write_file
+
     with job.staged() as stage:
-        with open(stage / "toy.bin", "wb") as f:
-            for _, dtype, _, produce in job.items:
-                f.write(produce().to(dtype).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        write_file(stage / "toy.bin", b"".join(produce().to(dtype).contiguous().view(-1).view(torch.uint8).numpy()
+                                               .tobytes() for _, dtype, _, produce in job.items))
         job.write_manifest(stage, "toy")
         return (stage / "toy.bin").stat().st_size
 
@@ -295,7 +296,7 @@ def test_a_new_target_is_one_registry_row_and_force_follows_it(tiny_ckpt, tmp_pa
     assert snapshot(out) == before
     (out / "notes.txt").unlink()
     (out / "toy.bin").write_bytes(b"swapped")  # no longer the size its manifest records
-    with pytest.raises(GPT2PortError, match=r"toy.bin \(7 bytes; manifest.json records"):
+    with pytest.raises(GPT2PortError, match=r"toy.bin \(7 bytes; gpt2port wrote"):
         export(tiny_ckpt, out, to="toy", force=True)
 
 

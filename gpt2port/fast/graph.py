@@ -7,8 +7,9 @@ and the cache's attention): ~140 module calls a token. It was traced with TorchS
 that Python; TorchScript is deprecated, and the private graph passes it needed are no supported API, so nothing
 here uses either. The supported capture is torch.compile (Inductor, with its C++ wrapper on the CPU), `Compiled`:
 the same forward, its one-row products and attention still gpt2port's operators, the rest compiled to C++. Its
-first compile of a model shape takes about a minute on 2 cores (seconds once Inductor's cache on disk has it), so
-it is asked for, not the default: Settings(compile=True) or GPT2PORT_COMPILE=1 (docs/performance.md).
+first compile of a model shape takes minutes on 2 cores, and a process with Inductor's cache on disk filled still
+spends seconds tracing the forward again, for a gain per token within the noise of what was measured, so it is
+asked for, not the default: Settings(compile=True) or GPT2PORT_COMPILE=1 (docs/performance.md).
 
 Why a graph on a GPU: a step is a few hundred small kernels each launched from Python, bound by launches rather than
 by memory; a graph records them once and replays them with one launch.

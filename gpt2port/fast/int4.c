@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "vectors.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -58,11 +58,33 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* The row's scales widened to fp32 into `scales`, and sum_g min[g] * sums[g]. */
+/* The row's scales widened to fp32 into `scales`, and sum_g min[g] * sums[g]: 16 or 8 groups at a time where the
+ * CPU converts halves itself (F16C, AVX-512), which a decode step otherwise spends a third of its time on. */
 static inline float row_setup(const uint8_t *row, const float *sums, float *scales, int64_t groups, int64_t k) {
     const uint16_t *s = (const uint16_t *)(row + k / 2), *m = s + groups;
     float offset = 0.f;
-    for (int64_t g = 0; g < groups; g++) {
+    int64_t g = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; g + 16 <= groups; g += 16) {
+        _mm512_storeu_ps(scales + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g))));
+        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g))),
+                              _mm512_loadu_ps(sums + g), acc);
+    }
+    offset = _mm512_reduce_add_ps(acc);
+#endif
+#if defined(__F16C__) && defined(__AVX__)
+    __m256 acc8 = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+        _mm256_storeu_ps(scales + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g))));
+        acc8 = _mm256_add_ps(acc8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))),
+                                                 _mm256_loadu_ps(sums + g)));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc8);
+    for (int l = 0; l < 8; l++) offset += lanes[l];
+#endif
+    for (; g < groups; g++) {
         uint16_t sg, mg;
         memcpy(&sg, s + g, 2);  /* rows start at any even byte: read unaligned */
         memcpy(&mg, m + g, 2);

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from gpt2port.errors import GPT2PortError
-from gpt2port.outfile import start_thread
+from gpt2port.threads import start_thread
 
 TILE = 256  # columns per block of a transposing copy (measured best of 32..512 at GPT-2's sizes)
 CHUNK_BYTES = 16 << 20  # large enough that a write() call's overhead vanishes, small enough to stay in the LLC's reach

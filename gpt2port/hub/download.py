@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpt2port.checkpoint import WEIGHTS, read_manifest
+from gpt2port.records import recorded_size
 from gpt2port.conversion import ConvertResult, convert
 from gpt2port.dtypes import DTYPE_LABELS, parse_dtype
 from gpt2port.errors import GPT2PortError
@@ -74,7 +75,7 @@ def _up_to_date(out: Path, repo: str, commit: str, dtype, force: bool) -> bool:
     same = src.get("repo") == repo and src.get("commit") == commit and (out / WEIGHTS).is_file()
     if same and dtype is not None:
         same = manifest.get("dtype") == DTYPE_LABELS[dtype]
-    if same and manifest.get("files", {}).get(WEIGHTS) == (out / WEIGHTS).stat().st_size:
+    if same and recorded_size(manifest, WEIGHTS) == (out / WEIGHTS).stat().st_size:
         return True
     held = f" (holds {src['repo']}@{str(src.get('commit', '?'))[:12]}, {manifest.get('dtype', '?')})" \
         if src.get("repo") else ""

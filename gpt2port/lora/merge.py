@@ -13,11 +13,14 @@ from pathlib import Path
 
 import torch
 
-from gpt2port.checkpoint import read_config, resolve, save_state
+from gpt2port.checkpoint import MANIFEST, read_config, read_manifest, resolve, save_state
+from gpt2port.checkpoint import WEIGHTS as WEIGHTS_FILE
+from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import refuse_overlap, refuse_replacing_reads
 from gpt2port.hashing import hash_file
 from gpt2port.lora import layer
 from gpt2port.lora.peft import CONFIG, WEIGHTS, read_adapter
+from gpt2port.registry import ADAPTER_DIR
 
 
 def merge(base, adapter, out, force: bool = False, dtype=None) -> tuple[Path, float]:
@@ -30,12 +33,27 @@ def merge(base, adapter, out, force: bool = False, dtype=None) -> tuple[Path, fl
     config = read_config(ckpt_dir)
     deltas, _ = read_adapter(adapter, config)  # refuses a bad or foreign adapter before anything is built
     refuse_overlap(out, adapter, "the adapter")
-    refuse_replacing_reads(out, [adapter / CONFIG, adapter / WEIGHTS])
+    refuse_overlap(out, ckpt_dir, "the base checkpoint")  # the base is read, never replaced: not even with --force
+    refuse_replacing_reads(out, [adapter / CONFIG, adapter / WEIGHTS, ckpt_dir / WEIGHTS_FILE, ckpt_dir / MANIFEST])
+    sha256 = hash_file(adapter / WEIGHTS)[0]
+    _refuse_merged_already(ckpt_dir, adapter, sha256)
     model = GPT.from_pretrained(ckpt_dir, dtype=torch.float32)
     layer.attach_deltas(model, deltas)
     diff = layer.merge_checked(model, layer.probe_ids(config))
     record = {"merged_adapter": {"path": str(adapter.resolve()), "modules": len(deltas),
-                                 "sha256": hash_file(adapter / WEIGHTS)[0], "merge_check": diff}}
+                                 "sha256": sha256, "merge_check": diff}}
     save_state(model.state_dict(), config, out, dtype=dtype or torch.float32, force=force, origin=ckpt_dir,
                kind="merged LoRA", record=record)
     return out, diff
+
+
+def _refuse_merged_already(ckpt_dir: Path, adapter: Path, sha256: str) -> None:
+    """An adapter that the base's manifest says is in it already (merged by `merge`, or trained and merged by the
+    `finetune --lora` run that made this checkpoint), by its weights' sha256: merged again, it would count twice."""
+    manifest = read_manifest(ckpt_dir)
+    merged = [s.get("merged_adapter") for s in manifest.get("saves", [])]
+    trained = manifest.get("files", {}).get(f"{ADAPTER_DIR}/{WEIGHTS}")
+    if any(isinstance(m, dict) and m.get("sha256") == sha256 for m in merged) or \
+            (isinstance(trained, dict) and trained.get("sha256") == sha256):
+        raise GPT2PortError(f"{adapter}: already merged into {ckpt_dir} ({ckpt_dir / MANIFEST} records this "
+                            f"adapter, sha256 {sha256[:12]}…); merged again it would count twice")

@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpt2port import inputs
+from gpt2port import inputs, records
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import real
-from gpt2port.fsio import make_stage, missing_parents, remove_if_empty, sweep_leftovers, write_json
+from gpt2port.fsio import make_stage, missing_parents, remove_if_empty, sweep_leftovers, write_file, write_mark
+from gpt2port.hashing import hash_file
 from gpt2port.progress import StatusLine
 from gpt2port.signals import sigterm_as_interrupt
 from gpt2port.tokenizer import TOKENIZER_FILES, from_directory
@@ -106,12 +107,12 @@ def _build(files: list[Path], tokenizer_dir: Path, cache_dir: Path, recipe: dict
             raise GPT2PortError(f"{data}: {n:,} tokens; block size "
                                 f"{recipe['block_size']} needs at least {2 * (recipe['block_size'] + 1):,} (a block "
                                 f"and one more token for training, as many held out)")
-        _split(stage, n - n_val, n_val, dtype)
+        files = _split(stage, n - n_val, n_val, dtype)
         seconds = time.perf_counter() - t0
         meta = {**recipe, "dtype": np.dtype(dtype).name, "eot": enc.eot_token, "vocab_size": enc.n_vocab,
                 "n_train": n - n_val, "n_val": n_val, "n_documents": docs,
                 "tokens_per_s": round(n / seconds) if seconds > 0 else None}
-        write_json(stage / "meta.json", meta)
+        write_mark(stage / "meta.json", meta, files)  # sealed, recording both files (records.py)
         if cache_dir.exists():
             shutil.rmtree(cache_dir)
         stage.rename(cache_dir)
@@ -139,14 +140,18 @@ def _flush(enc, pool, batch, out, dtype, n: int, docs: int) -> tuple[int, int]:
     return n, docs
 
 
-def _split(stage: Path, n_train: int, n_val: int, dtype) -> None:
-    """The last n_val tokens of the stream into val.bin; train.bin cut to the rest (no second copy of it)."""
+def _split(stage: Path, n_train: int, n_val: int, dtype) -> dict[str, dict]:
+    """The last n_val tokens of the stream into val.bin; train.bin cut to the rest (no second copy of it). Returns
+    the record of both (train.bin hashed once cut: where it ends is known only now)."""
     size = np.dtype(dtype).itemsize
     with open(stage / "train.bin", "r+b") as f:
         f.seek(n_train * size)
         tail = f.read(n_val * size)
         f.truncate(n_train * size)
-    (stage / "val.bin").write_bytes(tail)
+    with records.recording(stage) as record:
+        write_file(stage / "val.bin", tail)
+    record.add(stage / "train.bin", n_train * size, hash_file(stage / "train.bin")[0])
+    return record.files
 
 
 def _open(cache_dir: Path, meta: dict, vocab_size: int | None = None) -> TokenCache:

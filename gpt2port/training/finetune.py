@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from gpt2port.checkpoint import WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
+from gpt2port import records
+from gpt2port.checkpoint import MANIFEST, WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads, sweep_leftovers
 from gpt2port.lora import train as lora_train
@@ -120,6 +121,8 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     ckpt_dir = resolve(ckpt)
     config = read_config(ckpt_dir)
     refuse_overlap(out, ckpt_dir, "the checkpoint being fine-tuned")
+    if resume and os.path.lexists(out):  # only a run of ours, as it wrote it, is written into (before any of it is
+        check_replaceable(out, earlier=True)  # read); one an earlier version began continues
     s = (settings or Settings()).resolved(config.n_positions)
     saved = _check_out(out, resume, force, config)
     if saved is not None:
@@ -132,8 +135,8 @@ def finetune(ckpt, data, out, settings: Settings | None = None, *, device: str |
     files = tokens.documents(data)  # refuses bad data (one line) before anything is written
     if saved is None:  # a fresh run empties --out first: it must hold neither the data nor the checkpoint
         refuse_replacing_reads(out, [Path(data), *files, ckpt_dir, *ckpt_dir.iterdir()])
-    if os.path.lexists(out):  # --force or --resume (_check_out): only a run or checkpoint of ours is removed or
-        check_replaceable(out)  # written over, every entry at every depth; never through a link (fsio)
+    if not resume and os.path.lexists(out):  # --force (_check_out): only a run or checkpoint of ours, as it wrote
+        check_replaceable(out)  # it, is removed, every entry at every depth; never through a link (fsio)
     rt = dist.start(device, fsdp)
     try:
         return _run(ckpt_dir, config, data, out, s, rt, saved, compile, quiet)
@@ -228,17 +231,19 @@ def _finish(out, ckpt_dir, config, model, rt, s, cache, log) -> None:
         stage = out / ".checkpoint"
         shutil.rmtree(stage, ignore_errors=True)
         save_state(full, config, stage, dtype=torch.float32, origin=ckpt_dir, kind="fine-tuned GPT",
-                   record=record)
-        if taken:
-            lora_train.write(stage, out, taken)
-        for f in sorted(stage.iterdir(), key=lambda f: f.name == WEIGHTS):
+                   record=record, extra=(lambda st: lora_train.write(st, out, taken)) if taken else None)
+        # The manifest (which records them all) goes in after the other files, the weights last: `out` reads as a
+        # checkpoint only once it is whole, and every file moved in is claimed by a manifest at all times.
+        for f in sorted(stage.iterdir(), key=lambda f: (f.name == WEIGHTS, f.name == MANIFEST)):
             os.replace(f, out / f.name)
         stage.rmdir()
         from gpt2port.training.plot import loss_plot
 
-        loss_plot(out / PLOT, [(r["step"], r["loss"]) for r in log.rows if "loss" in r],
-                  [(r["step"], r["eval_loss"]) for r in log.rows if "eval_loss" in r],
-                  title=f"fine-tuning {ckpt_dir.name}")
+        with records.recording(out) as chart:
+            loss_plot(out / PLOT, [(r["step"], r["loss"]) for r in log.rows if "loss" in r],
+                      [(r["step"], r["eval_loss"]) for r in log.rows if "eval_loss" in r],
+                      title=f"fine-tuning {ckpt_dir.name}")
+        log.record.add(chart.files)
         state.remove(out)
     rt.barrier()
 

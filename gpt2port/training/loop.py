@@ -22,6 +22,7 @@ from gpt2port import inputs, jsonio
 from gpt2port.signals import stop_requests
 from gpt2port.errors import GPT2PortError
 from gpt2port.training import data as tokens
+from gpt2port.records import RunRecord
 from gpt2port.training.dist import Runtime
 from gpt2port.training.optim import lr_at, set_lr
 
@@ -70,13 +71,15 @@ class Log:
         self.path, self.main = path, main
         if main:
             self.rows = read_rows(path, done)
-            path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-            self.file = open(path, "a", buffering=1)
+            self.record = RunRecord(path.parent)  # the log's fingerprint, kept a line ahead (records.py)
+            self.file = self.record.start_log(path, "".join(json.dumps(r) + "\n" for r in self.rows))
 
     def write(self, row: dict) -> None:
         if self.main:
             self.rows.append(row)
-            self.file.write(json.dumps(row) + "\n")
+            line = json.dumps(row) + "\n"
+            self.record.append(line)
+            self.file.write(line)
 
     def close(self) -> None:
         if self.main:

@@ -16,8 +16,9 @@ from torch.func import functional_call
 from dataclasses import dataclass
 
 from gpt2port.activations import DISTINCT, TABLE
+from gpt2port.userclass.calls import calls_for
 from gpt2port.userclass.layout import UserLayout
-from gpt2port.userclass.observe import evaluating, first_tensor
+from gpt2port.userclass.observe import device_of, evaluating, first_tensor
 from gpt2port.verification.reference import ACTIVATIONS as FORMULAS  # the float64 reference's own, by HF name
 
 GPT2, ERF = "gelu_new", "gelu"
@@ -35,12 +36,12 @@ def measure(model: nn.Module, lay: UserLayout) -> dict[str, float] | None:
     it cannot be measured (the MLP is not a module of its own, holds more than its two layers, or cannot run)."""
     mods = lay.modules
     if not mods.mlp:
-        return None
+        return in_run(model, lay)
     prefix = f"{mods.block(0)}.{mods.mlp}"
     module = model.get_submodule(prefix)
     probe = _probe_weights(module, prefix, lay)
     if probe is None:
-        return None
+        return in_run(model, lay)
     values, points, width = probe
     x = torch.zeros(1, 1, width)
     x[..., 0] = 1.0  # the probe's fc reads channel 0 only: its hidden units see exactly `points`
@@ -52,6 +53,55 @@ def measure(model: nn.Module, lay: UserLayout) -> dict[str, float] | None:
     if y is None or y.shape[-1] != width:
         return None
     y = y.reshape(-1, y.shape[-1])[0, : points.numel()].double()
+    if not bool(torch.isfinite(y).all()):
+        return None
+    return {name: float((f(points) - y).abs().max()) for name, f in ACTIVATIONS.items()}
+
+
+class _Seen(Exception):
+    """The MLP's activation output is captured: the rest of the forward is not needed."""
+
+
+def in_run(model: nn.Module, lay: UserLayout) -> dict[str, float] | None:
+    """measure()'s errors, read from block 0 as the model runs it (calls.py), wherever its activation is computed
+    (a module inside a Sequential beside the LayerNorm, a function such as nn.TransformerEncoderLayer's, a line in
+    the forward): the MLP's first layer returns the probe's pre-activations, and what reaches its second layer is
+    the activation of them. None where the two layers are not modules of their own, or block 0 is not seen."""
+    found = {a.target: a.param.rsplit(".", 1)[0] for a in lay.assignments
+             if a.target in ("blocks.0.mlp.fc.weight", "blocks.0.mlp.proj.weight")}
+    if len(found) != 2 or any(p.is_meta for p in model.parameters()):
+        return None
+    fc, proj = (model.get_submodule(found[f"blocks.0.mlp.{k}.weight"]) for k in ("fc", "proj"))
+    if fc is proj or len(list(fc.parameters())) > 2 or len(list(proj.parameters())) > 2:
+        return None
+    got = []
+
+    def spread(m, args, out):
+        if not isinstance(out, torch.Tensor):
+            return None
+        return torch.linspace(-SPAN, SPAN, out.shape[-1], dtype=out.dtype, device=out.device).expand(out.shape)
+
+    def read(m, args):
+        got.append(first_tensor(args))
+        raise _Seen
+
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(1, 4, lay.config.n_embd, generator=torch.Generator().manual_seed(0)).to(dtype)
+    hooks = [fc.register_forward_hook(spread), proj.register_forward_pre_hook(read)]
+    try:
+        with torch.random.fork_rng(devices=[]), evaluating(model):
+            calls_for(model, lay).run(0, x.to(device_of(model)))
+    except _Seen:
+        pass
+    except Exception:  # noqa: BLE001 - user code: measured by the proof of the whole class instead
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+    if not got or got[0] is None:
+        return None
+    y = got[0].reshape(-1, got[0].shape[-1])[0].double().cpu()
+    points = torch.linspace(-SPAN, SPAN, y.numel(), dtype=torch.float64)
     if not bool(torch.isfinite(y).all()):
         return None
     return {name: float((f(points) - y).abs().max()) for name, f in ACTIVATIONS.items()}

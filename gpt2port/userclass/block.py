@@ -193,8 +193,9 @@ def _pair(lay: UserLayout, u: Unit, mats: dict, vecs: dict, tr: Trace) -> list[L
     for k, p in mats.items():
         if len(mats) == 1:
             bias = next(iter(free), None) if len(free) == 1 else None
-        else:
-            bias = next((b for b in free if _bias_of(b, k)), None)
+        else:  # the vector the forward adds to this weight's product, else the one named for it
+            bias = next((b for b in free if tr.pairs.get(id(free[b])) == id(p)), None) or \
+                next((b for b in free if _bias_of(b, k)), None)
         if bias is not None and free[bias].shape[0] not in p.shape:
             bias = None
         free_size = free.pop(bias).shape[0] if bias is not None else None
@@ -213,7 +214,9 @@ def _bias_of(b: str, w: str) -> bool:
         return True
     if b in (w + "_b", w + "_bias", w + "b", w.replace("weight", "bias")):
         return True
-    return w[:1] in "wW" and b[:1] in "bB" and b[1:] == w[1:]
+    if w[:1] in "wW" and b[:1] in "bB" and b[1:] == w[1:]:
+        return True
+    return role_of(b) is not None and role_of(b) == role_of(w)  # bias_q, b_q, q_bias with W_query
 
 
 def _style(u: Unit, local: str, shape, tr: Trace, alone: bool) -> str | None:

@@ -22,6 +22,7 @@ from torch import nn
 from gpt2port.activations import words
 from gpt2port.config import GPTConfig
 from gpt2port.layouts import canonical
+from gpt2port.userclass.calls import calls_for
 from gpt2port.userclass.layout import UserLayout
 from gpt2port.userclass.names import HEAD_COUNT_ATTRS
 from gpt2port.userclass.observe import evaluating, first_tensor
@@ -168,6 +169,18 @@ def _reference(cfg: GPTConfig, state: dict, dtype) -> nn.Module:
     return block.eval()
 
 
+def _observed(model: nn.Module, lay: UserLayout, x: torch.Tensor):
+    """run(x): block 0 on x with what the model passes it (calls.py), or None where no run of the model shows it
+    (then the block is called with x alone)."""
+    calls = calls_for(model, lay)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), evaluating(model):
+            calls.run(0, x.to(next(model.parameters()).dtype))
+    except Exception:  # noqa: BLE001 - user code: unobserved
+        return None
+    return lambda y: calls.run(0, y)
+
+
 def class_tolerance(block: nn.Module) -> float:
     """How far a float64 probe of the class may sit from gpt2port's block and still be it: the precision the class
     computes in. A float32 constant in its code (`torch.sqrt(torch.tensor(2.0 / torch.pi))`) stays float32 inside
@@ -189,10 +202,13 @@ def measure(model: nn.Module, lay: UserLayout, heads: list[int], activations: li
     best, tried, why = (math.inf, None), 0, "block 0 could not be run apart from the model"
     if not stated_eps(model, lay):  # a norm that keeps no eps (F.layer_norm inline): those seen in the wild too
         eps = list(dict.fromkeys(list(eps) + list(EPS_SEEN)))
+    calls = None
     for opts in combos or [{}]:
         cand = build(opts) if build is not None else lay
         if cand.reasons:
             continue
+        if calls is None:  # block 0 runs with what the model passes it (a mask, positions): seen once, as it runs
+            calls = _observed(model, cand, x)
         got, own = None, class_tolerance(model.get_submodule(cand.modules.block(0)))  # before the probe's swap
         for dtype in (torch.float64, torch.float32):
             try:
@@ -200,7 +216,7 @@ def measure(model: nn.Module, lay: UserLayout, heads: list[int], activations: li
                     if block is None:
                         break
                     tol = max(TOL[dtype], own)
-                    got = first_tensor(block(x.to(dtype)))
+                    got = first_tensor(calls(x.to(dtype)) if calls else block(x.to(dtype)))
                     got = got.detach().to(torch.float64) if got is not None else None
             except Exception as e:  # noqa: BLE001 - user code: float64 may not suit it; float32 is tried next
                 why = f"block 0 did not run on its own ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"

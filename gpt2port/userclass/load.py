@@ -198,7 +198,7 @@ def _history(model: nn.Module, lay: UserLayout, path, config: GPTConfig, zeroed:
     if rows < config.n_positions:
         events.append(history.cropped_positions(rows, config.n_positions))
     if erf:
-        events.append(history.erf_gelu(f"{lay.modules.block(0)}.{lay.modules.mlp}"))
+        events.append(history.erf_gelu(mlp_name(lay)))
     if is_checkpoint(Path(path)):
         events += history.from_manifest(read_manifest(Path(path)))
     return events
@@ -248,13 +248,18 @@ def _activation(model: nn.Module, lay: UserLayout, notes: list[str]) -> list[str
     m = identify(model, lay)
     if m is None or m.name == GPT2:
         return []  # None: the proof at the end of the load judges the class as a whole
-    where = f"{lay.modules.block(0)}.{lay.modules.mlp}"
+    where = mlp_name(lay)
     if m.name == ERF:
         notes.append(f"{where}: the activation measures as {said(ERF)}; GPT-2's is the tanh "
                      f"approximation (nn.GELU(approximate='tanh')): logits will differ slightly")
         return []
     exact = f" (to {m.err:.1g})" if m.words.startswith("measures as") else ""
     return [f"{where}: the activation between the MLP's layers {m.words}{exact}; GPT-2 uses {said(GPT2)}"]
+
+
+def mlp_name(lay: UserLayout) -> str:
+    """Block 0's MLP, named by its module (or the block, where the MLP is written in the block's forward)."""
+    return f"{lay.modules.block(0)}.{lay.modules.mlp}" if lay.modules.mlp else lay.modules.block(0)
 
 
 def _head_reasons(lay: UserLayout, untied_source: bool, tie) -> list[str]:

@@ -7,14 +7,14 @@ Nothing here knows GPT-2; roles.py reads these facts as GPT-2 tensors.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from gpt2port.errors import GPT2PortError
+from gpt2port.userclass.calls import call_logits, first_tensor
+from gpt2port.userclass.pairs import BiasPairs
 from gpt2port.verification.diagnose import eval_mode as evaluating  # the model in eval mode, its modes restored
 
 
@@ -37,6 +37,7 @@ class Trace:
     in_dim: dict[str, int] = field(default_factory=dict)
     out_dim: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    pairs: dict[int, int] = field(default_factory=dict)  # id(bias) -> id(weight) it is added to (pairs.py)
 
     def rank(self, name: str, fallback: int) -> tuple[int, int]:
         return (self.order.get(name, 1 << 30), fallback)
@@ -65,38 +66,6 @@ def device_of(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def first_tensor(x):
-    """The first tensor in a module's input or output (a tensor, or a tuple/list/dict holding one)."""
-    if isinstance(x, torch.Tensor):
-        return x
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (tuple, list)):
-        for item in x:
-            t = first_tensor(item)
-            if t is not None:
-                return t
-    logits = getattr(x, "logits", None)  # a ModelOutput-style object
-    return logits if isinstance(logits, torch.Tensor) else None
-
-
-def call_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The model's logits for every position of ids, whatever its forward returns: logits, (logits, loss), a dict
-    or an object with .logits. A forward that returns only the last position unless given targets (nanoGPT at
-    inference) is called again with targets=ids."""
-    out = first_tensor(model(ids))
-    if out is None:
-        raise GPT2PortError(f"{type(model).__name__}.forward returned no tensor")
-    if out.dim() == 3 and out.shape[1] == 1 and ids.shape[1] > 1:
-        params = inspect.signature(model.forward).parameters
-        key = next((k for k in ("targets", "labels", "target", "y") if k in params), None)
-        if key is None:
-            raise GPT2PortError(f"{type(model).__name__}.forward returns only the last position's logits; "
-                                f"gpt2port needs every position's")
-        out = first_tensor(model(ids, **{key: ids}))
-    return out
-
-
 def probe_ids(model: nn.Module, vocab: int, length: int, seed: int = 0, rows: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (rows, length), generator=g).to(device_of(model))
@@ -122,8 +91,10 @@ def trace(model: nn.Module, ids: torch.Tensor) -> Trace:
         if name:
             hooks.append(module.register_forward_hook(hook(name)))
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), evaluating(model), all_meta(model) as meta:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), evaluating(model), all_meta(model) as meta, \
+                BiasPairs(model) as seen:
             call_logits(model, ids.to("meta") if meta else ids)
+        t.pairs = seen.pairs
     except Exception as e:  # noqa: BLE001 - user code; the order is then the registration order (roles.py)
         t.order.clear()
         t.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

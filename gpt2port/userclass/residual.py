@@ -12,8 +12,9 @@ followed (post-LN norms the first sum before the second addition; `torch.add(...
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
-from torch import nn
 from torch.overrides import TorchFunctionMode
 
 _ADDS = {"add", "add_", "__add__", "__radd__", "__iadd__"}
@@ -66,14 +67,15 @@ class _Watch(TorchFunctionMode):
         return total
 
 
-def branches(block: nn.Module, x: torch.Tensor, which: int) -> torch.Tensor | None:
-    """What `block` adds to the stream `x` in its `which`-th residual branch (1: attention, 2: the MLP, run with
-    the attention's contribution left out), or None where its forward does not add its branches to the stream."""
+def branches(run: Callable[[torch.Tensor], object], x: torch.Tensor, which: int) -> torch.Tensor | None:
+    """What a block adds to the stream `x` in its `which`-th residual branch (1: attention, 2: the MLP, run with
+    the attention's contribution left out), or None where its forward does not add its branches to the stream.
+    run(x) runs the block on x as the model does (calls.Calls.run)."""
     x = x.clone()  # the block may add in place; the caller's tensor stays as it was
     watch = _Watch(x, which)
     try:
         with watch:
-            block(x)
+            run(x)
     except _Stop:
         pass
     out = watch.result()

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gpt2port import checkpoint
+from gpt2port import checkpoint, records
 from gpt2port.config import GPTConfig
 from gpt2port.errors import GPT2PortError
 from gpt2port.filekind import real
-from gpt2port.fsio import refuse_overlap, staged_directory, write_json
+from gpt2port.fsio import refuse_overlap, staged_directory, write_mark
 from gpt2port.layouts import canonical
 from gpt2port.layouts.transforms import merge
 from gpt2port.activations import DISTINCT, TABLE, words
@@ -195,10 +195,11 @@ def _hint(lay: UserLayout) -> str:
 
 def _add_proof(ckpt: Path, saved: SaveReport) -> None:
     manifest = checkpoint.read_manifest(ckpt)
+    files = records.files_of(manifest)  # the checkpoint's files are as written: their record stays, sealed anew
     entry = manifest["saves"][-1] if manifest.get("saves") else manifest.setdefault("source", {})
     entry["proof"] = {"max_rel": saved.max_rel, "tokens": saved.tokens, "text": saved.proven}
     entry["notes"] = list(saved.notes)
-    write_json(ckpt / checkpoint.MANIFEST, manifest)
+    write_mark(ckpt / checkpoint.MANIFEST, manifest, files)
 
 
 def _given(config) -> tuple[GPTConfig | None, dict]:

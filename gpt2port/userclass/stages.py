@@ -19,6 +19,7 @@ from torch import nn
 from gpt2port.errors import GPT2PortError
 from gpt2port.userclass.facts import stated_eps
 from gpt2port.userclass.layout import UserLayout
+from gpt2port.userclass.calls import Calls
 from gpt2port.userclass.observe import call_logits, first_tensor, probe_ids
 from gpt2port.userclass.residual import branches
 from gpt2port.verification.stages import Stages
@@ -42,6 +43,8 @@ class ModelStages(Stages):
         self.n_params = sum(p.numel() for p in model.parameters())
         self.stated_eps = tuple(stated_eps(model, layout))  # the diagnosis names these where fp32 cannot tell eps apart
         self._final_runs: bool | None = None
+        # every stage is re-run with what the model passed its blocks (masks, positions), seen as it ran
+        self.calls = Calls(model, [self._block(i) for i in range(self.n_layer)], self.n_embd)
 
     def _sub(self, name: str | None) -> nn.Module | None:
         return self.model.get_submodule(name) if name else None
@@ -53,16 +56,7 @@ class ModelStages(Stages):
         return self._sub(f"{self.mods.block(i)}.{rel}") if rel else None
 
     def logits(self, ids, keep=None):
-        if keep is None:
-            return call_logits(self.model, ids)
-        blocks = [self._block(i) for i in range(self.n_layer)]
-        hooks = [blocks[0].register_forward_pre_hook(lambda m, args: keep(first_tensor(args).detach()))]
-        hooks += [b.register_forward_hook(lambda m, args, out: keep(first_tensor(out).detach())) for b in blocks]
-        try:
-            return call_logits(self.model, ids)
-        finally:
-            for h in hooks:
-                h.remove()
+        return call_logits(self.model, ids) if keep is None else self.calls.logits(ids, keep)
 
     def _capture(self, run, module: nn.Module, replace: dict | None = None) -> torch.Tensor:
         """What `module` returns while run() executes (stopped right there); `replace` maps modules to a function
@@ -87,20 +81,7 @@ class ModelStages(Stages):
         return got[0]
 
     def embeddings(self, ids):
-        got = []
-
-        def grab(m, args):
-            got.append(first_tensor(args))
-            raise _Stop
-
-        h = self._block(0).register_forward_pre_hook(grab)
-        try:
-            call_logits(self.model, ids)
-        except _Stop:
-            pass
-        finally:
-            h.remove()
-        return got[0]
+        return self.calls.entry(ids)
 
     def _part(self, layer: int, whole: str | None, out: str | None, what: str) -> nn.Module:
         """The module whose output is a sub-layer's contribution: the sub-layer itself, or else its last projection
@@ -112,20 +93,36 @@ class ModelStages(Stages):
         return module
 
     def attention(self, layer, x):
-        seen = branches(self._block(layer), x, 1)
+        seen = branches(lambda y: self.calls.run(layer, y), x, 1)
         if seen is not None:
             return seen
         attn = self._part(layer, self.mods.attn, self.mods.attn_out, "attention")
-        return self._capture(lambda: self._block(layer)(x), attn)
+        return self._capture(lambda: self.calls.run(layer, x), attn)
 
     def mlp(self, layer, x):
         # The attention's contribution left out: the MLP's LayerNorm sees exactly the given stream.
-        seen = branches(self._block(layer), x, 2)
+        seen = branches(lambda y: self.calls.run(layer, y), x, 2)
         if seen is not None:
             return seen
         attn = self._part(layer, self.mods.attn, self.mods.attn_out, "attention")
         mlp = self._part(layer, self.mods.mlp, self.mods.mlp_out, "MLP")
-        return self._capture(lambda: self._block(layer)(x), mlp, {attn: _zeros})
+        return self._capture(lambda: self.calls.run(layer, x), mlp, {attn: _zeros})
+
+    def whole_block(self, layer, x):
+        """The block's output on x, run as the model runs it (for a block whose parts agree, but not the whole)."""
+        return self.calls.run(layer, x)
+
+    @property
+    def activation(self) -> str | None:
+        """Block 0's MLP activation as measured (activations.py's name; "unknown": none known; None: not
+        measured): the diagnosis never names an activation the class does not have."""
+        if not hasattr(self, "_activation"):
+            from gpt2port.userclass.activation import TOLERANCE, measure
+
+            errors = measure(self.model, self.layout)
+            best = min(errors, key=errors.get) if errors else None
+            self._activation = best if best is None or errors[best] <= TOLERANCE else "unknown"
+        return self._activation
 
     def final_norm(self, x):
         return self._sub(self.mods.final_norm)(x) if self.final_runs() else x

@@ -31,6 +31,7 @@ class Suspect:
     advice: str
     # (reference, the stage's weights, its input, the layer, the input's ids) -> the stage's output with the mistake
     run: Callable
+    activation: str | None = None  # the MLP activation this mistake is (activations.py's name; "typo": none known)
 
 
 def _ln(ln: str, eps=None, unbiased=False):
@@ -74,13 +75,45 @@ def _positions_from_1(ref: Float64GPT2, w, x, layer, ids):
     return w["wte"][ids].to(torch.float64) + wpe[1:ids.shape[-1] + 1]
 
 
+def _block(kind: str):
+    """GPT-2's block put together otherwise, from its own attention, MLP and LayerNorms."""
+    def run(ref, w, x, layer, ids):
+        ln1, ln2 = (lambda h: _ln("ln_1")(ref, w, h)), (lambda h: _ln("ln_2")(ref, w, h))
+        attn, mlp = (lambda h: ref.attention(h, w, layer)), (lambda h: ref.mlp(h, w))
+        if kind == "parallel":
+            return x + attn(ln1(x)) + mlp(ln2(x))
+        if kind == "normed":
+            h = ln1(x)
+            h = ln2(h + attn(h))
+            return h + mlp(h)
+        if kind == "mlp_first":
+            y = x + mlp(ln2(x))
+            return y + attn(ln1(y))
+        y = ln1(x + attn(x))  # post-LN: each sub-layer on the stream, the sum normalised
+        return ln2(y + mlp(y))
+    return run
+
+
+_BLOCK_ADVICE = "GPT-2's block: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))"
+# the block's parts put together otherwise: named where the whole block is explained by one (part "block")
+STRUCTURES = [
+    Suspect("attention and MLP in parallel: both read the block's input (GPT-NeoX/GPT-J style), GPT-2's MLP reads "
+            "the stream after the attention's addition", "block", _BLOCK_ADVICE, _block("parallel")),
+    Suspect("the residual added from the normed input (x = ln(x) + attn(ln(x))), not from the stream itself",
+            "block", _BLOCK_ADVICE, _block("normed")),
+    Suspect("the MLP before the attention", "block", _BLOCK_ADVICE, _block("mlp_first")),
+    Suspect("post-LN: the LayerNorms after each residual addition, GPT-2 normalises before each sub-layer", "block",
+            _BLOCK_ADVICE, _block("post_ln")),
+]
+
+
 def _suspects(stated_eps=()) -> list[Suspect]:
     eps_advice = "set the LayerNorm's eps to 1e-5, as GPT-2 (nn.LayerNorm(C, eps=1e-5))"
     var_advice = "use the biased variance in LayerNorm: x.var(dim=-1, keepdim=True, unbiased=False)"
     out = [
         Suspect("exact (erf) GELU instead of GPT-2's tanh approximation", "mlp",
                 "use nn.GELU(approximate='tanh') (GPT-2's GELU is 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))))",
-                _mlp(activation="gelu")),
+                _mlp(activation="gelu"), "gelu"),
         Suspect("attention scores not divided by sqrt(head_dim)", "attention",
                 "divide q @ k^T by sqrt(head_dim) before the softmax", _attention(scale=1.0)),
         Suspect("attention scores divided by sqrt(n_embd) instead of sqrt(head_dim)", "attention",
@@ -95,16 +128,17 @@ def _suspects(stated_eps=()) -> list[Suspect]:
         Suspect("q and k swapped", "attention",
                 "q is the first third of GPT-2's c_attn (W_query), k the second (W_key)", _attention(swap_qk=True)),
         Suspect("positions counted from 1", "embeddings", "position ids are torch.arange(0, T)", _positions_from_1),
-        Suspect("ReLU instead of GPT-2's GELU", "mlp", ACT_ADVICE, _mlp_act(torch.relu)),
+        Suspect("ReLU instead of GPT-2's GELU", "mlp", ACT_ADVICE, _mlp_act(torch.relu), "relu"),
         Suspect("ReLU² (squared ReLU) instead of GPT-2's GELU", "mlp", ACT_ADVICE,
-                _mlp_act(lambda x: torch.relu(x).square())),
-        Suspect("SiLU instead of GPT-2's GELU", "mlp", ACT_ADVICE, _mlp_act(lambda x: x * torch.sigmoid(x))),
+                _mlp_act(lambda x: torch.relu(x).square()), "ReLU²"),
+        Suspect("SiLU instead of GPT-2's GELU", "mlp", ACT_ADVICE, _mlp_act(lambda x: x * torch.sigmoid(x)), "silu"),
         Suspect("GELU's constant typed 0.44715 instead of 0.044715", "mlp",
                 "0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), or nn.GELU(approximate='tanh')",
-                _mlp_act(_gelu_tanh(0.44715))),
+                _mlp_act(_gelu_tanh(0.44715)), "typo"),
         Suspect("the final LayerNorm is never applied (defined, but not called in forward)", "final_norm",
                 "call it on the last block's output before the head: x = self.ln_f(x)",
                 lambda ref, w, x, layer, ids: x),
+        *STRUCTURES,
     ]
     for part, ln, wrap in (("attention", "ln_1", _attention), ("mlp", "ln_2", _mlp), ("final_norm", "ln_f", _final)):
         out.append(Suspect("LayerNorm with unbiased variance", part, var_advice, wrap(_ln(ln, unbiased=True))))
@@ -177,8 +211,20 @@ def describe_non_finite(names: list[str], whose: str) -> str:
 
 
 @torch.no_grad()
+def contradicted(s: Suspect, activation: str | None, stated_eps=()) -> bool:
+    """Whether the class itself says a suspect is not it: its MLP activation was measured as another function
+    (`activation`: activations.py's name, "unknown" where it matched none, None where it was not measured), or
+    every LayerNorm eps it states is GPT-2's 1e-5."""
+    if s.activation is not None and activation is not None:
+        return s.activation != activation and not (s.activation == "typo" and activation == "unknown")
+    if s.name.startswith("LayerNorm eps") and stated_eps:
+        return all(e == 1e-5 for e in stated_eps)
+    return False
+
+
 def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: float, ids: list,
-             rerun_in_eval: Callable[[], list] | None = None, events=(), stated_eps=()) -> dict:
+             rerun_in_eval: Callable[[], list] | None = None, events=(), stated_eps=(),
+             activation: str | None = None) -> dict:
     """The known mistake that explains the first differing stage, measured.
 
     xs: the reference's input of that stage per input (ids for the embeddings); ours: the model's output on them;
@@ -186,7 +232,7 @@ def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: 
     recorded history (history.py), consulted first: what it says the model computes is re-run and measured;
     stated_eps: the eps its LayerNorms state, named where they explain the stage as well as another eps does."""
     refs = st.values["out"] if part == "embeddings" else st.values.get({"attention": "attn", "mlp": "mlp",
-                                                                         "final_norm": "out"}[part])
+                                                                         "final_norm": "out", "block": "out"}[part])
     before = _error(list(zip(ours, refs)))
     prefix = "" if st.layer is None else f"h.{st.layer}."
     bad = non_finite((prefix + k if "." in k else f"{k}.weight", w) for k, w in st.weights.items())
@@ -213,7 +259,8 @@ def diagnose(ref: Float64GPT2, st: Stage, part: str, xs: list, ours: list, tol: 
     small = min(range(len(xs)), key=lambda k: xs[k].numel())
     screened = []
     stated = _eps_named(stated_eps)
-    for s in (s for s in (_suspects(stated_eps) if stated_eps else SUSPECTS) if s.part == part):
+    for s in (s for s in (_suspects(stated_eps) if stated_eps else SUSPECTS)
+              if s.part == part and not contradicted(s, activation, stated_eps)):
         alt = s.run(ref, st.weights, xs[small], st.layer, ids[small])
         screened.append((_error([(ours[small], alt)]), s))
     screened.sort(key=lambda t: t[0])
@@ -263,6 +310,10 @@ def _scaled(part: str, ours: list, refs: list) -> list[tuple]:
 
 
 def describe(d: dict) -> str:
+    if d.get("nondeterministic") is not None:
+        return (f"the forward is not deterministic in eval mode: two runs on one input differ (rel "
+                f"{d['nondeterministic']:.2e}): dropout? (F.dropout or scaled_dot_product_attention's dropout_p "
+                f"applied whatever self.training is)")
     if d.get("non_finite"):
         return describe_non_finite(d["non_finite"], "the reference's")
     if d.get("history"):

@@ -135,26 +135,27 @@ def _verify(load_ours: Callable, label: str, reference, tokenizer_dirs: list[Pat
         report = _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype, say,
                       events)
         if load_for_grads is not None:
-            _grads(report, load_for_grads, say)
+            _grads(report, load_for_grads, say, use_hf)
         return report
     finally:
         say(None)  # clear the progress line, also on errors and Ctrl-C
 
 
-def _grads(report: VerifyReport, load_ours: Callable, say) -> None:
-    """Gradient parity on the random-id input (the last one), appended as one more check."""
+def _grads(report: VerifyReport, load_ours: Callable, say, use_hf: bool = True) -> None:
+    """Gradient parity on the random-id input (the last one), appended as one more check: against transformers, or
+    with use_hf False against the float64 reference's own gradients."""
     from gpt2port.verification.grads import gradient_parity
 
-    say("gradients: ours, then transformers")
     t0 = time.perf_counter()
     random = [i for i in report.inputs if i["kind"] == "random"]
     shape = (random or report.inputs)[-1]["shape"]
     ids = torch.randint(0, report.model["vocab_size"], tuple(shape), generator=torch.Generator().manual_seed(0))
-    g = gradient_parity(load_ours, Path(report.reference["path"]), ids)
+    g = gradient_parity(load_ours, Path(report.reference["path"]), ids, hf=use_hf, say=say)
     report.metrics["grads"] = g
-    report.checks.append(Check("gradients vs transformers (fp32)", g["max_rel"] <= g["tolerance"], g["max_rel"],
+    against = "transformers (fp32)" if g["reference"] == "transformers" else "the float64 reference"
+    report.checks.append(Check(f"gradients vs {against}", g["max_rel"] <= g["tolerance"], g["max_rel"],
                                g["tolerance"], f"worst {g['worst']}; loss {g['loss_ours']:.6f} vs "
-                                               f"{g['loss_hf']:.6f} over {shape[0]}x{shape[1]} random ids"))
+                                               f"{g['loss_ref']:.6f} over {shape[0]}x{shape[1]} random ids"))
     report.timings["total"] = (report.timings["total"] or 0.0) + time.perf_counter() - t0
 
 

@@ -172,3 +172,19 @@ def test_gpt2_124m_shape_in_onnxruntime_as_transformers(tmp_path, dtype, tol):
         with torch.no_grad():
             want = GPT2LMHeadModel.from_pretrained(hf_dir).eval()(tokens).logits[0, :-1]
         assert rel(logits[0], want) < tol
+
+
+def test_an_edit_to_model_py_is_in_the_next_export(tmp_path, tiny_ckpt, monkeypatch):
+    """The graph is the model's own forward: an MLP edited in model.py is what onnxruntime computes (and the proof,
+    which compares with that forward, still passes)."""
+    from gpt2port import GPT, model
+
+    monkeypatch.setattr(model.MLP, "forward", lambda self, x: 0.5 * self.proj(torch.tanh(self.fc(x))))
+    result = export(tiny_ckpt, tmp_path / "o", to="onnx")
+    assert result.proof["max_rel_error"] < 1e-5
+    ids = torch.tensor([[464, 3290, 318, 257]])
+    _, logits = greedy(tmp_path / "o" / target.FILE_NAME, ids, torch.ones_like(ids), 1)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, GPT.from_pretrained(tiny_ckpt)(ids)[0], rtol=1e-5, atol=1e-5)
+        monkeypatch.undo()
+        assert rel(logits, GPT.from_pretrained(tiny_ckpt)(ids)[0]) > 1e-2

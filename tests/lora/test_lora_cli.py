@@ -5,6 +5,7 @@ that it resumes bit for bit, and that bad input is refused in one line with noth
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 
 import pytest
@@ -74,6 +75,42 @@ def test_gpt2port_merge_of_the_run_adapter_gives_the_run_checkpoint(lora_run, re
     assert_clean_failure(again, ["--force"])
     assert run_cli("merge", realistic_base[0], lora_run / "adapter", "--out", tmp_path / "merged",
                    "--force").exit_code == 0
+    # info says which adapter a merged checkpoint holds (its manifest records it), and a LoRA run that it has one
+    shown = run_cli("info", tmp_path / "merged").stdout
+    assert f"merged      the LoRA adapter {(lora_run / 'adapter').resolve()} (" in shown, shown
+    assert "LoRA rank 4 merged (its adapter: adapter/)" in run_cli("info", lora_run).stdout
+
+
+def test_merge_never_replaces_its_base_and_refuses_an_adapter_already_in_it(lora_run, realistic_base, tmp_path):
+    """merge counts its base among the files it reads: --out BASE --force is refused, the base intact; an adapter
+    that the base's manifest records as merged into it (by merge, or by the LoRA run that made it) is refused."""
+    base = tmp_path / "base"
+    shutil.copytree(realistic_base[0], base)
+    before = snapshot(base)
+    line = assert_clean_failure(run_cli("merge", base, lora_run / "adapter", "--out", base, "--force"), [str(base)])
+    assert "base checkpoint" in line, line
+    assert snapshot(base) == before
+    merged = tmp_path / "merged"
+    assert run_cli("merge", base, lora_run / "adapter", "--out", merged).exit_code == 0
+    for already in (merged, lora_run):
+        line = assert_clean_failure(run_cli("merge", already, lora_run / "adapter", "--out", tmp_path / "twice"),
+                                    [str(lora_run / "adapter")])
+        assert f"already merged into {already}" in line, line
+        assert not (tmp_path / "twice").exists()
+
+
+def test_a_runs_adapter_edited_is_refused_by_force(lora_run, tmp_path):
+    """The adapter of a LoRA run is in the run's record: a raised lora_alpha makes the run no longer gpt2port's."""
+    from gpt2port.errors import GPT2PortError
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    check_replaceable(run)
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    config["lora_alpha"] *= 2
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    with pytest.raises(GPT2PortError, match=r"did not write \(adapter/adapter_config.json \("):
+        check_replaceable(run)
 
 
 def test_ctrl_c_then_resume_gives_the_uninterrupted_lora_run(lora_run, realistic_base, corpus, tmp_path):

@@ -117,10 +117,24 @@ def test_ten_thousand_points_are_fast_small_and_leave_nothing_else(tmp_path):
 
 @pytest.mark.parametrize("chart", ["loss.svg", "loss.png"])  # loss.png: what runs before the SVG chart drew
 def test_a_finished_runs_chart_is_gpt2ports_to_replace(chart, tmp_path):
-    from gpt2port.fsio import check_replaceable
+    from gpt2port import records
+    from gpt2port.errors import GPT2PortError
+    from gpt2port.fsio import check_replaceable, write_file
 
-    # a fine-tuned checkpoint's manifest records the run; that is what claims its log and chart (ownership.py)
+    # an earlier version's finished run: its manifest records the run, which claimed its log and chart by name
     (tmp_path / "manifest.json").write_text(json.dumps({"tool": "gpt2port", "saves": [{"finetune": {}}]}))
     (tmp_path / "train_log.jsonl").write_text("{}\n")
     (tmp_path / chart).write_bytes(b"chart")
+    check_replaceable(tmp_path, earlier=True)
+    # this version's: the run's record lists its log and chart, by content (records.py)
+    for f in list(tmp_path.iterdir()):
+        f.unlink()
+    run = records.RunRecord(tmp_path)
+    run.start_log(tmp_path / "train_log.jsonl", "{}\n").close()
+    with records.recording(tmp_path) as written:
+        write_file(tmp_path / chart, b"chart")
+    run.add(written.files)
     check_replaceable(tmp_path)
+    (tmp_path / chart).write_bytes(b"CHART")
+    with pytest.raises(GPT2PortError, match=rf"{chart} \(changed since gpt2port wrote it"):
+        check_replaceable(tmp_path)

@@ -182,25 +182,32 @@ class MaskedGPT(nn.Module):
         return self.ln_f(x) @ self.wte.weight.t()
 
 
-def test_a_head_count_that_cannot_be_known_is_asked_for(tmp_path):
+def test_a_head_count_kept_as_a_shape_is_measured_with_the_mask_the_model_passes(tmp_path):
+    """Block 0 is run as the model runs it, its mask included (issue 48): the head count no attribute states is
+    measured, not asked for (before, the block was called without its mask and n_head was '?')."""
     model = as_if_trained(MaskedGPT()).eval()
-    assert "n_head=?" in str(gpt2port.layout_of(model)).splitlines()[0]
-    with pytest.raises(GPT2PortError, match=r"head count .* config=\{'n_head': \.\.\.\}"):
-        gpt2port.save_from(model, tmp_path / "x")
-    assert not (tmp_path / "x").exists()
-    out = gpt2port.save_from(model, tmp_path / "given", config={"n_head": 4, "activation": "gelu_new"})
+    assert "n_head=4" in str(gpt2port.layout_of(model)).splitlines()[0]
+    out = gpt2port.save_from(model, tmp_path / "measured")
     hf, _ = in_transformers(out, tmp_path)
     with torch.no_grad():
         assert rel(hf(ids()).logits, model(ids())) < REL
 
 
+class ScaledGPT(MaskedGPT):
+    """Logits scaled after the head: every block measures as GPT-2's, the whole is not (block 0 is now run with the
+    mask the model passes, so a wrong n_head given is refused before anything is written)."""
+
+    def forward(self, idx):
+        return super().forward(idx) * 1.5
+
+
 def test_a_checkpoint_that_does_not_compute_the_class_is_removed(tmp_path, real_ckpt):
-    model = as_if_trained(MaskedGPT()).eval()
+    model = as_if_trained(ScaledGPT()).eval()
     dest = tmp_path / "out"
     gpt2port.export(real_ckpt, dest)  # a checkpoint already there, to be replaced only by one that is proven
     before = sorted((p.name, p.read_bytes()) for p in dest.iterdir())
     with pytest.raises(GPT2PortError, match=r"does not compute it: .* differs from the class by .*nothing was saved"):
-        gpt2port.save_from(model, dest, force=True, config={"n_head": 2, "activation": "gelu_new"})
+        gpt2port.save_from(model, dest, force=True, config={"n_head": 4, "activation": "gelu_new"})
     assert sorted((p.name, p.read_bytes()) for p in dest.iterdir()) == before
     assert leftovers(tmp_path) == []
 

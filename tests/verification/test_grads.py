@@ -32,12 +32,42 @@ def test_gradients_equal_transformers_124m(gpt2_ckpt, gpt2_hf_repo):
     assert g["loss_rel"] < 1e-6 and g["max_rel"] <= TOLERANCE, g
 
 
-def test_verify_grads_in_the_report(tiny_ckpt):
-    r = run_cli("verify", tiny_ckpt, "--grads", "--tokens", "16", "--no-hf", "--json")
+def test_the_float64_references_gradients_are_transformers(tiny_ckpt, make_hf_repo):
+    """Without transformers (hf=False) the reference is the float64 GPT-2's own, differentiated a block at a time:
+    the same loss and gradients as transformers', within fp32's reach of ours."""
+    ours = lambda: GPT.from_pretrained(tiny_ckpt)  # noqa: E731
+    f64 = gradient_parity(ours, make_hf_repo("hub"), ids_of(), hf=False)
+    hf = gradient_parity(ours, make_hf_repo("hub"), ids_of())
+    assert f64["reference"] == "float64" and hf["reference"] == "transformers" and "loss_hf" not in f64
+    assert f64["max_rel"] <= TOLERANCE and f64["loss_rel"] < 1e-6, f64
+    assert abs(f64["loss_ref"] - hf["loss_hf"]) < 1e-6 * abs(hf["loss_hf"]) and hf["loss_ref"] == hf["loss_hf"]
+
+
+@pytest.mark.parametrize("no_hf, name", [(True, "gradients vs the float64 reference"),
+                                         (False, "gradients vs transformers (fp32)")])
+def test_verify_grads_in_the_report(tiny_ckpt, no_hf, name):
+    r = run_cli("verify", tiny_ckpt, "--grads", "--tokens", "16", *(["--no-hf"] if no_hf else []), "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
-    check = next(c for c in report["checks"] if c["name"] == "gradients vs transformers (fp32)")
+    check = next(c for c in report["checks"] if c["name"].startswith("gradients"))
+    assert check["name"] == name  # "vs transformers" only where transformers ran
     assert check["passed"] and report["metrics"]["grads"]["max_rel"] <= TOLERANCE
+
+
+def test_verify_no_hf_grads_imports_no_transformers(tiny_ckpt):
+    from tests.test_package import in_fresh_python
+
+    r = in_fresh_python(
+        "import sys\n"
+        "from gpt2port.cli import main\n"
+        "try:\n"
+        f"    main.main(args=['verify', {str(tiny_ckpt)!r}, '--no-hf', '--grads', '--tokens', '16'], "
+        "prog_name='gpt2port')\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
+    assert "PASS" in r.stdout and "gradients vs the float64 reference" in r.stdout and "transformers (fp32)" not in \
+        r.stdout
 
 
 def test_a_wrong_backward_is_caught_though_the_logits_agree(tiny_ckpt, make_hf_repo):
@@ -47,7 +77,7 @@ def test_a_wrong_backward_is_caught_though_the_logits_agree(tiny_ckpt, make_hf_r
         b.mlp.act = lambda x: F.gelu(x.detach(), approximate="tanh") + (x - x.detach()) * 0
     report = gpt2port.verify_model(model, make_hf_repo("hub"), tokens=16, hf=False, grads=True)
     failed = [c.name for c in report.checks if not c.passed]
-    assert failed == ["gradients vs transformers (fp32)"], report.to_text()
+    assert failed == ["gradients vs the float64 reference"], report.to_text()
     g = report.metrics["grads"]
     assert g["max_rel"] > 0.5 and g["worst"].startswith("blocks."), g  # the MLP and all it feeds back into
     assert model.blocks[0].mlp.fc.weight.grad is None  # the caller's model is left as it was
