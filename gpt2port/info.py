@@ -64,15 +64,19 @@ def parameter_ledger(shapes: dict[str, tuple[int, ...]], n_layer: int) -> list[d
 
 def _save_line(save: dict) -> str:
     """One line per time the weights were re-saved from memory: plain saves, and fine-tuning runs with their data."""
-    tuned = save.get("finetune")
+    tuned, merged = save.get("finetune"), save.get("merged_adapter")
+    if merged:  # gpt2port merge BASE ADAPTER: which adapter these weights hold, as the manifest records it
+        return (f"merged      the LoRA adapter {merged.get('path')} ({merged.get('modules', '?')} modules, sha256 "
+                f"{str(merged.get('sha256', '?'))[:16]}...) into {save.get('from')}, {save.get('created', '?')}")
     if not tuned:
         return f"saved       from {save.get('from')} ({save.get('dtype', '?')}), {save.get('created', '?')}"
     files = tuned.get("data", [])
     data = files[0]["path"] if len(files) == 1 else f"{len(files)} files"
     loss = tuned.get("final_eval_loss")
+    rank = tuned.get("settings", {}).get("lora")
     return (f"fine-tuned  from {save.get('from')} on {data} ({tuned.get('tokens_train', 0):,} tokens), "
             f"{tuned.get('settings', {}).get('steps', '?')} steps" + (f", eval loss {loss:.4f}" if loss else "")
-            + f", {save.get('created', '?')}")
+            + (f", LoRA rank {rank} merged (its adapter: adapter/)" if rank else "") + f", {save.get('created', '?')}")
 
 
 def format_info(facts: dict) -> str:

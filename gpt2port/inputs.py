@@ -31,7 +31,6 @@ LIMITS = {
     "eval data": 1024 * MB,  # --data of eval: HellaSwag's validation jsonl is 11 MB, WikiText-103's test 1.3 MB
     "prompts": 64 * MB,  # generate --prompts: a prompt a line
     "log": 256 * MB,  # a run's train_log.jsonl: a row per step is ~200 bytes
-    "state": 64 * MB,  # a run's saved random state, DCP metadata
 }
 LINE_LIMIT = 16 * MB  # one line of a JSON-lines file (a HellaSwag row is ~1 KB)
 _SYSTEM = ("/proc/", "/sys/")

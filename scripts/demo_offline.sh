@@ -20,15 +20,17 @@ print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))'
 if [ -n "$(missing)" ]; then
   echo "demo: .venv lacks $(missing); installing (torch's CPU build, then gpt2port with its test extra)" >&2
   [ -x .venv/bin/python ] || python3 -m venv .venv
+  LOG=$(mktemp "${TMPDIR:-/tmp}/gpt2port-demo-install.XXXXXX")  # a name of its own: no fixed path to collide on
   {
     .venv/bin/python -m pip install -q --upgrade pip &&
     .venv/bin/python -m pip install -q torch==2.13.0 &&   # the CPU build; a bare `torch` pulls CUDA
     .venv/bin/python -m pip install -q -e '.[test]'         # transformers: verify's reference and the fixtures
-  } > "${TMPDIR:-/tmp}/gpt2port-demo-install.log" 2>&1 || true
+  } > "$LOG" 2>&1 || true
   if [ -n "$(missing)" ]; then
-    echo "demo: error: .venv still lacks $(missing) after installing (pip's output: ${TMPDIR:-/tmp}/gpt2port-demo-install.log)" >&2
+    echo "demo: error: .venv still lacks $(missing) after installing (pip's output: $LOG)" >&2
     exit 1
   fi
+  rm -f "$LOG"
 fi
 PY=.venv/bin/python
 mkdir -p "$WORK"
@@ -65,6 +67,8 @@ show generate "$SIZE" "The dog" --max-new-tokens 20 --seed 0
 echo "+ HF_HUB_OFFLINE=1 gpt2port download $SIZE --out $CKPTS/$SIZE-again --force" >&2
 HF_HUB_OFFLINE=1 .venv/bin/gpt2port download "$SIZE" --out "$CKPTS/$SIZE-again" --force
 kill "$HUB_PID" 2>/dev/null || true
+
+echo "demo: it also leaves $WORK ($(du -sh "$WORK" | cut -f1)): the stand-in Hub's repos, its Hugging Face cache and the hub's log; rm -rf $WORK removes them (DEMO_DIR=DIR puts them elsewhere)"
 
 if [ "$CKPTS" = checkpoints ]; then
   echo "demo: done. ./checkpoints/$SIZE and ./checkpoints/$SIZE-again hold random weights in GPT-2's shapes; from the repository root:"

@@ -1,8 +1,8 @@
 """Every Python example in README.md and docs/*.md runs as it stands.
 
-The convention the docs follow: an example runs in a directory where `checkpoints/gpt2` is a converted checkpoint,
-`hf/gpt2` the Hugging Face directory it was converted from, and `mygpt.py` the class of docs/mygpt.py. Here that
-directory is a temporary one holding the tiny model under those names, one fresh copy per example. An example that
+The convention the docs follow: an example runs in a directory where `checkpoints/gpt2` is a converted checkpoint
+(what the README's set-up leaves) and `mygpt.py` the class of docs/mygpt.py; nothing else (no `hf/gpt2`). Here
+that directory is a temporary one holding the tiny model under those names, one fresh copy per example. An example that
 needs what a test cannot have (the Hub, a GPU) says so on the line above its fence:
 `<!-- snippet: skip (needs the Hub) -->`, and is skipped with that reason."""
 
@@ -51,9 +51,8 @@ def test_the_docs_have_examples_and_the_skip_mark_is_read(tmp_path):
 
 
 @pytest.fixture
-def docs_cwd(tmp_path, tiny_ckpt, make_hf_repo, monkeypatch):
+def docs_cwd(tmp_path, tiny_ckpt, monkeypatch):
     shutil.copytree(tiny_ckpt, tmp_path / "checkpoints" / "gpt2")
-    shutil.copytree(make_hf_repo("hub"), tmp_path / "hf" / "gpt2")
     shutil.copy(ROOT / "docs" / "mygpt.py", tmp_path / "mygpt.py")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

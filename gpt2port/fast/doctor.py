@@ -12,6 +12,20 @@ from gpt2port.fast.settings import Settings
 from gpt2port.fast.speed import matvec_bandwidth
 
 
+def busy() -> str:
+    """A note when other work keeps this machine busy (the last minute's load average at or above its cores): what
+    doctor measures then is what is left over, not what the machine gives."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):  # no load average on this system
+        return ""
+    if load < cores:
+        return ""
+    return (f"; note: this machine is busy (load average {load:.1f} on {cores} cores): other work takes its share, "
+            f"so this and generate's speed are lower than the machine gives when quiet")
+
+
 def report(settings: Settings | None = None) -> list[str]:
     """Lines for the user: PyTorch and its threads, the kernels (built here if they are not yet), the memory
     bandwidth a decode step can use, and the kernels `generate` will run on per dtype."""
@@ -33,7 +47,8 @@ def report(settings: Settings | None = None) -> list[str]:
             lines.append(f"gpt2port's CPU kernels: built (one-row product, one-token attention); cache {where}")
     lines.append(f"oneDNN linear: {'works' if onednn_works() else 'not available'}; "
                  f"fbgemm int8: {'works' if _fbgemm_works() else 'not available'}")
-    lines.append(f"memory bandwidth (one-row product, 256 MB weight): {matvec_bandwidth('cpu') / 1e9:.1f} GB/s")
+    lines.append(f"memory bandwidth (one-row product, 256 MB weight): {matvec_bandwidth('cpu') / 1e9:.1f} GB/s"
+                 f"{busy()}")
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.empty(8, 8, dtype=dtype)
         lines.append(f"generate on the CPU, {str(dtype).removeprefix('torch.')}: decode products on "

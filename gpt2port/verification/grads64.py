@@ -5,8 +5,7 @@ a block at a time, as its logits are computed a slice at a time: a forward witho
 input (B x T x C); the loss's gradient comes from the head a slice of rows at a time; then from the last block to
 the first, one block's weights are read, its forward re-run from its kept input with gradients, and its backward
 taken. Each gradient is compared with ours as it is made and dropped: what is held is ours' gradients, the
-embedding's float64 copy and its gradient, the kept inputs and one block's work (2.3 GB peak at 124M on 2x1024 ids
-is the aim, docs/verify.md).
+embedding's float64 copy and its gradient, the kept inputs and one block's work (measured: docs/verify.md).
 """
 
 from __future__ import annotations

@@ -71,6 +71,8 @@ rows = {"one row": [[5, 17, 250, 3, 99]], "left-padded batch": [[5, 17, 250, 3, 
 if device == "cpu":
     models["int8"] = GPT.from_pretrained(workdir + "/ckpt", dtype="int8")
     paths = {"gpt2port's kernels": Settings(), "no C kernels": Settings(native=False), "PyTorch's alone": OFF}
+    if sys.argv[3:] == ["compiled"]:  # the step compiled by torch.compile (opt-in), alone
+        paths = {"compiled": Settings(compile=True)}
 else:  # the step as it is, and recorded as a CUDA graph
     paths = {"eager": Settings(), "CUDA graph": Settings(cuda_graph=True)}
 N = 10
@@ -123,11 +125,11 @@ def edited_copy(tmp_path: Path, attend_too: bool = False) -> Path:
     return copy
 
 
-def run_edited(tmp_path: Path, attend_too: bool = False, device: str = "cpu") -> dict:
+def run_edited(tmp_path: Path, attend_too: bool = False, device: str = "cpu", compiled: bool = False) -> dict:
     copy = edited_copy(tmp_path, attend_too)
     env = {**os.environ, "PYTHONPATH": str(copy)}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), device], env=env, capture_output=True,
-                          text=True, cwd=copy, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), device, *(["compiled"] if compiled else [])],
+                          env=env, capture_output=True, text=True, cwd=copy, timeout=1800 if compiled else 600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -144,6 +146,20 @@ def test_every_cpu_path_generates_what_the_edited_model_computes(tmp_path, nativ
     # Every step was the edited forward called as it is: nothing captured on the CPU unless asked for
     for name, r in got["results"].items():
         assert r["how"].startswith("the model's forward;"), (name, r)
+
+
+@pytest.mark.heavy  # two compiles of the edited model (fp32, bf16)
+def test_the_compiled_step_generates_what_the_edited_model_computes(tmp_path, native_kernels):
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    got = run_edited(tmp_path, compiled=True)
+    assert len(got["results"]) == 3 * 2
+    for name, r in got["results"].items():
+        assert r["rel"] < TOLERANCE[name.split(",")[0]], (name, r)
+    for dtype in ("fp32", "bf16"):  # compiled where asked for and served; int8 and a batch say why not
+        how = got["results"][f"{dtype}, one row, compiled"]["how"]
+        assert how.startswith("the model's forward, compiled by torch.compile"), how
+    assert "no compile: int8's" in got["results"]["int8, one row, compiled"]["how"]
 
 
 def test_a_kernel_that_cannot_follow_an_edit_declines_and_says_so(tmp_path, native_kernels):

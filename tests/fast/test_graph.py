@@ -81,13 +81,14 @@ def compiled_generation(model, prompts, n: int, report: list) -> list[list[int]]
     return generate(model, prompts, n, temperature=0, stop_token=None, fast=Settings(compile=True), report=report)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.heavy)])
-def test_compiled_the_step_generates_what_the_forward_does(dtype, tmp_path, native_kernels):
+def test_compiled_the_step_generates_what_the_forward_does(tmp_path, native_kernels):
     """Settings(compile=True): the forward compiled by torch.compile on its first step, checked, then run compiled;
-    a later generation of another length runs what the first compiled (the cache is the whole context)."""
+    a later generation of another length runs what the first compiled (the cache is the whole context). fp32: the
+    same tokens (bf16's are held to the forward logit by logit in test_edits.py: Inductor rounds bf16 its own way,
+    and a near tie may then go the other way)."""
     if not native_kernels.attend_one:
         pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
-    model = model_in(dtype, tmp_path)
+    model = model_on()
     for prompt, n in ((PROMPTS[0], 20), (PROMPTS[0][:2], 30)):
         report = []
         got = compiled_generation(model, [prompt], n, report)

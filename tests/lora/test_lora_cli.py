@@ -75,6 +75,10 @@ def test_gpt2port_merge_of_the_run_adapter_gives_the_run_checkpoint(lora_run, re
     assert_clean_failure(again, ["--force"])
     assert run_cli("merge", realistic_base[0], lora_run / "adapter", "--out", tmp_path / "merged",
                    "--force").exit_code == 0
+    # info says which adapter a merged checkpoint holds (its manifest records it), and a LoRA run that it has one
+    shown = run_cli("info", tmp_path / "merged").stdout
+    assert f"merged      the LoRA adapter {(lora_run / 'adapter').resolve()} (" in shown, shown
+    assert "LoRA rank 4 merged (its adapter: adapter/)" in run_cli("info", lora_run).stdout
 
 
 def test_merge_never_replaces_its_base_and_refuses_an_adapter_already_in_it(lora_run, realistic_base, tmp_path):
