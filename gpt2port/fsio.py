@@ -51,6 +51,25 @@ def write_mark(path: Path, mark: dict, files: dict | None = None) -> None:
     write_json(path, records.sealed(mark, records.current() if files is None else files))
 
 
+def refresh_mark(mark: Path, via: Path) -> None:
+    """A sealed mark whose files this run has just moved (a rename moves a file's ctime, so its identity): their
+    identities taken again, so that the next check need not read them; written at `via` (a name the output's rule
+    claims), then renamed over the mark."""
+    data = inputs.read_json(mark)
+    files = records.files_of(data)
+    if files is None:
+        return
+    for rel, rec in files.items():
+        try:
+            st = os.lstat(mark.parent / rel)
+        except FileNotFoundError:
+            continue
+        if st.st_size == rec["size"]:
+            rec["identity"] = records.identity(st)
+    write_mark(via, data, files)
+    os.replace(via, mark)
+
+
 def copy_file(src: Path, dst: Path) -> None:
     """A small file (a tokenizer file) copied, flushed, and recorded by the hash of the bytes as they went out."""
     sha, size = hashlib.sha256(), 0

@@ -3,15 +3,18 @@ the packed layout and the layers. The kernel, the quantizer and the loader are i
 (gpt2port/fast/int4.py, int4.c), which the layers reach through their operators.
 
 Every matrix of the model (the four per block, and the token embedding, which is also the tied head) is stored in
-groups of GROUP numbers along its input dimension, each group as 4-bit codes with an fp16 scale and an fp16 minimum
-(asymmetric): w ~= code * scale + min, code in 0..15. 5 bits per weight in all (4 + 2 x 16 / 32), the tied matrix
-once. Norms, biases and the position table stay fp32.
+groups of GROUP numbers along its input dimension, each group as codes with an fp16 scale and an fp16 minimum
+(asymmetric): w ~= code * scale + min. Most matrices take 4-bit codes (0..15; 5 bits per weight in all, 4 + 2 x 16 /
+32); the tied head and each block's q/k/v matrix (WIDE) take 8-bit codes (9 bits per weight), as llama.cpp's Q4_K_M
+gives its head and half its q/k/v matrices 6 bits: on trained-like weights 4-bit codes there cost far more than
+elsewhere (scripts/bench/int4_error.py, docs/performance.md). The tied matrix is held once. Norms, biases and the
+position table stay fp32.
 
 Each group's scale and minimum are fitted, not just taken from its range: over candidate scales around
-(max - min) / 15 the codes are rounded, the scale and minimum refitted to them by least squares, and the pair with
-the least squared error kept (llama.cpp's make_qkx2_quants does the same for Q4_K, there with weights); rounded to
-fp16, the codes are rounded once more against the stored pair. scripts/bench/int4_error.py compares the logits'
-KL divergence from fp32 with llama.cpp's Q4_K_M on the same weights (docs/performance.md).
+(max - min) / 15 (or 255) the codes are rounded, the scale and minimum refitted to them by least squares, and the
+pair with the least squared error kept (llama.cpp's make_qkx2_quants does the same for Q4_K, there with weights);
+rounded to fp16, the codes are rounded once more against the stored pair. scripts/bench/int4_error.py compares the
+logits' KL divergence from fp32 with llama.cpp's Q4_K_M on the same weights (docs/performance.md).
 
 One row (a decode step) is multiplied by the packed bytes as they are, activations in fp32
 (torch.ops.gpt2port.matvec_int4); many rows (a prompt, eval) by BLOCK_ROWS output rows at a time dequantized to fp32
@@ -38,24 +41,34 @@ def padded(k: int) -> int:
     return -(-k // GROUP) * GROUP
 
 
-def row_bytes(k: int) -> int:
-    """Bytes of one packed row of k numbers: codes, then scales, then minimums (int4.c's layout)."""
-    return padded(k) // 2 + 4 * (padded(k) // GROUP)
+def row_bytes(k: int, bits: int = 4) -> int:
+    """Bytes of one packed row of k numbers: `bits`-bit codes, then scales, then minimums (int4.c's layout)."""
+    return padded(k) * bits // 8 + 4 * (padded(k) // GROUP)
+
+
+def bits_of(packed: torch.Tensor, k: int) -> int:
+    """The code width of packed rows of k numbers, as their byte count says: 4 or 8."""
+    return 8 if packed.size(-1) == row_bytes(k, 8) else 4
 
 
 def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
     """The fp32 rows (..., k) that packed rows (..., row_bytes(k)) stand for, in plain PyTorch: code * scale + min
     (the reference the kernel is checked against)."""
-    Kp, G = padded(k), padded(k) // GROUP
+    Kp, G, bits = padded(k), padded(k) // GROUP, bits_of(packed, k)
     lead = packed.shape[:-1]
     flat = packed.reshape(-1, packed.size(-1))
-    codes = flat[:, : Kp // 2].reshape(-1, G, 16)
-    codes = torch.cat((codes & 15, codes >> 4), dim=2).float()  # (rows, G, 32): low nibbles first
-    halves = flat[:, Kp // 2 :].contiguous().view(torch.float16).float().view(-1, 2, G)
+    if bits == 8:
+        codes = flat[:, :Kp].reshape(-1, G, GROUP).float()
+    else:
+        codes = flat[:, : Kp // 2].reshape(-1, G, 16)
+        codes = torch.cat((codes & 15, codes >> 4), dim=2).float()  # (rows, G, 32): low nibbles first
+    halves = flat[:, Kp * bits // 8 :].contiguous().view(torch.float16).float().view(-1, 2, G)
     w = codes * halves[:, 0, :, None] + halves[:, 1, :, None]
     return w.reshape(*lead, Kp)[..., :k]
 
 INT4 = "int4"
+# Matrices given 8-bit codes, by the end of their module's name; and the tied head
+WIDE = ("attn.qkv",)
 # Output rows dequantized per block for many-row products (as gpt2port.quant's int8: 26 MB of fp32 at 6400 inputs)
 BLOCK_ROWS = 1024
 

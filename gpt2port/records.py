@@ -210,6 +210,13 @@ class RunRecord:
         self._save()
         self._sha, self._size = after, self._size + len(data)
 
+    def closed(self) -> None:
+        """The log is closed as recorded: its identity taken, so that a check need not read it."""
+        path = self.out / self._log
+        if path.stat().st_size == self._size:
+            self.files[self._log] = entry(path, self._size, self._sha.hexdigest())
+            self._save()
+
     def add(self, files: dict[str, dict]) -> None:
         """Files of the run written whole (a Record's, rooted at the run)."""
         self.files.update(files)

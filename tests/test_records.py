@@ -132,6 +132,22 @@ def test_a_runs_changed_log_or_tokens_are_refused(edit, name, how, run_copy, tin
     assert f"did not write ({name} (" in line, line
 
 
+def test_a_finished_run_is_checked_without_reading_it(tiny_ckpt, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """The fine-tuned checkpoint's files are moved into the run (a rename moves a ctime): their identities are taken
+    again, so that --force over the run reads nothing; a copy of it is read, and checks out."""
+    run = tmp_path / "run"
+    r = run_cli("finetune", tiny_ckpt, "--data", corpus, "--out", run, *TINY_FINETUNE)
+    assert r.exit_code == 0, r.stderr
+    hashed = []
+    real = records.hash_file
+    monkeypatch.setattr(records, "hash_file", lambda p, *a, **k: hashed.append(Path(p).name) or real(p, *a, **k))
+    check_replaceable(run)
+    assert hashed == []
+    shutil.copytree(run, tmp_path / "copy")
+    check_replaceable(tmp_path / "copy")
+    assert "model.safetensors" in hashed
+
+
 def test_a_log_killed_between_its_record_and_its_line_is_still_the_runs(tmp_path):
     """The record goes one line ahead: a kill before the line, or in the middle of it, leaves a log the record
     describes; a note appended where the line should be is not."""

@@ -1,9 +1,11 @@
 /* 4-bit weights, group-wise (gpt2port/quant4.py): one row times a weight, y[n] = W[n, k] . x[k] (+ b[n]), and a block
  * of rows dequantized to fp32 (for products of many rows, which a GEMM does better).
  *
- * A packed row of k numbers (k a multiple of GROUP) is k / 2 bytes of codes, then k / GROUP fp16 scales, then
- * k / GROUP fp16 minimums: w[GROUP g + i] = code * scale[g] + min[g]. Byte i of a group holds element i in its low
- * nibble and element i + 16 in its high one, so that one vector of bytes widens into the group's two halves.
+ * A packed row of k numbers (k a multiple of GROUP) is its codes, then k / GROUP fp16 scales, then k / GROUP fp16
+ * minimums: w[GROUP g + i] = code * scale[g] + min[g]. 4-bit codes take k / 2 bytes, byte i of a group holding
+ * element i in its low nibble and element i + 16 in its high one (so that one vector of bytes widens into the
+ * group's two halves); 8-bit codes (`wide`, for the matrices gpt2port.quant4 gives more bits) take k bytes. The width
+ * of a row says which: k / 2 + k / 8 bytes or k + k / 8.
  *
  * The product is taken as y = sum_g scale[g] (codes_g . x_g) + sum_g min[g] (sum of x_g): the codes widened to fp32
  * (exactly), multiplied by x in fp32, the group's partial sums scaled as vectors, so the result is the fp32 product
@@ -60,8 +62,8 @@ static inline float half_to_float(uint16_t h) {
 
 /* The row's scales widened to fp32 into `scales`, and sum_g min[g] * sums[g]: 16 or 8 groups at a time where the
  * CPU converts halves itself (F16C, AVX-512), which a decode step otherwise spends a third of its time on. */
-static inline float row_setup(const uint8_t *row, const float *sums, float *scales, int64_t groups, int64_t k) {
-    const uint16_t *s = (const uint16_t *)(row + k / 2), *m = s + groups;
+static inline float row_setup(const uint8_t *row, const float *sums, float *scales, int64_t groups, int64_t codes) {
+    const uint16_t *s = (const uint16_t *)(row + codes), *m = s + groups;
     float offset = 0.f;
     int64_t g = 0;
 #if defined(__AVX512F__)
@@ -95,8 +97,10 @@ static inline float row_setup(const uint8_t *row, const float *sums, float *scal
 }
 
 /* One group's codes times x's 32 numbers: a vector of LANES partial sums. */
-static inline __attribute__((always_inline)) vec group_dot(const uint8_t *codes, vec x_lo, vec x_hi) {
+static inline __attribute__((always_inline)) vec group_dot(const uint8_t *codes, vec x_lo, vec x_hi, int wide) {
     int_vec v = widen_bytes(codes);
+    if (wide)
+        return __builtin_convertvector(v, vec) * x_lo + __builtin_convertvector(widen_bytes(codes + 16), vec) * x_hi;
     return __builtin_convertvector(v & 15, vec) * x_lo + __builtin_convertvector(v >> 4, vec) * x_hi;
 }
 
@@ -106,23 +110,26 @@ static inline float total(vec acc) {
     return v;
 }
 
-/* Rows [r0, r1) of y: STREAMS runs of rows at a time, then the rows left over. `scratch`: STREAMS * groups floats. */
-static void rows_int4(const uint8_t *P, const float *x, const float *sums, const float *b, float *y, int64_t r0,
-                      int64_t r1, int64_t k, float *scratch) {
-    int64_t groups = k / GROUP, stride = k / 2 + 4 * groups, run = (r1 - r0) / STREAMS;
+/* Rows [r0, r1) of y: STREAMS runs of rows at a time, then the rows left over. `scratch`: STREAMS * groups floats.
+ * Inlined into one copy per code width, where `wide` is a constant. */
+static inline __attribute__((always_inline)) void rows(const uint8_t *P, const float *x, const float *sums,
+                                                       const float *b, float *y, int64_t r0, int64_t r1, int64_t k,
+                                                       float *scratch, int wide) {
+    int64_t groups = k / GROUP, codes = wide ? k : k / 2, per = wide ? GROUP : GROUP / 2;
+    int64_t stride = codes + 4 * groups, run = (r1 - r0) / STREAMS;
     float *s0 = scratch, *s1 = s0 + groups, *s2 = s1 + groups, *s3 = s2 + groups;
     for (int64_t i = 0; i < run; i++) {
         int64_t r = r0 + i;
         const uint8_t *w0 = P + r * stride, *w1 = w0 + run * stride, *w2 = w1 + run * stride, *w3 = w2 + run * stride;
-        float o0 = row_setup(w0, sums, s0, groups, k), o1 = row_setup(w1, sums, s1, groups, k),
-              o2 = row_setup(w2, sums, s2, groups, k), o3 = row_setup(w3, sums, s3, groups, k);
+        float o0 = row_setup(w0, sums, s0, groups, codes), o1 = row_setup(w1, sums, s1, groups, codes),
+              o2 = row_setup(w2, sums, s2, groups, codes), o3 = row_setup(w3, sums, s3, groups, codes);
         vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t g = 0; g < groups; g++) {
             vec lo = load(x + g * GROUP), hi = load(x + g * GROUP + 16);
-            a0 += s0[g] * group_dot(w0 + g * 16, lo, hi);
-            a1 += s1[g] * group_dot(w1 + g * 16, lo, hi);
-            a2 += s2[g] * group_dot(w2 + g * 16, lo, hi);
-            a3 += s3[g] * group_dot(w3 + g * 16, lo, hi);
+            a0 += s0[g] * group_dot(w0 + g * per, lo, hi, wide);
+            a1 += s1[g] * group_dot(w1 + g * per, lo, hi, wide);
+            a2 += s2[g] * group_dot(w2 + g * per, lo, hi, wide);
+            a3 += s3[g] * group_dot(w3 + g * per, lo, hi, wide);
         }
         y[r] = total(a0) + o0 + (b ? b[r] : 0.f);
         y[r + run] = total(a1) + o1 + (b ? b[r + run] : 0.f);
@@ -131,17 +138,26 @@ static void rows_int4(const uint8_t *P, const float *x, const float *sums, const
     }
     for (int64_t r = r0 + STREAMS * run; r < r1; r++) {
         const uint8_t *w = P + r * stride;
-        float o = row_setup(w, sums, s0, groups, k);
+        float o = row_setup(w, sums, s0, groups, codes);
         vec a = {0};
         for (int64_t g = 0; g < groups; g++)
-            a += s0[g] * group_dot(w + g * 16, load(x + g * GROUP), load(x + g * GROUP + 16));
+            a += s0[g] * group_dot(w + g * per, load(x + g * GROUP), load(x + g * GROUP + 16), wide);
         y[r] = total(a) + o + (b ? b[r] : 0.f);
     }
 }
 
-/* P (n, k / 2 + k / 8) packed rows, x (k), b (n) or NULL, y (n); k a multiple of GROUP. 0, or -1 where memory for
- * the scratch could not be had (nothing written). */
-int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k,
+static void rows4(const uint8_t *P, const float *x, const float *sums, const float *b, float *y, int64_t r0,
+                  int64_t r1, int64_t k, float *scratch) {
+    rows(P, x, sums, b, y, r0, r1, k, scratch, 0);
+}
+static void rows8(const uint8_t *P, const float *x, const float *sums, const float *b, float *y, int64_t r0,
+                  int64_t r1, int64_t k, float *scratch) {
+    rows(P, x, sums, b, y, r0, r1, k, scratch, 1);
+}
+
+/* P (n, k / 2 + k / 8) packed rows of 4-bit codes (bits 4) or (n, k + k / 8) of 8-bit ones (bits 8), x (k), b (n) or
+ * NULL, y (n); k a multiple of GROUP. 0, or -1 where memory for the scratch could not be had (nothing written). */
+int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads) {
     int64_t groups = k / GROUP;
     float *sums = malloc(sizeof(float) * groups * (1 + STREAMS * (int64_t)threads));
@@ -155,7 +171,7 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
     {
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t per = (n + T - 1) / T, r0 = t * per, r1 = r0 + per < n ? r0 + per : n;
-        if (r0 < r1) rows_int4(P, x, sums, b, y, r0, r1, k, sums + groups * (1 + STREAMS * t));
+        if (r0 < r1) (bits == 8 ? rows8 : rows4)(P, x, sums, b, y, r0, r1, k, sums + groups * (1 + STREAMS * t));
     }
     free(sums);
     return 0;
@@ -163,20 +179,21 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
 
 /* The same rows dequantized: W (n, k) fp32, w = code * scale + min (the compiler may fuse the two: within a rounding
  * of PyTorch's reference, gpt2port/quant4.py). */
-void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int threads) {
-    int64_t groups = k / GROUP, stride = k / 2 + 4 * groups;
+void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int bits, int threads) {
+    int64_t groups = k / GROUP, codes = bits == 8 ? k : k / 2, stride = codes + 4 * groups;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *row = P + r * stride;
-        const uint16_t *s = (const uint16_t *)(row + k / 2), *m = s + groups;
+        const uint16_t *s = (const uint16_t *)(row + codes), *m = s + groups;
         float *out = W + r * k;
         for (int64_t g = 0; g < groups; g++) {
             uint16_t sg, mg;
             memcpy(&sg, s + g, 2);
             memcpy(&mg, m + g, 2);
             float scale = half_to_float(sg), low = half_to_float(mg);
-            int_vec v = widen_bytes(row + g * 16);
-            vec lo = __builtin_convertvector(v & 15, vec), hi = __builtin_convertvector(v >> 4, vec);
+            int_vec v = widen_bytes(row + g * (bits == 8 ? GROUP : GROUP / 2));
+            int_vec u = bits == 8 ? widen_bytes(row + g * GROUP + 16) : v >> 4;
+            vec lo = __builtin_convertvector(bits == 8 ? v : v & 15, vec), hi = __builtin_convertvector(u, vec);
             vec a = lo * scale + low, c = hi * scale + low;
             memcpy(out + g * GROUP, &a, sizeof a);
             memcpy(out + g * GROUP + 16, &c, sizeof c);
@@ -203,20 +220,21 @@ static inline uint16_t float_to_half(float f) {
 /* One group's codes, scale and minimum (see gpt2port/quant4.py): over candidate scales span / (15 + step * i), the
  * codes rounded from the minimum, the scale and minimum refitted by least squares, the least squared error kept;
  * then the pair rounded to fp16 and the codes rounded against it. */
-static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t *low, int candidates, float step) {
+static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t *low, float levels, int candidates,
+                      float step) {
     float lo = x[0], hi = x[0], sum_x = 0.f;
     for (int i = 0; i < GROUP; i++) {
         lo = x[i] < lo ? x[i] : lo;
         hi = x[i] > hi ? x[i] : hi;
         sum_x += x[i];
     }
-    float best_s = (hi - lo) / 15.f, best_m = lo, best_err = INFINITY;
+    float best_s = (hi - lo) / levels, best_m = lo, best_err = INFINITY;
     if (hi > lo) {
         for (int c = -candidates; c <= candidates; c++) {
-            float inv = (15.f + step * (float)c) / (hi - lo), sl = 0.f, sl2 = 0.f, sxl = 0.f, l[GROUP];
+            float inv = (levels + step * (float)c) / (hi - lo), sl = 0.f, sl2 = 0.f, sxl = 0.f, l[GROUP];
             for (int i = 0; i < GROUP; i++) {
                 float q = nearbyintf((x[i] - lo) * inv);
-                l[i] = q < 0.f ? 0.f : q > 15.f ? 15.f : q;
+                l[i] = q < 0.f ? 0.f : q > levels ? levels : q;
                 sl += l[i];
                 sl2 += l[i] * l[i];
                 sxl += l[i] * x[i];
@@ -236,24 +254,25 @@ static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t 
     float s = half_to_float(*scale), m = half_to_float(*low);
     for (int i = 0; i < GROUP; i++) {
         float q = s != 0.f ? nearbyintf((x[i] - m) / s) : 0.f;
-        codes[i] = (uint8_t)(q < 0.f ? 0.f : q > 15.f ? 15.f : q);
+        codes[i] = (uint8_t)(q < 0.f ? 0.f : q > levels ? levels : q);
     }
 }
 
-/* W (n, k) fp32, k a multiple of GROUP -> P (n, k / 2 + k / 8) packed rows; `candidates` scales each side of the
- * range's, `step` apart (in units of one code). */
-void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, int candidates, float step,
+/* W (n, k) fp32, k a multiple of GROUP -> P packed rows of `bits` (4 or 8) codes; `candidates` scales each side of
+ * the range's, `step` apart (in units of one code). */
+void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, int bits, int candidates, float step,
                             int threads) {
-    int64_t groups = k / GROUP, stride = k / 2 + 4 * groups;
+    int64_t groups = k / GROUP, codes_bytes = bits == 8 ? k : k / 2, stride = codes_bytes + 4 * groups;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         uint8_t *row = P + r * stride, codes[GROUP];
         for (int64_t g = 0; g < groups; g++) {
             uint16_t s, m;
-            fit_group(W + r * k + g * GROUP, codes, &s, &m, candidates, step);
-            for (int i = 0; i < 16; i++) row[g * 16 + i] = (uint8_t)(codes[i] | (codes[i + 16] << 4));
-            memcpy(row + k / 2 + 2 * g, &s, 2);
-            memcpy(row + k / 2 + 2 * (groups + g), &m, 2);
+            fit_group(W + r * k + g * GROUP, codes, &s, &m, (float)((1 << bits) - 1), candidates, step);
+            if (bits == 8) memcpy(row + g * GROUP, codes, GROUP);
+            else for (int i = 0; i < 16; i++) row[g * 16 + i] = (uint8_t)(codes[i] | (codes[i + 16] << 4));
+            memcpy(row + codes_bytes + 2 * g, &s, 2);
+            memcpy(row + codes_bytes + 2 * (groups + g), &m, 2);
         }
     }
 }

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from gpt2port.errors import GPT2PortError
 from gpt2port.fast import native
-from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES, INT4, Int4Embedding, Int4Linear, dequantize, padded, \
+from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES, INT4, WIDE, Int4Embedding, Int4Linear, dequantize, padded, \
     row_bytes
 
 @functools.cache
@@ -39,17 +39,18 @@ def _quantizer():
     fn = getattr(native.kernels().lib, "gpt2port_quantize_int4", None)
     if fn is not None:
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
     return fn
 
 
-def quantize(w: torch.Tensor) -> torch.Tensor:
-    """The packed rows (N, row_bytes(K)) uint8 of a weight (N, K) on the kernel's quantizer (gpt2port.quant4 says
-    how); why_not() must have said None."""
+def quantize(w: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """The packed rows (N, row_bytes(K, bits)) uint8 of a weight (N, K), `bits` 4 or 8, on the kernel's quantizer
+    (gpt2port.quant4 says how); why_not() must have said None."""
     N, K = w.shape
     rows = w.float().contiguous() if padded(K) == K else F.pad(w.float(), (0, padded(K) - K))
-    out = torch.empty(N, row_bytes(K), dtype=torch.uint8)
-    _quantizer()(rows.data_ptr(), out.data_ptr(), N, padded(K), CANDIDATES, CANDIDATE_STEP, torch.get_num_threads())
+    out = torch.empty(N, row_bytes(K, bits), dtype=torch.uint8)
+    _quantizer()(rows.data_ptr(), out.data_ptr(), N, padded(K), bits, CANDIDATES, CANDIDATE_STEP,
+                 torch.get_num_threads())
     return out
 
 
@@ -60,11 +61,11 @@ def _agrees() -> bool:
     g = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
     try:
-        for n, k in ((37, 64), (8, 32), (130, 768)):
+        for (n, k), bits in zip(((37, 64), (8, 32), (130, 768), (9, 96)), (4, 4, 4, 8)):
             w, x, b = torch.randn(n, k, generator=g) * 0.05, torch.randn(1, k, generator=g), torch.randn(n, generator=g)
-            packed = quantize(w)
+            packed = quantize(w, bits)
             ref_w = dequantize(packed, k)
-            if not bool(((ref_w - w).abs() <= (w.amax() - w.amin()) / 15).all()):
+            if not bool(((ref_w - w).abs() <= (w.amax() - w.amin()) / (2**bits - 1)).all()):
                 return False
             for threads in (1, 2):
                 torch.set_num_threads(threads)
@@ -106,8 +107,9 @@ def quantized_model(cls, path, device=None):
         for name in linear_names(model):
             if name != "lm_head":
                 owner, attr = _owner(model, name)
-                setattr(owner, attr, _layer(reader.read(f"{name}.weight"), getattr(owner, attr).bias))
-        head = _layer(reader.read("tok_emb.weight"), None)
+                bits = 8 if name.endswith(WIDE) else 4
+                setattr(owner, attr, _layer(reader.read(f"{name}.weight"), getattr(owner, attr).bias, bits))
+        head = _layer(reader.read("tok_emb.weight"), None, 8)
     finally:
         reader.close()
     model.lm_head, model.tok_emb = head, Int4Embedding(head)
@@ -116,5 +118,5 @@ def quantized_model(cls, path, device=None):
     return model.eval()
 
 
-def _layer(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Linear:
-    return Int4Linear(quantize(weight), weight.size(1), bias)
+def _layer(weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> Int4Linear:
+    return Int4Linear(quantize(weight, bits), weight.size(1), bias)

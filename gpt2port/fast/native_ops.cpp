@@ -27,9 +27,9 @@ void gpt2port_attend_one(const float *qkv, float *K, float *V, float *y, int64_t
                          int64_t length, float scale, float *scratch, int threads);
 void gpt2port_attend_one_bf16(const uint16_t *qkv, uint16_t *K, uint16_t *V, uint16_t *y, int64_t H, int64_t T,
                               int64_t D, int64_t length, float scale, float *scratch, int threads);
-int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k,
+int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads);
-void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int threads);
+void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int bits, int threads);
 }
 
 namespace {
@@ -121,21 +121,25 @@ at::Tensor attend_one_at(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &va
   return attend_one(qkv, keys, values, *length.const_data_ptr<int64_t>(), scale);
 }
 
-// int4.c's packed rows (n, k / 2 + k / 8) uint8 of k numbers, k a multiple of 32.
-bool packed_int4(const at::Tensor &packed, int64_t k) {
-  return packed.scalar_type() == at::kByte && packed.device().is_cpu() && packed.dim() == 2 &&
-         packed.is_contiguous() && k > 0 && k % 32 == 0 && packed.size(1) == k / 2 + k / 8;
+// The bits of int4.c's packed rows of k numbers (k a multiple of 32), uint8 (n, k / 2 + k / 8): 4, (n, k + k / 8): 8;
+// 0 where `packed` is neither.
+int packed_bits(const at::Tensor &packed, int64_t k) {
+  if (packed.scalar_type() != at::kByte || !packed.device().is_cpu() || packed.dim() != 2 || !packed.is_contiguous() ||
+      k <= 0 || k % 32 != 0)
+    return 0;
+  return packed.size(1) == k / 2 + k / 8 ? 4 : packed.size(1) == k + k / 8 ? 8 : 0;
 }
 
 // x one row (1, ..., k) fp32, packed int4 rows, bias (n,) fp32 -> (1, ..., n) fp32
 at::Tensor matvec_int4(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
                        int64_t k) {
-  TORCH_CHECK_VALUE(packed_int4(packed, k) && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 &&
+  int bits = packed_bits(packed, k);
+  TORCH_CHECK_VALUE(bits && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 &&
                         x.size(-1) == k && x.numel() == k &&
                         (!bias || (bias->scalar_type() == at::kFloat && bias->device().is_cpu() &&
                                    bias->is_contiguous() && bias->numel() == packed.size(0))),
                     "gpt2port::matvec_int4 takes one fp32 row of k numbers (1, ..., k), k a multiple of 32, and "
-                    "contiguous packed rows (n, k / 2 + k / 8) uint8; got x ", shape(x), " ", x.scalar_type(),
+                    "contiguous packed rows (n, k / 2 + k / 8) or (n, k + k / 8) uint8; got x ", shape(x), " ", x.scalar_type(),
                     ", packed ", shape(packed), " ", packed.scalar_type(), ", k ", k);
   int64_t n = packed.size(0);
   std::vector<int64_t> shape_of_y = x.sizes().vec();
@@ -144,18 +148,19 @@ at::Tensor matvec_int4(const at::Tensor &x, const at::Tensor &packed, const std:
   at::Tensor row = x.contiguous();
   int status = gpt2port_matvec_int4(packed.const_data_ptr<uint8_t>(), row.const_data_ptr<float>(),
                                     bias ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), n,
-                                    k, at::get_num_threads());
+                                    k, bits, at::get_num_threads());
   TORCH_CHECK(status == 0, "gpt2port::matvec_int4: out of memory for its scratch");
   return y;
 }
 
 // packed int4 rows (n, k / 2 + k / 8) -> the fp32 rows (n, k) they stand for
 at::Tensor dequantize_int4(const at::Tensor &packed, int64_t k) {
-  TORCH_CHECK_VALUE(packed_int4(packed, k),
-                    "gpt2port::dequantize_int4 takes contiguous packed rows (n, k / 2 + k / 8) uint8, k a multiple "
-                    "of 32; got ", shape(packed), " ", packed.scalar_type(), ", k ", k);
+  int bits = packed_bits(packed, k);
+  TORCH_CHECK_VALUE(bits, "gpt2port::dequantize_int4 takes contiguous packed rows (n, k / 2 + k / 8) or "
+                    "(n, k + k / 8) uint8, k a multiple of 32; got ", shape(packed), " ", packed.scalar_type(), ", k ",
+                    k);
   at::Tensor w = at::empty({packed.size(0), k}, packed.options().dtype(at::kFloat));
-  gpt2port_dequantize_int4(packed.const_data_ptr<uint8_t>(), w.mutable_data_ptr<float>(), packed.size(0), k,
+  gpt2port_dequantize_int4(packed.const_data_ptr<uint8_t>(), w.mutable_data_ptr<float>(), packed.size(0), k, bits,
                            at::get_num_threads());
   return w;
 }

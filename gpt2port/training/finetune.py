@@ -19,7 +19,7 @@ import torch
 from gpt2port import records
 from gpt2port.checkpoint import MANIFEST, WEIGHTS, is_checkpoint, load_state, read_config, resolve, save_state
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import check_replaceable, refuse_overlap, refuse_replacing_reads, sweep_leftovers
+from gpt2port.fsio import check_replaceable, refresh_mark, refuse_overlap, refuse_replacing_reads, sweep_leftovers
 from gpt2port.lora import train as lora_train
 from gpt2port.training import data as tokens
 from gpt2port.training import dist, limits, recompute, state
@@ -236,6 +236,7 @@ def _finish(out, ckpt_dir, config, model, rt, s, cache, log) -> None:
         # checkpoint only once it is whole, and every file moved in is claimed by a manifest at all times.
         for f in sorted(stage.iterdir(), key=lambda f: (f.name == WEIGHTS, f.name == MANIFEST)):
             os.replace(f, out / f.name)
+        refresh_mark(out / MANIFEST, via=stage / MANIFEST)  # the moves moved the files' ctimes
         stage.rmdir()
         from gpt2port.training.plot import loss_plot
 

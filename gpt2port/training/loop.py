@@ -84,6 +84,7 @@ class Log:
     def close(self) -> None:
         if self.main:
             self.file.close()
+            self.record.closed()
 
 
 def read_rows(path: Path, done: int) -> list[dict]:

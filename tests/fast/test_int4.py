@@ -4,10 +4,10 @@ the model's logits against fp32 on realistic-scale weights, the swap, `generate`
 refusals (another device, no kernel).
 
 Bounds: the kernel is the fp32 product by the dequantized weight up to the order of its sums (1e-5 relative). The
-model's error against fp32: 4 bits per weight move the logits of the realistic tiny model by a KL divergence of
-~1.1 nats per position (its logits are peaked and its weights Gaussian, so every group uses its whole range;
-scripts/bench/int4_error.py compares with llama.cpp's Q4_K_M); the bound, 1.6, guards against regressions, and the
-fitted quantizer must beat plain min/max rounding.
+model's error against fp32 on the realistic tiny model: a KL divergence of 0.18 nats per position (its logits are
+peaked and its weights Gaussian, so every group uses its whole range); with the head and q/k/v at 4 bits too it was
+1.11 (scripts/bench/int4_error.py compares with llama.cpp's Q4_K_M). The bound, 0.35, guards against regressions,
+and the fitted quantizer must beat plain min/max rounding.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from gpt2port.quant4 import GROUP, Int4Embedding, Int4Linear, dequantize, row_by
 from scripts.hf_fixtures import TINY
 from tests.realistic import realistic_checkpoint
 
-KL_BOUND = 1.6  # measured 1.11 (see the module's docstring)
+KL_BOUND = 0.35  # measured 0.18 (see the module's docstring)
 SHAPE = dict(TINY, n_embd=96, n_layer=3)  # three groups per row, 384-wide MLP
 
 
@@ -55,21 +55,22 @@ def trained_like(n: int, k: int, seed: int) -> torch.Tensor:
     return w
 
 
-def minmax_error(w: torch.Tensor) -> float:
+def minmax_error(w: torch.Tensor, levels: int = 15) -> float:
     """Squared error of plain min/max rounding in groups of GROUP: what the fit must beat."""
     groups = F.pad(w, (0, -w.size(1) % GROUP)).reshape(-1, GROUP)
     lo, hi = groups.amin(1, keepdim=True), groups.amax(1, keepdim=True)
-    s = ((hi - lo) / 15).clamp(min=1e-12)
-    return float((((groups - lo) / s).round().clamp(0, 15) * s + lo - groups).pow(2).sum())
+    s = ((hi - lo) / levels).clamp(min=1e-12)
+    return float((((groups - lo) / s).round().clamp(0, levels) * s + lo - groups).pow(2).sum())
 
 
 @pytest.mark.usefixtures("int4_kernel")
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n, k", [(1, 32), (3, 64), (4, 96), (9, 768), (130, 768), (37, 3072), (5, 50), (7, 1)])
-def test_the_kernel_is_the_product_by_the_dequantized_weight(n, k):
+def test_the_kernel_is_the_product_by_the_dequantized_weight(n, k, bits):
     w, layer_bias = trained_like(n, k, seed=n * 7 + k), torch.randn(n) * 0.1
-    layer = Int4Linear(quantize(w), k, layer_bias)
+    layer = Int4Linear(quantize(w, bits), k, layer_bias)
     ref_w = dequantize(layer.weight, k)
-    assert layer.weight.shape == (n, row_bytes(k)) and layer.weight.dtype == torch.uint8
+    assert layer.weight.shape == (n, row_bytes(k, bits)) and layer.weight.dtype == torch.uint8
     torch.testing.assert_close(layer.dequantized(), ref_w, rtol=0, atol=0)
     g = torch.Generator().manual_seed(k)
     before = torch.get_num_threads()
@@ -90,25 +91,30 @@ def test_the_kernel_is_the_product_by_the_dequantized_weight(n, k):
 
 
 @pytest.mark.usefixtures("int4_kernel")
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n, k", [(64, 768), (200, 96), (3, 50)])
-def test_the_fit_beats_min_max_rounding_and_codes_stay_in_range(n, k):
+def test_the_fit_beats_min_max_rounding_and_codes_stay_in_range(n, k, bits):
     w = trained_like(n, k, seed=k)
-    packed = quantize(w)
+    packed = quantize(w, bits)
     d = dequantize(packed, k)
     err = float((d - w).pow(2).sum())
-    assert err < 0.9 * minmax_error(w)
+    assert err < 0.95 * minmax_error(w, 2**bits - 1)
     # every number within one code step of its group's range (the padding's zeros are never returned)
     span = F.pad(w, (0, -k % GROUP)).reshape(n, -1, GROUP)
-    step = ((span.amax(-1) - span.amin(-1)) / 15).repeat_interleave(GROUP, dim=1)[:, :k]
+    step = ((span.amax(-1) - span.amin(-1)) / (2**bits - 1)).repeat_interleave(GROUP, dim=1)[:, :k]
     assert bool(((d - w).abs() <= step * 1.01 + 1e-6).all())
-    assert torch.equal(quantize(w.clone()), packed) and torch.equal(quantize(w.bfloat16()), quantize(w.bfloat16()))
+    assert torch.equal(quantize(w.clone(), bits), packed)
 
 
 @pytest.mark.usefixtures("int4_kernel")
 def test_logits_against_fp32_on_realistic_weights_every_path(ckpt):
     ref, q = GPT.from_pretrained(ckpt), from_pretrained(ckpt, dtype="int4")
     assert q.quantized == "int4" and isinstance(q.lm_head, Int4Linear) and isinstance(q.tok_emb, Int4Embedding)
-    assert q.tok_emb.table is q.lm_head  # the tied matrix held once
+    assert q.tok_emb.table is q.lm_head  # the tied matrix held once, at 8 bits as the q/k/v matrices; the rest at 4
+    assert q.lm_head.weight.size(1) == row_bytes(96, 8)
+    widths = {(n.rsplit(".", 1)[-1], m.weight.size(1)) for n, m in q.blocks.named_modules() if type(m) is Int4Linear}
+    assert widths == {("qkv", row_bytes(96, 8)), ("proj", row_bytes(96)), ("fc", row_bytes(96)),
+                      ("proj", row_bytes(384))}
     ids = torch.randint(0, SHAPE["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         a, b = ref(ids)[0], q(ids)[0]

@@ -136,3 +136,4 @@ def test_exports_equal_llama_quantize(width, tmp_path):
     ckpt = realistic_gpt2(tmp_path / "model", width, layers=4)
     for recipe, r in check_files(ckpt, GGUF_QUANTS, tmp_path):
         assert r["problems"] == [], (recipe, r["problems"][:5])
+
