@@ -102,8 +102,8 @@ def test_a_name_under_the_checkpoints_folder_resolves_and_a_miss_lists_it(tmp_pa
     assert r.exit_code == 0 and "gpt2-again" in r.output, r.output
     with pytest.raises(GPT2PortError) as miss:
         resolve("gpt2-agian")
-    assert str(miss.value) == (f"gpt2-agian: no such checkpoint directory ({folder} holds: gpt2-again, "
-                               f"tiny-sharded)")
+    assert str(miss.value) == (f"gpt2-agian: no such checkpoint directory; did you mean 'gpt2-again'? "
+                               f"({folder} holds: gpt2-again, tiny-sharded)")
     with pytest.raises(GPT2PortError, match=r"run `gpt2port download gpt2`; .*holds: gpt2-again, tiny-sharded"):
         resolve("gpt2")  # an official name not downloaded yet: the command, and what is there instead
     with pytest.raises(GPT2PortError, match="no such checkpoint directory"):

@@ -282,6 +282,11 @@ def _bias_reason(lay: UserLayout, src) -> str:
             sizes.append(f"{key.removeprefix('blocks.0.').removesuffix('.bias')} mean |b| {b.abs().mean():.3g}, "
                          f"max {b.abs().max():.3g}")
     shown = ", ".join(lay.missing_biases[:6]) + (" ..." if len(lay.missing_biases) > 6 else "")
+    beside = [r.split(":")[0] for r in lay.reasons if r.endswith("that belongs to no weight")]
+    if any(v.rsplit(".", 1)[0] in (m, m.rsplit(".", 1)[0]) for v in beside for m in lay.missing_biases):
+        # the class has vectors there, unpaired: advice to build with bias=True would contradict it
+        return (f"{shown}: no bias paired with them, though {', '.join(beside[:3])} sit beside them: add each to "
+                f"its weight's product in the forward (x @ W + b), so that it reads as that weight's bias")
     return (f"{shown}: no bias, but GPT-2 has one there (in block 0 of this checkpoint: {'; '.join(sizes)}); build "
             f"those layers with bias=True (every block), or pass drop_biases=True to load the rest and measure the "
             f"cost")

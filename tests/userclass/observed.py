@@ -111,10 +111,29 @@ class EinsumAttention(nn.Module):
         return self.out_proj(y)
 
 
+class Unpaired(EinsumAttention):
+    """Biases named for nothing (c1, c2, c3), added per head after the product's reshape: no name or addition
+    pairs them with a weight."""
+
+    def __init__(self, C, H):
+        super().__init__(C, H)
+        del self.bias_q, self.bias_k, self.bias_v
+        self.c1, self.c2, self.c3 = (nn.Parameter(torch.zeros(C)) for _ in range(3))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        H = self.num_heads
+        q, k, v = ((x @ w).view(B, T, H, -1) + c.view(H, -1) for w, c in
+                   ((self.W_query, self.c1), (self.W_key, self.c2), (self.W_value, self.c3)))
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(C // H)
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+        return self.out_proj(torch.einsum("bhqk,bkhd->bqhd", s.softmax(dim=-1), v).reshape(B, T, C))
+
+
 class EinsumBlock(Block):
-    def __init__(self, C, H, P):
+    def __init__(self, C, H, P, unpaired=False):
         super().__init__(C, H, P)
-        self.attn = EinsumAttention(C, H)
+        self.attn = (Unpaired if unpaired else EinsumAttention)(C, H)
 
 
 class GPT(nn.Module):
@@ -131,7 +150,7 @@ class GPT(nn.Module):
         elif kind == "einops":
             self.h = nn.ModuleList(nn.ModuleList([EinopsAttention(C, H, qkv), FeedForward(C)]) for _ in range(L))
         elif kind == "einsum":
-            self.h = nn.ModuleList(EinsumBlock(C, H, P) for _ in range(L))
+            self.h = nn.ModuleList(EinsumBlock(C, H, P, **options) for _ in range(L))
         else:
             self.h = nn.ModuleList(Block(C, H, P, **options) for _ in range(L))
         self.ln_f = nn.LayerNorm(C)

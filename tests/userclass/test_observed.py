@@ -98,6 +98,16 @@ def test_the_books_einsum_attention_pairs_bias_q_with_w_query(narrow, tmp_path):
     proven_everywhere(narrow, build(narrow[2], "einsum"), tmp_path)
 
 
+def test_bias_advice_is_given_only_where_the_class_has_no_vectors(narrow):
+    """Vectors the forward adds where no pairing can see them: not "build with bias=True" (the class has them)."""
+    _, ckpt, config = narrow
+    with pytest.raises(gpt2port.GPT2PortError) as err:
+        load_into(build(config, "einsum", unpaired=True), ckpt)
+    message = str(err.value)
+    assert "h.0.attn.c1: a vector of (64,) that belongs to no weight" in message, message
+    assert "bias=True" not in message and "sit beside them" in message, message
+
+
 def test_a_forward_that_requires_targets_is_called_with_the_next_tokens(narrow, tmp_path):
     """forward(idx, targets): a TypeError from the class, reported as an internal error."""
     proven_everywhere(narrow, build(narrow[2], "targets"), tmp_path)
