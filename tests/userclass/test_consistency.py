@@ -250,14 +250,16 @@ def test_check_refuses_a_model_without_parameters_on_stderr(check_file, real_ckp
 
 def test_check_refuses_a_class_on_stderr_after_its_table(real_ckpt, tmp_path):
     """A class that cannot hold GPT-2 (a ReLU MLP): the table on stdout, the reasons on stderr after `error:`."""
-    from tests.support import run_cli
+    from tests.support import assert_one_line_error, run_cli
 
     path = tmp_path / "relu.py"
     path.write_text(CHECK_FILE + "\n\ndef make_relu(cfg):\n    m = make_model(cfg)\n    for b in m.trf_blocks:\n"
                     "        b.ff.layers[1] = nn.ReLU()\n    return m\n")
     r = run_cli("check", f"{path}:make_relu", real_ckpt, "--no-hf")
     assert r.exit_code == 1
-    assert "tok_emb.weight" in r.stdout and "measures as ReLU" in r.stderr and r.stderr.startswith("error:"), r.stderr
+    # check's step lines go to stderr too (progress on stderr, results on stdout); the error is the one other line
+    line = assert_one_line_error(r.exit_code, r.stderr, r.stdout)
+    assert "tok_emb.weight" in r.stdout and "measures as ReLU" in line, r.stderr
 
 
 def test_check_help_says_the_file_is_run():
