@@ -368,5 +368,9 @@ class Float64GPT2:
 
 def logits64(x: torch.Tensor, head: torch.Tensor, rows: int = 8192) -> torch.Tensor:
     """x @ head.T in float64, the head converted a slice of rows at a time: a float64 copy of the whole vocabulary
-    (0.6 GB at gpt2-xl) never exists beside the model under test."""
-    return torch.cat([x @ head[s:s + rows].to(torch.float64).T for s in range(0, head.shape[0], rows)], dim=-1)
+    (0.6 GB at gpt2-xl) never exists beside the model under test, and the logits are written in place (no second
+    copy of them while the slices are joined)."""
+    out = x.new_empty(*x.shape[:-1], head.shape[0])
+    for s in range(0, head.shape[0], rows):
+        torch.matmul(x, head[s:s + rows].to(torch.float64).T, out=out[..., s:s + rows])
+    return out

@@ -32,6 +32,29 @@ def test_gradients_equal_transformers_124m(gpt2_ckpt, gpt2_hf_repo):
     assert g["loss_rel"] < 1e-6 and g["max_rel"] <= TOLERANCE, g
 
 
+def test_ours_recompute_every_block_and_the_gradients_are_the_plain_ones(tiny_ckpt):
+    """Ours' backward keeps one tensor per block (recompute.py) so `verify --grads` fits small machines; the
+    gradients are those of the plain backward, bit for bit."""
+    from gpt2port.training import recompute
+    from gpt2port.verification.grads import _ours
+
+    seen = []
+
+    def load():
+        seen.append(GPT.from_pretrained(tiny_ckpt))
+        return seen[-1]
+
+    _, loss, grads = _ours(load, ids_of())
+    assert recompute.recomputed(seen[0]) == list(range(len(seen[0].blocks)))
+    plain = GPT.from_pretrained(tiny_ckpt).float().eval()
+    ids = ids_of()
+    _, want = plain(ids[:, :-1], targets=ids[:, 1:])
+    want.backward()
+    assert loss == float(want.detach())
+    for name, p in plain.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
+
+
 def test_the_float64_references_gradients_are_transformers(tiny_ckpt, make_hf_repo):
     """Without transformers (hf=False) the reference is the float64 GPT-2's own, differentiated a block at a time:
     the same loss and gradients as transformers', within fp32's reach of ours."""
