@@ -22,11 +22,12 @@ import warnings
 
 import torch
 
-from gpt2port import checkpoint
+from gpt2port import checkpoint, records
 from gpt2port.config import GPTConfig
 from gpt2port.dtypes import DTYPE_LABELS, label
 from gpt2port.errors import GPT2PortError
 from gpt2port.fsio import copy_file, write_json
+from gpt2port.hashing import hash_file
 from gpt2port.model import GPT, PastKV
 from gpt2port.targets import REGISTRY
 
@@ -119,7 +120,13 @@ def export_graph(model: GPT, stage) -> int:
         mask = program.model.graph.inputs[1]  # named as optimum names it (torch.export has no sum of two Dims)
         mask.shape = type(mask.shape)([mask.shape[0], "past_sequence_length + sequence_length"])
         program.save(stage / FILE_NAME, external_data=weights > INLINE_LIMIT)
-    return sum((stage / n).stat().st_size for n in (FILE_NAME, DATA_NAME) if (stage / n).exists())
+    size = 0
+    for path in (stage / n for n in (FILE_NAME, DATA_NAME) if (stage / n).exists()):
+        # onnx writes these itself, so their record is taken from the closed files, before anything can change them
+        sha256, _ = hash_file(path)
+        records.written(path, path.stat().st_size, sha256)
+        size += path.stat().st_size
+    return size
 
 
 @contextlib.contextmanager

@@ -122,7 +122,8 @@ def test_weights_past_the_limit_go_beside_the_graph(tmp_path, tiny_ckpt, monkeyp
     """Past protobuf's 2 GB (gpt2-large and up) the weights are model.onnx.data; the limit lowered to 0 here."""
     monkeypatch.setattr(target, "INLINE_LIMIT", 0)
     result = export(tiny_ckpt, tmp_path / "o", to="onnx")
-    files = json.loads((tmp_path / "o" / "manifest.json").read_text())["files"]
+    records = json.loads((tmp_path / "o" / "manifest.json").read_text())["files"]
+    files = {name: rec["size"] for name, rec in records.items()}
     assert files[target.DATA_NAME] > 6_000_000 > files[target.FILE_NAME]
     assert result.bytes_written == files[target.DATA_NAME] + files[target.FILE_NAME]
     assert result.proof["max_rel_error"] < 1e-5  # onnxruntime read the weights from beside the graph
