@@ -103,8 +103,12 @@ def output_problems(d: Path, rel: str = "", earlier: bool = False) -> list[str]:
         elif unclaimed:  # marked as gpt2port's, but the mark does not describe the files: say which
             problems[TOKENS] = f"{rel}{TOKENS}/{unclaimed}"
     for name in STATES:
-        if entries.get(name) == "directory" and _state_ok(d / name):
-            claims[name], run = _state_dir, True
+        if entries.get(name) == "directory":
+            why = _state_unclaimed(d / name)
+            if why is None:
+                claims[name], run = _state_dir, True
+            elif why:  # marked as a state of ours, but incomplete or its meta.json damaged: say which file
+                problems[name] = f"{rel}{name}/{why}"
     if run:
         claims[STATE_SAVING], claims[RUN_CHECKPOINT], claims[RUN_RECORD_NEW] = _state_dir, _checkpoint_dir, None
         moving = _json(d / RUN_CHECKPOINT, MANIFEST, _list(d / RUN_CHECKPOINT)) \
@@ -342,15 +346,18 @@ def _tokens_unclaimed(d: Path, earlier: bool = False) -> str | None:
     return None
 
 
-def _state_ok(d: Path) -> bool:
-    """A run's saved state: meta.json names the format and its world; an rng file per rank, DCP's metadata."""
+def _state_unclaimed(d: Path) -> str | None:
+    """A run's saved state: meta.json names the format and its world; an rng file per rank, DCP's metadata. None
+    when it is one; else the file at fault, with why ("" when nothing marks the directory as a state at all)."""
     entries = _list(d)
     meta = _json(d, "meta.json", entries) or {}
+    if not str(meta.get("format", "")).startswith("gpt2port-train-state/"):
+        return ""
     world = meta.get("world")
-    if not str(meta.get("format", "")).startswith("gpt2port-train-state/") or type(world) is not int \
-            or not 1 <= world <= len(entries):
-        return False
-    return entries.get(".metadata") == "file" and all(entries.get(f"rng-{r}.pt") == "file" for r in range(world))
+    if type(world) is not int or not 1 <= world <= len(entries):
+        return f"meta.json (its world, {json.dumps(world)[:40]}, is not a count of the ranks it saved)"
+    missing = [n for n in (".metadata", *(f"rng-{r}.pt" for r in range(world))) if entries.get(n) != "file"]
+    return f"{missing[0]} (missing, or not a file)" if missing else None
 
 
 def _old_export(d: Path, entries: dict[str, str], config: dict) -> list[str]:

@@ -29,7 +29,7 @@ import gpt2port.formats.safetensors as safetensors_mod
 import gpt2port.fsio as fsio_mod
 import gpt2port.outfile as outfile_mod
 from gpt2port.errors import GPT2PortError
-from gpt2port.fsio import PARTIAL_MARK, staged_directory, sweep_leftovers
+from gpt2port.fsio import PARTIAL_MARK, staged_directory, sweep_leftovers, write_file, write_mark
 from scripts import fake_hub, fill_fake_hub
 from tests.support import (WEIGHTS, assert_clean_failure, assert_one_line_error, assert_valid_checkpoint,
                            interruptible, leftovers, run_cli, snapshot)
@@ -359,8 +359,9 @@ def test_destination_taken_at_the_last_moment(tmp_path, monkeypatch):
         return real_rename(src, dst, *a, **k)
 
     with pytest.raises(GPT2PortError, match=str(dest)):
-        with staged_directory(dest) as stage:
-            (stage / "ours").write_text("complete")
+        with staged_directory(dest) as stage:  # ours written as outputs are: via fsio, recorded
+            write_file(stage / "ours", b"complete")
+            write_mark(stage / "manifest.json", {"tool": "gpt2port", "layout": "gguf"})
             monkeypatch.setattr(os, "rename", rename_after_the_other_run)
     assert [p.name for p in dest.iterdir()] == ["theirs"]
     assert leftovers(tmp_path) == []

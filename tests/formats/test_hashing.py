@@ -39,12 +39,13 @@ def session():
 
 
 def _slow_sha256(monkeypatch, delay: float) -> None:
-    """hashlib.sha256, `delay` seconds slower per update (a hash far behind its readers)."""
+    """hashlib.sha256, `delay` seconds slower per update (a hash far behind its readers). Every sha256 taken is
+    slowed, the outputs' records (fsio, outfile) among them, so it takes hashlib.sha256's optional data."""
     real = hashlib.sha256
 
     class SlowSha256:
-        def __init__(self):
-            self._h = real()
+        def __init__(self, data=b""):
+            self._h = real(data)
 
         def update(self, data):
             time.sleep(delay)

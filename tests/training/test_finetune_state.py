@@ -95,7 +95,7 @@ CASES = {
     "tokens truncated": ("train.bin", lambda run: os.truncate(run / "tokens" / "train.bin", 1000)),
     "tokens out of range": ("train.bin", lambda run: _retoken(run, lambda ids, p: (ids.__setitem__(7, 60000),
                                                                                   ids.tofile(p)))),
-    "tokens meta lies": ("train.bin", lambda run: _edit_tokens_meta(run)),
+    "tokens meta lies": ("tokens/meta.json", lambda run: _edit_tokens_meta(run)),  # its sealed record says so
 }
 
 
