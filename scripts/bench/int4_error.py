@@ -75,7 +75,6 @@ def llama_q4_k_m(ckpt: Path, ids: torch.Tensor, work: Path) -> tuple[torch.Tenso
         import llama_cpp
     except ImportError:
         return None
-    import numpy as np
 
     from gpt2port.targets.gguf import FILE_NAME
 
@@ -89,14 +88,9 @@ def llama_q4_k_m(ckpt: Path, ids: torch.Tensor, work: Path) -> tuple[torch.Tenso
                                                 params)
         if status != 0:
             raise RuntimeError(f"llama_model_quantize returned {status}")
-    llm = llama_cpp.Llama(str(quantized), logits_all=True, n_ctx=ids.size(1), n_threads=torch.get_num_threads(),
-                          verbose=False)
-    llm.reset()
-    out = []
-    for t in range(ids.size(1)):
-        llm.eval([int(ids[0, t])])
-        out.append(torch.from_numpy(np.asarray(llm.scores[t], dtype=np.float32)))
-    return torch.stack(out), quantized.stat().st_size
+    from scripts.bench.int8_error import llama_logits
+
+    return llama_logits(llama_cpp, quantized, ids), quantized.stat().st_size
 
 
 def main() -> None:

@@ -80,19 +80,24 @@ def llama_row(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor, work: Path) -> l
         import llama_cpp
     except ImportError:
         return None
-    import numpy as np
-
     from gpt2port.targets.gguf import FILE_NAME
 
     export(ckpt, work, to="gguf", dtype="q8_0", force=True)
-    llm = llama_cpp.Llama(str(work / FILE_NAME), logits_all=True, n_ctx=ids.size(1), n_threads=torch.get_num_threads(),
+    return per_position(llama_logits(llama_cpp, work / FILE_NAME, ids), ref)
+
+
+def llama_logits(llama_cpp, path, ids: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's logits of the GGUF at `path` for each position of ids[0], one token per eval."""
+    import numpy as np
+
+    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=ids.size(1), n_threads=torch.get_num_threads(),
                           verbose=False)
     llm.reset()
     out = []
     for t in range(ids.size(1)):
         llm.eval([int(ids[0, t])])
         out.append(torch.from_numpy(np.asarray(llm.scores[t], dtype=np.float32)))
-    return per_position(torch.stack(out), ref)
+    return torch.stack(out)
 
 
 def main() -> None:
