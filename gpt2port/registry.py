@@ -44,7 +44,7 @@ REGISTRY = {t.name: t for t in (
     Target("gguf", "gguf", FLOATS, encodings=GGUF_QUANTS, options=("output_tensor",), tanh_gelu=True,
            files=("model.gguf", "manifest.json")),
     Target("onnx", "onnx", ("fp32", "fp16"), layout="gpt2port",
-           files=("model.onnx", "model.onnx.data", "config.json", "manifest.json", TOKENIZER)),
+           files=("model.onnx", "model.onnx.data", "config.json", "genai_config.json", "manifest.json", TOKENIZER)),
 )}
 
 # Outputs written by a command of their own, not by conversion (not --to choices): their layout (as their

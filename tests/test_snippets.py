@@ -19,6 +19,8 @@ from tests.support import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"<!--\s*snippet:\s*skip\s*\((.+?)\)\s*-->")
+# Runtimes an example may show that no gpt2port extra installs (the `test` extra does): without one, skipped.
+OPTIONAL = ("onnxruntime_genai",)
 
 
 def snippets(path: Path, root: Path = ROOT) -> list:
@@ -64,6 +66,9 @@ def docs_cwd(tmp_path, tiny_ckpt, monkeypatch):
 def test_example_runs(code, skip, docs_cwd):
     if skip:
         pytest.skip(skip)
+    for name in OPTIONAL:
+        if re.search(rf"^(import|from) {name}\b", code, re.M):
+            pytest.importorskip(name)
     exec(compile(code, "<example>", "exec"), {"__name__": "__example__"})
     assert not (ROOT / "checkpoints" / "gpt2-tuned").exists()  # it ran here, not in the repository
 

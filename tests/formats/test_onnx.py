@@ -1,6 +1,7 @@
 """export --to onnx: one graph with optimum's names that onnxruntime runs from an empty cache, one token per call with
 the cache it returned, computing transformers' logits (realistic-scale weights, odd shapes and GPT-2 124M's); the
-export's own proof; refusals and failures that leave nothing; the extra imported by this target alone."""
+export's own proof; onnxruntime-genai decoding from genai_config.json; refusals and failures that leave nothing; the
+extra imported by this target alone."""
 
 from __future__ import annotations
 
@@ -81,6 +82,12 @@ def test_the_graph_has_optimum_s_names_and_dynamic_lengths(tmp_path, tiny_ckpt):
     assert dims(graph.output) == {
         "logits": ["batch_size", "sequence_length", 50257],
         **{f"present.{n}": ["batch_size", H, "past_sequence_length + sequence_length", D] for n in kv}}
+    # onnxruntime-genai's description names these inputs and outputs and this model's sizes
+    decoder = json.loads((tmp_path / "o" / target.GENAI_CONFIG).read_text())["model"]["decoder"]
+    named = {v % i if "%d" in v else v for v in (*decoder["inputs"].values(), *decoder["outputs"].values())
+             for i in range(L)}
+    assert named == set(dims(graph.input)) | set(dims(graph.output))
+    assert (decoder["num_hidden_layers"], decoder["num_attention_heads"], decoder["head_size"]) == (L, H, D)
 
 
 def test_cli_export_prints_and_records_the_proof(tmp_path, tiny_ckpt):
@@ -92,13 +99,43 @@ def test_cli_export_prints_and_records_the_proof(tmp_path, tiny_ckpt):
     assert f"max_rel_error {proof['max_rel_error']:.1e}" in r.stdout and "onnxruntime" in r.stdout
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert manifest["layout"] == "onnx" and manifest["dtype"] == "fp32"
-    assert set(manifest["files"]) == {"model.onnx", "config.json", "vocab.json", "merges.txt"}
+    assert set(manifest["files"]) == {"model.onnx", "config.json", "genai_config.json", "vocab.json", "merges.txt"}
     # --force replaces an export of ours; a file of the user's in it stops it, and nothing changes
     (tmp_path / "o" / "notes.txt").write_text("mine")
     assert_clean_failure(run_cli("export", tiny_ckpt, "--to", "onnx", "--out", tmp_path / "o", "--force"),
                          names=["notes.txt"])
     (tmp_path / "o" / "notes.txt").unlink()
     assert run_cli("export", tiny_ckpt, "--to", "onnx", "--out", tmp_path / "o", "--force").exit_code == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_onnxruntime_genai_decodes_gpt2port_s_greedy_tokens(tmp_path, dtype):
+    """onnxruntime-genai, given the export directory alone (genai_config.json), greedy-decodes what gpt2port's
+    generate does (fp32) or what onnxruntime does with the same graph, a call per token (fp16, whose near ties may
+    part from fp32's)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    import numpy as np
+
+    from gpt2port import GPT
+    from gpt2port.generate import generate
+
+    _, ckpt = realistic_checkpoint(tmp_path, ODD["3 layers, 3 heads, 48 wide"], seed=3)
+    export(ckpt, tmp_path / "onnx", to="onnx", dtype=dtype)
+    prompt = [464, 3290, 318, 257, 1332, 11, 290]
+    model = og.Model(str(tmp_path / "onnx"))
+    generator = og.Generator(model, og.GeneratorParams(model))
+    generator.append_tokens(np.array(prompt, dtype=np.int32))
+    while not generator.is_done():  # to genai_config.json's max_length, the model's 40 positions, or <|endoftext|>
+        generator.generate_next_token()
+    got = [int(t) for t in generator.get_sequence(0)][len(prompt):]
+    if dtype == "fp32":
+        want = generate(GPT.from_pretrained(ckpt), [prompt], 40 - len(prompt), temperature=0, stop_token=None)[0]
+    else:
+        ids = torch.tensor([prompt])
+        want = greedy(tmp_path / "onnx" / target.FILE_NAME, ids, torch.ones_like(ids), 40 - len(prompt))[0]
+        want = want[0, len(prompt):].tolist()
+    assert len(set(want)) > 3  # a sequence, not one token repeated
+    assert got == want[:len(got)] and (len(got) == len(want) or got[-1] == 50256), (got, want)
 
 
 def test_fp16_runs_in_onnxruntime_near_transformers_fp32(tmp_path):
