@@ -28,8 +28,8 @@ import torch
 from gpt2port.config import GPTConfig, canonical_name
 from gpt2port.fast import native
 from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES
+from scripts import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 FILES = ("gpt2port/fast/int4.c", "gpt2port/fast/vectors.h")
 
 
