@@ -10,7 +10,9 @@ to it as they are (user-managed constants), so nothing is copied and a package s
 Its name hashes the exported graph (an edit to model.py or to a layer is another graph, so another package), every
 tensor's shape and dtype, the thread count (Inductor's code fixes it), this PyTorch, the CPU and gpt2port's kernels.
 A process that finds the package exports the forward again (seconds at 124M) to know its name: what is loaded is
-always what the model computes now.
+always what the model computes now. Within a process, a loaded package is kept for the model as it is (its modules,
+their tensors, attributes and classes' functions, by identity) and handed the next cache, so a later generation
+neither exports nor loads again; any change to the model is another export.
 """
 
 from __future__ import annotations
@@ -48,11 +50,24 @@ class Step(torch.nn.Module):
         return self.model(ids, cache=self.cache, pos=pos, logits_to_keep=1)[0]
 
 
+# this process's loaded packages, by _identity() of the model and cache they served (with the objects that identity
+# names by id, kept alive so that no id is reused while it names a package)
+_LOADED: dict[tuple, tuple[object, list]] = {}
+
+
 def load(model, cache):
     """The compiled step over `model` and `cache`: called with (ids (1, 1) int64, pos (1,) int64), it returns the
     logits (1, 1, vocab) and writes the cache as the forward does. Compiled and stored first where this machine has
     no package for it. Raises what export, the compiler or the loader raise, each meaning: not compiled."""
     step = Step(model, cache)
+    held = dict(step.named_parameters(remove_duplicate=False))
+    held.update(step.named_buffers(remove_duplicate=False))
+    identity, named = _identity(model, cache)
+    if identity in _LOADED:  # the same model as it was: only the cache is new
+        runner = _LOADED[identity][0]
+        runner.load_constants({n: held[n] for n in runner.get_constant_fqns()}, check_full_update=True,
+                              user_managed=True)
+        return runner
     keys, values = cache.k, cache.v
     example = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     try:
@@ -61,8 +76,6 @@ def load(model, cache):
             exported = torch.export.export(step, example, strict=False)
     finally:
         cache.k, cache.v = keys, values
-    held = dict(step.named_parameters(remove_duplicate=False))
-    held.update(step.named_buffers(remove_duplicate=False))
     path = _packaged(exported, _name(exported, held))
     try:
         runner = torch._inductor.aoti_load_package(str(path))
@@ -74,7 +87,37 @@ def load(model, cache):
     if foreign:
         raise RuntimeError(f"the exported step holds tensors that are not the model's or the cache's: {foreign[:3]}")
     runner.load_constants({n: held[n] for n in names}, check_full_update=True, user_managed=True)
+    _LOADED[identity] = runner, named
     return runner
+
+
+def _identity(model, cache) -> tuple[tuple, list]:
+    """(what the exported graph depends on, the objects it names by id): every module's class and attributes (a
+    tensor by its shape, strides and dtype, as its values are handed over anew each time; a number or string by
+    value; anything else, as an activation function, by id), the functions of every class involved (model.py edited
+    and reloaded, or patched, is another function), the cache's class and shape, and the thread count."""
+    named: list = []
+
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), v.stride(), v.dtype)
+        if isinstance(v, (int, float, str, bool, type(None))):
+            return v
+        named.append(v)
+        return ("id", id(v))
+
+    parts: list = [torch.get_num_threads(), tuple(cache.k.shape), cache.k.dtype]
+    classes = {type(cache)}
+    for name, m in model.named_modules():
+        classes.add(type(m))
+        attrs = [(k, value(v)) for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")
+                 and not isinstance(v, dict)]
+        tensors = [(k, value(v)) for d in (m._parameters, m._buffers) for k, v in d.items()]
+        parts.append((name, type(m), tuple(sorted(attrs, key=str)), tuple(tensors), tuple(m._modules)))
+    for cls in sorted(classes, key=lambda c: c.__qualname__):
+        for klass in cls.__mro__:
+            parts.append((klass, tuple(sorted((k, value(v)) for k, v in vars(klass).items() if callable(v)))))
+    return tuple(parts), named
 
 
 def _name(exported, held: dict[str, torch.Tensor]) -> str:
