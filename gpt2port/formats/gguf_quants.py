@@ -1,9 +1,10 @@
 """GGML's quantized block types written in numpy, byte for byte what llama.cpp's `llama-quantize` writes.
 
-Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 come from llama.cpp's own `gguf` package (ports of ggml's reference code); the
-K-quants Q4_K, Q5_K and Q6_K, which that package can only read, are ggml's `quantize_row_q{4,5,6}_K_ref` (the path
-llama-quantize takes without an importance matrix) vectorized across blocks. Bytes decide equality, so every step
-keeps the C code's arithmetic: float32 throughout, each sum accumulated element by element in the C loop's order
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are ggml's `quantize_row_q{4_0,4_1,5_0,5_1,8_0}_ref`, and the K-quants Q4_K, Q5_K and
+Q6_K (which llama.cpp's `gguf` package can only read) its `quantize_row_q{4,5,6}_K_ref` (the path llama-quantize
+takes without an importance matrix), all vectorized across a chunk of blocks. (The `gguf` package's own ports of the
+first five are exact too, but run 16 blocks per numpy call: ~8x slower on a chunk.) Bytes decide equality, so every
+step keeps the C code's arithmetic: float32 throughout, each sum accumulated element by element in the C loop's order
 (`_sum`, never numpy's pairwise sum), products and sums rounded one at a time (the reference is built without FMA
 contraction), `nearest_int` as round-half-to-even (np.rint), ties in a search kept by the earlier candidate, and a
 (scale, min) search whose `min` moves inside the loop as ggml's `make_qkx2_quants` does. The proof is
@@ -22,8 +23,7 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 F32 = np.float32
 QK_K = 256
-_SIMPLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)  # the `gguf` package's quantizers: exact ports of ggml's
-TYPES = (*_SIMPLE, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # what quantize() writes and dequantize() reads
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # what quantize() writes, dequantize() reads
 _CHUNK = 1 << 16  # values per step: the temporaries of a step stay a few MB, in cache as far as they can
 
 
@@ -37,7 +37,7 @@ def quantize(values: np.ndarray, qtype: Q, threads: int = 1) -> np.ndarray:
     flat = rows.reshape(-1, block)
     out = np.empty((len(flat), size), dtype=np.uint8)
     step = max(1, _CHUNK // block)
-    encode = _KQUANTS.get(qtype) or (lambda part: gguf.quants.quantize(part, qtype))
+    encode = _ENCODERS[qtype]
 
     def one(start: int) -> None:
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # per thread: errstate is thread-local
@@ -247,4 +247,69 @@ def _bytes(half: np.ndarray) -> np.ndarray:
     return half.reshape(-1, 1).view(np.uint8)
 
 
-_KQUANTS = {Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+# --- the 32-value types -------------------------------------------------------------------------------------------
+
+def _absmax(blocks: np.ndarray) -> np.ndarray:
+    """Each block's value of largest magnitude, with its sign (the first of equal magnitudes, as `amax < |v|` keeps)."""
+    return np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)[:, 0]
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    """`d ? 1.0f/d : 0.0f`."""
+    return np.where(d != 0, F32(1) / d, F32(0))
+
+
+def _levels(blocks: np.ndarray, low, inv: np.ndarray, offset: float, top: int) -> np.ndarray:
+    """`MIN(top, (int8_t)((x - low) * id + offset))` per value: C's cast truncates toward zero (its argument is
+    never below 0 here, nor above 127)."""
+    x = blocks if low is None else blocks - low[:, None]
+    return np.minimum(np.trunc(x * inv[:, None] + F32(offset)), F32(top)).astype(np.uint8)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Value j in the low 4 bits of byte j, value j + 16 in its high 4 bits."""
+    return (q[:, :16] & 0xF) | (q[:, 16:] << 4)
+
+
+def _fifth_bits(q: np.ndarray) -> np.ndarray:
+    """qh: bit j of a little-endian uint32 is bit 4 of value j."""
+    return np.packbits(q >> 4, axis=1, bitorder="little")
+
+
+def _q4_0(blocks: np.ndarray) -> np.ndarray:
+    d = _absmax(blocks) / F32(-8)
+    return np.concatenate([_bytes(_fp16(d)), _nibbles(_levels(blocks, None, _inverse(d), 8.5, 15))], axis=1)
+
+
+def _q4_1(blocks: np.ndarray) -> np.ndarray:
+    mn = blocks.min(axis=1)
+    d = (blocks.max(axis=1) - mn) / F32(15)
+    q = _levels(blocks, mn, _inverse(d), 0.5, 15)
+    return np.concatenate([_bytes(_fp16(d)), _bytes(_fp16(mn)), _nibbles(q)], axis=1)
+
+
+def _q5_0(blocks: np.ndarray) -> np.ndarray:
+    d = _absmax(blocks) / F32(-16)
+    q = _levels(blocks, None, _inverse(d), 16.5, 31)
+    return np.concatenate([_bytes(_fp16(d)), _fifth_bits(q), _nibbles(q)], axis=1)
+
+
+def _q5_1(blocks: np.ndarray) -> np.ndarray:
+    mn = blocks.min(axis=1)
+    d = (blocks.max(axis=1) - mn) / F32(31)
+    q = _levels(blocks, mn, _inverse(d), 0.5, 31)
+    return np.concatenate([_bytes(_fp16(d)), _bytes(_fp16(mn)), _fifth_bits(q), _nibbles(q)], axis=1)
+
+
+def _q8_0(blocks: np.ndarray) -> np.ndarray:
+    d = np.abs(blocks).max(axis=1) / F32(127)
+    x = blocks * _inverse(d)[:, None]
+    a = np.abs(x)
+    whole = np.floor(a)
+    q = np.copysign(whole + np.floor(F32(2) * (a - whole)), x)  # roundf, halves away from zero; exact, where
+    # floor(a + 0.5) would round 0.49999997 + 0.5 up to 1
+    return np.concatenate([_bytes(_fp16(d)), q.astype(np.int8).view(np.uint8)], axis=1)
+
+
+_ENCODERS = {Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
+             Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}

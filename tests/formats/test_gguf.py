@@ -16,7 +16,7 @@ from gpt2port.checkpoint import read_config
 from gpt2port.errors import GPT2PortError
 from gpt2port.targets.gguf import FILE_NAME
 from scripts import hf_fixtures
-from tests.support import ROOT, leftovers, run_cli
+from tests.support import ROOT, assert_clean_failure, leftovers, run_cli
 
 Q = gguf.GGMLQuantizationType
 PER_BLOCK = ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
@@ -109,14 +109,21 @@ def test_half_round_trip_is_bit_exact(tiny_ckpt, tmp_path):
     assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
 
 
-def test_q8_0_needs_rows_divisible_by_32(tmp_path):
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_k_m", "q6_k"])
+def test_a_type_no_tensor_row_fits_is_refused(dtype, tmp_path):
+    """Rows of 48: no 32-value type takes them, and the K-quants' fallbacks (Q5_0, Q5_1, Q8_0) neither, where
+    llama.cpp would write F16. One line naming the type and the tensor, nothing left behind."""
     repo = tmp_path / "hf"
     hf_fixtures.write_repo(hf_fixtures.make_hf_model(hf_fixtures.hf_config({**hf_fixtures.TINY, "n_embd": 48})),
                            repo, "hub", "fp32")
     convert(repo, tmp_path / "ck")
-    with pytest.raises(GPT2PortError, match="divides by 32") as e:
-        export(tmp_path / "ck", tmp_path / "out" / "g", to="gguf", dtype="q8_0")
+    with pytest.raises(GPT2PortError, match=r"(q8_0|q5_0) needs rows whose length divides by 32; \S+ has rows of 48"
+                       ) as e:
+        export(tmp_path / "ck", tmp_path / "out" / "g", to="gguf", dtype=dtype)
     assert "\n" not in str(e.value)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+    result = run_cli("export", tmp_path / "ck", "--to", "gguf", "--dtype", dtype, "--out", tmp_path / "out")
+    assert_clean_failure(result, names=["divides by 32", "rows of 48"])
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 

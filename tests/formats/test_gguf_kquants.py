@@ -137,3 +137,11 @@ def test_exports_equal_llama_quantize(width, tmp_path):
     for recipe, r in check_files(ckpt, GGUF_QUANTS, tmp_path):
         assert r["problems"] == [], (recipe, r["problems"][:5])
 
+
+
+@pytest.mark.parametrize("qtype", gguf_quants.TYPES[:5], ids=lambda q: q.name)
+def test_32_value_types_equal_the_gguf_packages_ports(qtype):
+    """gpt2port's vectorized Q4_0..Q8_0 against the `gguf` package's ports of ggml's reference (which run 16 blocks
+    a call; test_bytes_equal_ggml holds both to ggml itself where llama-cpp-python is installed)."""
+    x = hard_matrix(64, 1600, seed=2)
+    assert np.array_equal(gguf_quants.quantize(x, qtype, threads=2), gguf.quants.quantize(x, qtype))
