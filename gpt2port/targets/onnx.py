@@ -12,7 +12,8 @@ The graph is torch.export's capture of GPT.forward over a model.PastKV (no secon
 in the next export), translated by torch.onnx (onnxscript). The export ends in proof: onnxruntime prefills a prompt
 from an empty cache and is fed the tokens gpt2port's greedy decoding chose, one per call with the cache each call
 returned; its logits, and its own greedy choice, at every position are compared with gpt2port's forward over the
-same weights; the numbers go to the output and manifest.json, and a failure leaves nothing. onnx, onnxscript and onnxruntime are the optional `onnx` extra, imported by this target alone.
+same weights; the numbers go to the output and manifest.json, and a failure leaves nothing. onnx, onnxscript and
+onnxruntime are the optional `onnx` extra, imported by this target alone.
 """
 
 from __future__ import annotations
