@@ -173,6 +173,7 @@ def _run_signalled(delay: float | None, sig: int, group: bool) -> tuple[int, str
             proc.wait()
 
 
+@pytest.mark.rehearsal  # by default: test_an_interrupt_while_the_program_loads_ends_it_in_one_line, each point tripped
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc to see when the program started")
 def test_an_interrupt_anywhere_in_a_command_ends_it_in_one_line_or_not_at_all():
     """A real SIGINT or SIGTERM, to the process or to its process group (a terminal's Ctrl-C), at delays spread

@@ -159,7 +159,9 @@ def test_lora_bf16_base_with_fsdp_is_refused_in_one_line(realistic_base, corpus,
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("fsdp", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+# ddp: a rehearsal (dist.build has no LoRA branch for DDP: the one-process LoRA run and test_finetune.py's torchrun
+# DDP test check its two halves); fsdp: by default (LoRA's own branch, the adapters made on the meta model)
+@pytest.mark.parametrize("fsdp", [pytest.param([], marks=pytest.mark.rehearsal), ["--fsdp"]], ids=["ddp", "fsdp"])
 def test_torchrun_lora_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path, fsdp):
     out = tmp_path / "run"
     torchrun(*args(realistic_base[0], corpus, out, *fsdp))

@@ -102,7 +102,8 @@ def test_a_bf16_base_run_merges_into_the_fp32_checkpoint(bf16_run, lora_run, rea
     assert len(ours) == len(fp32) and max(abs(a - b) / b for a, b in zip(ours, fp32)) <= 2e-2, (ours, fp32)
 
 
-
+@pytest.mark.rehearsal  # the held base is one-process code under DDP: by default test_a_bf16_base_run_merges...
+# and test_finetune.py's torchrun DDP test
 def test_torchrun_ddp_with_a_bf16_base_trains_as_one_process(bf16_run, realistic_base, corpus, tmp_path):
     out = tmp_path / "run"
     torchrun(*args(realistic_base[0], corpus, out, "--lora-base-dtype", "bf16"))

@@ -83,6 +83,8 @@ def test_a_run_with_checkpointing_leaves_the_same_checkpoint_and_adapter(lora_ru
     assert record["settings"]["checkpoint_activations"] == 3  # bare: every block, saved as the count
 
 
+@pytest.mark.rehearsal  # by default: test_recomputed_blocks_give_the_same_loss_and_gradients_bit_for_bit[full]
+# (dropout on) and the LoRA run with the option above
 def test_a_full_fine_tune_with_checkpointing_learns_the_same(realistic_base, corpus, tmp_path):
     full = ["--steps", "6", "--batch-size", "4", "--block-size", "32", "--lr", "1e-3", "--eval-every", "3",
             "--eval-windows", "4", "--dropout", "0.1", "--quiet"]
@@ -152,6 +154,8 @@ def test_a_saved_state_with_a_bad_checkpointing_value_is_refused_in_one_line(rea
     assert meta.read_bytes() == before
 
 
+@pytest.mark.rehearsal  # dist.build attaches the recomputation before it wraps or shards, in every mode: by default
+# the one-process run with it above, and the torchrun tests of test_finetune.py and test_lora_cli.py
 @pytest.mark.parametrize("fsdp", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
 def test_torchrun_with_checkpointing_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path,  # noqa: F811
                                                           fsdp):

@@ -165,6 +165,8 @@ def test_the_logged_eval_loss_is_what_transformers_computes_on_the_result(straig
     assert float(loss) == pytest.approx(rows(straight)[-1]["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.rehearsal  # by default: test_a_resumed_run_keeps_its_settings (Ctrl-C, resume: the same numbers),
+# test_a_killed_run_resumes_from_its_last_save (the same bytes)
 def test_ctrl_c_then_resume_gives_the_uninterrupted_run(straight, tiny_ckpt, corpus, tmp_path):
     out = tmp_path / "run"
     args = run_args(tiny_ckpt, corpus, out)
@@ -179,6 +181,8 @@ def test_ctrl_c_then_resume_gives_the_uninterrupted_run(straight, tiny_ckpt, cor
     assert (out / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
 
 
+@pytest.mark.rehearsal  # by default: the torchrun launcher's SIGTERM test below (stop, save, resume) and
+# test_force.py's SIGTERM exit code 143 (cli.py's one mapping)
 def test_sigterm_stops_the_run_as_ctrl_c_does_and_says_so_in_its_exit_code(tiny_ckpt, corpus, tmp_path):
     """A scheduler's SIGTERM: the step finishes, the state is saved, and the exit code is SIGTERM's (143)."""
     out = tmp_path / "run"
@@ -188,6 +192,8 @@ def test_sigterm_stops_the_run_as_ctrl_c_does_and_says_so_in_its_exit_code(tiny_
     assert json.loads((out / "train_state" / "meta.json").read_text())["step"] >= 3
 
 
+@pytest.mark.rehearsal  # by default: test_signals.py's test_a_stop_request_leaves_an_ignored_sigint_ignored (the
+# loop's one mechanism, signals.stop_requests)
 def test_an_ignored_sigint_leaves_the_run_alone(straight, tiny_ckpt, corpus, tmp_path):
     """Started with SIGINT ignored (nohup, `cmd &` in a script), the run ignores it: a Ctrl-C meant for the shell
     in front must not stop a background run."""
