@@ -11,7 +11,10 @@
  * (exactly), multiplied by x in fp32, the group's partial sums scaled as vectors, so the result is the fp32 product
  * by the dequantized weight up to the order of its sums (no activation is rounded to fewer bits). The sums of x per
  * group are formed once per call. Rows are read STREAMS at a time from far-apart runs, as matvec.c does (and each
- * slice of x loaded once for the four). Written in the vector extension of GCC and Clang: with -march=native the
+ * slice of x loaded once for the four), each run prefetched AHEAD bytes ahead: without it a step's products (107 MB
+ * at 124M, none in cache) ran at half of what one core reads, the 8-bit rows most (scripts/bench/int4_kernel.py).
+ * With AVX-512, 4-bit codes become floats by a lookup in {0, ..., 15} (vpermps reads an index's low four bits, so
+ * the low nibble needs no mask and no conversion): fewer instructions per group where 4-bit rows are bound by them. Written in the vector extension of GCC and Clang: with -march=native the
  * compiler maps it onto AVX-512, AVX2 or NEON, without it onto SSE; every row's sum is formed in the same order
  * whatever the thread count.
  */
@@ -28,6 +31,7 @@
 
 #define GROUP 32
 #define STREAMS 4
+#define AHEAD 2048 /* bytes: a prefetch's distance along each run of rows */
 
 typedef uint8_t bytes16 __attribute__((vector_size(16)));
 typedef int32_t int_vec __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -98,6 +102,14 @@ static inline float row_setup(const uint8_t *row, const float *sums, float *scal
 
 /* One group's codes times x's 32 numbers: a vector of LANES partial sums. */
 static inline __attribute__((always_inline)) vec group_dot(const uint8_t *codes, vec x_lo, vec x_hi, int wide) {
+#ifdef __AVX512F__
+    if (!wide) {
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+        vec lo = (vec)_mm512_permutexvar_ps(b, iota), hi = (vec)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), iota);
+        return lo * x_lo + hi * x_hi;
+    }
+#endif
     int_vec v = widen_bytes(codes);
     if (wide)
         return __builtin_convertvector(v, vec) * x_lo + __builtin_convertvector(widen_bytes(codes + 16), vec) * x_hi;
@@ -105,9 +117,13 @@ static inline __attribute__((always_inline)) vec group_dot(const uint8_t *codes,
 }
 
 static inline float total(vec acc) {
+#ifdef __AVX512F__
+    return _mm512_reduce_add_ps((__m512)acc);  /* a tree of adds: shorter than 16 in a row, once per row */
+#else
     float v = 0.f;
     for (int l = 0; l < LANES; l++) v += acc[l];
     return v;
+#endif
 }
 
 /* Rows [r0, r1) of y: STREAMS runs of rows at a time, then the rows left over. `scratch`: STREAMS * groups floats.
@@ -126,6 +142,10 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const f
         vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (int64_t g = 0; g < groups; g++) {
             vec lo = load(x + g * GROUP), hi = load(x + g * GROUP + 16);
+            __builtin_prefetch(w0 + g * per + AHEAD);  /* past the last row: harmless, a prefetch never faults */
+            __builtin_prefetch(w1 + g * per + AHEAD);
+            __builtin_prefetch(w2 + g * per + AHEAD);
+            __builtin_prefetch(w3 + g * per + AHEAD);
             a0 += s0[g] * group_dot(w0 + g * per, lo, hi, wide);
             a1 += s1[g] * group_dot(w1 + g * per, lo, hi, wide);
             a2 += s2[g] * group_dot(w2 + g * per, lo, hi, wide);
@@ -140,7 +160,7 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const f
         const uint8_t *w = P + r * stride;
         float o = row_setup(w, sums, s0, groups, codes);
         vec a = {0};
-        for (int64_t g = 0; g < groups; g++)
+        for (int64_t g = 0; g < groups; g++, __builtin_prefetch(w + g * per + AHEAD))
             a += s0[g] * group_dot(w + g * per, load(x + g * GROUP), load(x + g * GROUP + 16), wide);
         y[r] = total(a) + o + (b ? b[r] : 0.f);
     }
