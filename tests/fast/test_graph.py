@@ -150,6 +150,27 @@ def test_an_int4_step_compiled_generates_what_int4_does(tmp_path, native_kernels
     assert got == generate(int4, PROMPTS[:1], 16, temperature=0, stop_token=None, fast=Settings())
 
 
+def test_a_loaded_step_serves_the_next_generation_until_the_model_changes(native_kernels, monkeypatch):
+    """Within a process the loaded package is kept for the model as it is: a second generation exports nothing;
+    an activation swapped in is another model, exported (and compiled) anew, and generates what it computes."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    exports = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real(*a, **k))
+    model = model_on()
+    for n in (6, 9):
+        report = []
+        compiled_generation(model, PROMPTS[:1], n, report)
+        assert report[-1].startswith(COMPILED), report
+    assert len(exports) == 1
+    model.blocks[1].mlp.act = torch.tanh
+    report = []
+    got = compiled_generation(model, PROMPTS[:1], 12, report)
+    assert len(exports) == 2 and report[-1].startswith(COMPILED), report
+    assert got == generate(model, PROMPTS[:1], 12, temperature=0, stop_token=None, fast=OFF)
+
+
 @pytest.mark.heavy  # a second compile
 def test_a_compiled_step_is_compiled_again_once_the_model_changed(native_kernels):
     if not native_kernels.attend_one:
