@@ -296,7 +296,7 @@ def test_importing_the_name_tables_registers_no_operators():
 
 def test_no_torchscript_in_the_package():
     """TorchScript is deprecated, and PyTorch's torch._C._jit_* graph passes are private: the package uses neither
-    (a capture of the forward is torch.compile's or a CUDA graph)."""
+    (a capture of the forward is torch.export's and AOTInductor's, or a CUDA graph)."""
     import re
 
     found = [f"{name}: {use}" for name, path in _modules().items()

@@ -55,8 +55,11 @@ def report(settings: Settings | None = None) -> list[str]:
                      f"{choose(w, None, 1, settings)}, prefill on {choose(w, None, 2, settings)}")
     lines.append("generate --dtype int8: decode products on " + ("fbgemm" if _fbgemm_works() else "int8pack"))
     one_row = settings.native and settings.attend_one and native.kernels().attend_one
-    compiled = ("compiled by torch.compile" if one_row else "not compiled (attention is not on gpt2port's kernel)") \
-        if settings.compile else "not compiled (GPT2PORT_COMPILE=1 compiles it)"
+    if settings.compile:
+        compiled = "compiled ahead of time (AOTInductor)" if one_row else \
+            "not compiled (attention is not on gpt2port's kernel)"
+    else:
+        compiled = "not compiled (GPT2PORT_COMPILE=1 compiles it)"
     lines.append(f"decode steps of one row on the CPU: the model's forward, {compiled}")
     if torch.cuda.is_available():
         graph = "recorded as a CUDA graph" if settings.cuda_graph else "not recorded (GPT2PORT_CUDA_GRAPH=1 records it)"

@@ -1,15 +1,15 @@
-"""The decode step: the model's own forward for one new token per row, called as it is, compiled by torch.compile
-on the CPU (opt-in), or on a GPU recorded as a CUDA graph. Nothing here computes any of the model: a compiled step
+"""The decode step: the model's own forward for one new token per row, called as it is, compiled ahead of time on
+the CPU (opt-in), or on a GPU recorded as a CUDA graph. Nothing here computes any of the model: a compiled step
 and a graph are the forward, captured.
 
 On the CPU a step is, by default, the forward called from Python, on the kernels gpt2port.fast swapped in (layers
-and the cache's attention): ~140 module calls a token. It was traced with TorchScript's tracer and replayed without
-that Python; TorchScript is deprecated, and the private graph passes it needed are no supported API, so nothing
-here uses either. The supported capture is torch.compile (Inductor, with its C++ wrapper on the CPU), `Compiled`:
-the same forward, its one-row products and attention still gpt2port's operators, the rest compiled to C++. Its
-first compile of a model shape takes minutes on 2 cores, and a process with Inductor's cache on disk filled still
-spends seconds tracing the forward again, for a gain per token within the noise of what was measured, so it is
-asked for, not the default: Settings(compile=True) or GPT2PORT_COMPILE=1 (docs/performance.md).
+and the cache's attention): ~140 module calls a token, milliseconds of Python at 124M (docs/performance.md). It
+was traced with TorchScript's tracer; TorchScript is deprecated, and the private graph passes it needed are no
+supported API, so nothing here uses either. The supported capture is `Compiled` (Settings(compile=True) or
+GPT2PORT_COMPILE=1): the same forward exported by torch.export and compiled ahead of time by AOTInductor into a
+package kept per machine and model shape (gpt2port.fast.package), its one-row products and attention still
+gpt2port's operators, the rest C++ with no Python between them. It is asked for, not the default: the first run of a
+model shape compiles for tens of seconds.
 
 Why a graph on a GPU: a step is a few hundred small kernels each launched from Python, bound by launches rather than
 by memory; a graph records them once and replays them with one launch.
@@ -22,9 +22,6 @@ frozen shows); where they differ, or the forward cannot be captured, decoding go
 (`generate -v`).
 """
 from __future__ import annotations
-
-import functools
-import warnings
 
 import torch
 
@@ -102,28 +99,15 @@ class Graphed(Forward):
 COMPILE_CHECKS = 2  # positions at which a compiled step is checked: one that froze the position agrees at the first
 
 
-def _step(model, cache: KVCache, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    return model(ids, cache=cache, pos=pos, logits_to_keep=1)[0]  # what is compiled: the forward, as it is
-
-
-@functools.cache
-def _compiled_step():
-    """_step under torch.compile, made once a process: dynamo keeps what it compiled for each model and cache shape
-    it met (guarded, so a changed model is compiled again), Inductor's cache on disk what it built (TORCHINDUCTOR_
-    CACHE_DIR, else a directory under the system's temp directory), so that a later process builds nothing."""
-    return torch.compile(_step, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
-
-
 class Compiled(Forward):
-    """The same forward compiled by torch.compile on its first call (one unpadded row on the CPU), checked against
-    the forward as it is at its first COMPILE_CHECKS steps, then run compiled."""
+    """The same forward compiled ahead of time (gpt2port.fast.package) on its first call (one unpadded row on the
+    CPU), checked against the forward as it is at its first COMPILE_CHECKS steps, then run compiled."""
 
     def __init__(self, model, cache: KVCache, attention: str = ""):
-        super().__init__(model, cache, "the model's forward, compiled by torch.compile (Inductor)", attention)
-        # the step's inputs, each a tensor of its own (generation's ids are a view of its tokens, whose strides grow:
-        # each new stride would be compiled anew)
+        super().__init__(model, cache, "the model's forward, compiled ahead of time by AOTInductor", attention)
+        # the step's inputs, each a tensor of its own (generation's ids are a view of its tokens)
         self.ids, self.pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-        self.unchecked, self.declined = COMPILE_CHECKS, False
+        self.unchecked, self.declined, self.step = COMPILE_CHECKS, False, None
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         if self.declined or torch.is_grad_enabled():
@@ -131,17 +115,19 @@ class Compiled(Forward):
         self.ids.copy_(ids)
         self.pos.fill_(pos)
         if not self.unchecked:
-            return _compiled_step()(self.model, self.cache, self.ids, self.pos)
+            return self.step(self.ids, self.pos)
         # Checked: the compiled step from the cache as it is, then the slots it may have written put back (a wrong
         # step may write anywhere up to pos; what lies past it is written before it is read) and the forward as it is
         self.unchecked -= 1
         written = self.cache.k[..., : pos + 1, :], self.cache.v[..., : pos + 1, :]
         kept = [t.clone() for t in written]
         try:
-            with warnings.catch_warnings():  # the compiler's notes are not for the user; a failure is said below
-                warnings.simplefilter("ignore")
-                got = _compiled_step()(self.model, self.cache, self.ids, self.pos)
-        except Exception as e:  # noqa: BLE001 - the compiler raises many kinds; each means: decode without it
+            if self.step is None:
+                from gpt2port.fast import package
+
+                self.step = package.load(self.model, self.cache)
+            got = self.step(self.ids, self.pos)
+        except Exception as e:  # noqa: BLE001 - export and the compiler raise many kinds; each means: decode without it
             got = None
             self._decline(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
         for t, old in zip(written, kept):
@@ -178,7 +164,7 @@ def _why_not_captured(model, cache: KVCache, asked: bool) -> str | None:
     if cache.k.device.type == "cpu" and not isinstance(cache, KernelCache):  # a batch, or the kernel declined
         return "attention is not on gpt2port's kernel"
     if cache.k.device.type == "cpu" and getattr(model, "quantized", None) == "int8":
-        return "int8's one-row products take fbgemm's packed weights, which torch.compile cannot take"
+        return "int8's one-row products take fbgemm's packed weights, which torch.export cannot take"
     if any(m.training for m in model.modules()):
         return "the model is in training mode"
     if hooked(model):

@@ -85,7 +85,7 @@ def kernels() -> Kernels:
     cache, announced = cache_dir(), _announce.cache_info().currsize
     # Both builds under one hold of the cache's lock: of N processes starting together, one builds the library and
     # its operators (and says so once); the others wait, then load both.
-    with _locked(cache / ".lock", create_parent=True):
+    with locked(cache / ".lock", create_parent=True):
         lib, why_not = load(cache, compiler(), lock=False)
         if lib is None:
             return Kernels(None, why_not, why_not)
@@ -214,7 +214,7 @@ def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL, lock: bool = True) -> s
         return f"the C++ compiler {cxx} does not run"
     torch_dir, source, errors = Path(torch.__file__).parent, BINDING_SOURCE.read_bytes(), []
     for flags in BINDING_FLAG_SETS:
-        flags = [*flags, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+        flags = [*flags, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
         # PyTorch's version in the key: the C++ kernel is built against its headers and calls into its libraries
         path = cache / _key(source, cxx, version, flags, lib._name, torch.__version__,
                             str(torch.version.git_version)) / BINDING_NAME
@@ -239,12 +239,12 @@ def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL, lock: bool = True) -> s
 def _key(source: bytes, cc: str, version: str, flags: list[str], *more: str) -> str:
     """A name for one build: what it was built from, by what, for which CPU (and `more` it depends on)."""
     h = hashlib.sha256(source)
-    for part in (cc, version, " ".join(flags), platform.machine(), _cpu_identity(), *more):
+    for part in (cc, version, " ".join(flags), platform.machine(), cpu_identity(), *more):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:20]
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """The CPU's model and feature flags (what -march=native compiles for), as far as the system tells."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -277,7 +277,7 @@ def _build(command: list[str], path: Path, lock: bool = True) -> str | None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         return f"cannot write the cache {path.parent}: {e.strerror}"
-    with _locked(path.parent.parent / ".lock") if lock else contextlib.nullcontext():
+    with locked(path.parent.parent / ".lock") if lock else contextlib.nullcontext():
         if path.is_file():  # built by another process while this one waited
             return None
         _announce()
@@ -307,7 +307,7 @@ def _announce() -> float:
 
 
 @contextlib.contextmanager
-def _locked(path: Path, create_parent: bool = False):
+def locked(path: Path, create_parent: bool = False):
     """An exclusive lock on `path` for the block (flock; where there is none, no lock: the rename above still keeps
     a half-written library from ever being loaded)."""
     try:

@@ -15,8 +15,8 @@ class Settings:
     attend_one: bool = True  # gpt2port's attention for one new token of one sequence (attention.c)
     onednn: bool = True  # fp32 products of several rows (prefill) on oneDNN rather than F.linear's MKL
     cuda_graph: bool = False  # decode steps (the model's forward) as a CUDA graph on CUDA: opt-in until a GPU proves it
-    # one row's decode steps on the CPU: the model's forward compiled by torch.compile (Inductor), opt-in: its first
-    # compile of a model shape takes minutes on 2 cores, a start with it cached still seconds (docs/performance.md)
+    # one row's decode steps on the CPU: the model's forward compiled ahead of time (fast.package: torch.export and
+    # AOTInductor), opt-in: the first run of a model shape compiles for tens of seconds (docs/performance.md)
     compile: bool = False
 
     @classmethod

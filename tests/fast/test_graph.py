@@ -1,9 +1,9 @@
-"""The decode step (gpt2port/fast/graph.py): the model's forward, called as it is, compiled by torch.compile on the
-CPU (opt-in), or recorded as a CUDA graph. Both captures take the forward's static-shape form (the position a
-tensor): that form is held to the forward with the position a number, logits and cache, for a batch with left
-padding; the compiled step is held to the forward token by token, and one that cannot be compiled or is not asked
-for says why; a graph's recording needs a CUDA device (those tests skip without one; scripts/gpu_check.sh runs
-them)."""
+"""The decode step (gpt2port/fast/graph.py): the model's forward, called as it is, compiled ahead of time on the CPU
+(opt-in: torch.export and AOTInductor, gpt2port/fast/package.py), or recorded as a CUDA graph. Both captures take the
+forward's static-shape form (the position a tensor): that form is held to the forward with the position a number, logits
+and cache, for a batch with left padding; the compiled step is held to the forward token by token, and one that cannot
+be compiled or is not asked for says why; a graph's recording needs a CUDA device (those tests skip without one;
+scripts/gpu_check.sh runs them)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_on_the_cpu_one_row_generates_what_the_forward_does(dtype, tmp_path, nat
     assert got == generate(model, PROMPTS[:1], 30, temperature=0, stop_token=None, fast=OFF)
 
 
-COMPILED = "the model's forward, compiled by torch.compile (Inductor)"
+COMPILED = "the model's forward, compiled ahead of time by AOTInductor"
 
 
 def compiled_generation(model, prompts, n: int, report: list) -> list[list[int]]:
@@ -82,7 +82,7 @@ def compiled_generation(model, prompts, n: int, report: list) -> list[list[int]]
 
 
 def test_compiled_the_step_generates_what_the_forward_does(tmp_path, native_kernels):
-    """Settings(compile=True): the forward compiled by torch.compile on its first step, checked, then run compiled;
+    """Settings(compile=True): the forward compiled ahead of time on its first step, checked, then run compiled;
     a later generation of another length runs what the first compiled (the cache is the whole context). fp32: the
     same tokens (bf16's are held to the forward logit by logit in test_edits.py: Inductor rounds bf16 its own way,
     and a near tie may then go the other way)."""
@@ -94,6 +94,84 @@ def test_compiled_the_step_generates_what_the_forward_does(tmp_path, native_kern
         got = compiled_generation(model, [prompt], n, report)
         assert report[-1].startswith(COMPILED), report
         assert got == generate(model, [prompt], n, temperature=0, stop_token=None, fast=OFF)
+
+
+STORED = """
+import sys, torch
+from gpt2port import GPT, GPTConfig
+from gpt2port.fast import OFF, Settings
+from gpt2port.generate import generate
+from tests.realistic import make_realistic_
+torch.set_num_threads(1)
+model = make_realistic_(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=200, n_positions=24)), seed=1).eval()
+report = []
+got = generate(model, [[3, 9, 27]], 12, temperature=0, stop_token=None, fast=Settings(compile=True), report=report)
+assert got == generate(model, [[3, 9, 27]], 12, temperature=0, stop_token=None, fast=OFF)
+print(report[-1])
+"""
+
+
+def test_a_compiled_step_is_stored_once_per_machine_and_loaded_by_a_later_process(native_kernels):
+    """The first process compiles the step into the per-machine cache, and says so on stderr; a second process of
+    the same model shape loads that package: no compile, the same tokens as the forward."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    import subprocess
+    import sys
+
+    from gpt2port.fast import native
+    from gpt2port.fast.package import ANNOUNCE
+    from tests.support import ROOT
+
+    steps = native.cache_dir() / "steps"
+    before = set(steps.glob("*.pt2")) if steps.is_dir() else set()
+    runs = [subprocess.run([sys.executable, "-c", STORED], cwd=ROOT, capture_output=True, text=True, timeout=600)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.strip().startswith(COMPILED), run.stdout
+    assert ANNOUNCE in runs[0].stderr and ANNOUNCE not in runs[1].stderr, (runs[0].stderr, runs[1].stderr)
+    assert len(set(steps.glob("*.pt2")) - before) == 1
+
+
+def test_an_int4_step_compiled_generates_what_int4_does(tmp_path, native_kernels):
+    """int4's one-row products (gpt2port::matvec_int4) are operators the compiled step calls as the forward does."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    from gpt2port.fast.int4 import from_pretrained, why_not
+
+    if why_not() is not None:
+        pytest.skip(f"no int4 kernel here: {why_not()}")
+    model_on().save_pretrained(tmp_path / "ckpt")
+    int4 = from_pretrained(tmp_path / "ckpt", "int4")
+    report = []
+    got = compiled_generation(int4, PROMPTS[:1], 16, report)
+    assert report[-1].startswith(COMPILED), report
+    assert got == generate(int4, PROMPTS[:1], 16, temperature=0, stop_token=None, fast=Settings())
+
+
+def test_a_loaded_step_serves_the_next_generation_until_the_model_changes(native_kernels, monkeypatch):
+    """Within a process the loaded package is kept for the model as it is (any model of the same code and shapes:
+    its tensors are handed over anew each time): a second generation exports nothing; an activation swapped in is
+    another model, exported (and compiled) anew, and generates what it computes."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    exports = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real(*a, **k))
+    model = model_on()
+    counts = []
+    for n in (6, 9):  # (the first may find the step loaded already, for an earlier test's model of this shape)
+        report = []
+        compiled_generation(model, PROMPTS[:1], n, report)
+        assert report[-1].startswith(COMPILED), report
+        counts.append(len(exports))
+    assert counts[0] <= 1 and counts[1] == counts[0], counts
+    model.blocks[1].mlp.act = lambda x: torch.tanh(x)  # a function of its own: no other test's model has it
+    report = []
+    got = compiled_generation(model, PROMPTS[:1], 12, report)
+    assert len(exports) == counts[1] + 1 and report[-1].startswith(COMPILED), (exports, report)
+    assert got == generate(model, PROMPTS[:1], 12, temperature=0, stop_token=None, fast=OFF)
 
 
 @pytest.mark.heavy  # a second compile

@@ -171,7 +171,7 @@ def test_a_broken_cached_library_is_built_again(tmp_path, monkeypatch):
 @needs_compiler
 def test_another_cpu_gets_a_build_of_its_own(tmp_path, monkeypatch):
     native.load(tmp_path, native.compiler())
-    monkeypatch.setattr(native, "_cpu_identity", lambda: "flags: none of the above")
+    monkeypatch.setattr(native, "cpu_identity", lambda: "flags: none of the above")
     runs = builds(monkeypatch)
     native.load(tmp_path, native.compiler())
     assert len(runs) == 1 and len(list(tmp_path.rglob(native.LIBRARY_NAME))) == 2

@@ -104,3 +104,79 @@ def test_a_wrong_backward_is_caught_though_the_logits_agree(tiny_ckpt, make_hf_r
     g = report.metrics["grads"]
     assert g["max_rel"] > 0.5 and g["worst"].startswith("blocks."), g  # the MLP and all it feeds back into
     assert model.blocks[0].mlp.fc.weight.grad is None  # the caller's model is left as it was
+
+
+class SavedFloat64:
+    """The float64 bytes autograd holds for backward at once (saved_tensors_hooks: counted when a tensor is saved,
+    released when the graph that saved it is freed), the peak per phase (the last progress message, numbers
+    dropped): deterministic, unlike RSS, which also holds the allocator's freed memory."""
+
+    class Held:
+        def __init__(self, t):
+            self.t = t
+
+    def __init__(self):
+        self.live, self.phase, self.peak = 0, "start", {}
+
+    def say(self, message: str) -> None:
+        self.phase = message
+        self.said.append(message)
+
+    def pack(self, t):
+        if t.dtype != torch.float64:
+            return t
+        import weakref
+
+        n = t.numel() * t.element_size()
+        self.live += n
+        self.peak[self.phase] = max(self.peak.get(self.phase, 0), self.live)
+        held = self.Held(t)
+        weakref.finalize(held, self._release, n)
+        return held
+
+    def _release(self, n: int) -> None:
+        self.live -= n
+
+    def unpack(self, held):
+        return held.t if isinstance(held, self.Held) else held
+
+    def run(self, fn, *args):
+        self.said = []
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            return fn(*args)
+
+
+def test_the_float64_references_gradients_are_taken_a_piece_at_a_time(tiny_ckpt, make_hf_repo, monkeypatch):
+    """`verify --grads --no-hf` fits small machines because the float64 reference never holds the graph of more than
+    one piece: one block's MLP half over ROWS positions or its attention half over one sequence, the head and loss
+    over ROWS positions; each block is said as it is done. The gradients are those of the whole (transformers')."""
+    from gpt2port.verification import grads64
+    from gpt2port.verification.grads import _ours
+    from gpt2port.verification.reference import Float64GPT2
+
+    monkeypatch.setattr(grads64, "ROWS", 16)
+    ids = ids_of(T=49)  # 2 x 48 positions: 6 slices of 16
+    config, loss_ours, grads = _ours(lambda: GPT.from_pretrained(tiny_ckpt), ids)
+    saved = SavedFloat64()
+    with Float64GPT2(make_hf_repo("hub")) as ref:
+        loss, max_rel, worst = saved.run(grads64.reference_gradients, ref, ids, config, dict(grads), saved.say)
+        n, vocab, x = config.n_layer, config.vocab_size, ids[:, :-1]
+        # what one whole block saves over one sequence, and the head and loss over all positions, at once
+        h = ref.files.get64("wte.weight")[x[:1]].requires_grad_()
+        w = {k: t.requires_grad_() for k, t in grads64._weights(ref, 0).items()}
+        whole_block = SavedFloat64()
+        whole_block.run(grads64._block, ref, h, w, 0)
+        one_sequence = whole_block.peak["start"]
+    whole_head = 2 * x.numel() * vocab * 8  # every position's log-softmax, saved by it and by the loss after it
+    assert f"gradients: float64 reference forward, block {n}/{n}" in saved.said
+    backward = [m for m in saved.said if "backward" in m]
+    assert backward == [f"gradients: float64 reference backward, block {i}/{n}" for i in range(n, 0, -1)]
+    for m in backward:
+        assert saved.peak[m] <= one_sequence, (m, saved.peak[m], one_sequence)  # a whole batch: twice as much
+    head = [m for m in saved.said if "head and loss" in m]
+    assert len(head) == x.numel() // 16
+    assert max(saved.peak[m] for m in head) <= 3 * 16 * vocab * 8 < whole_head / 2
+    assert saved.live == 0  # every graph freed
+    assert max_rel <= TOLERANCE and abs(loss - loss_ours) < 1e-6 * loss, (max_rel, worst, loss, loss_ours)
+    full = gradient_parity(lambda: GPT.from_pretrained(tiny_ckpt), make_hf_repo("hub"), ids)  # transformers
+    assert abs(loss - full["loss_hf"]) < 1e-6 * loss

@@ -1,0 +1,165 @@
+"""The CPU decode step compiled ahead of time (Settings(compile=True)): the model's forward for one token, exported
+by torch.export and compiled by AOTInductor into a package kept in gpt2port's per-machine cache (beside the kernels
+of fast.native, under steps/), so that a model shape is compiled once per machine and a later process loads it in
+about a second, with no dynamo tracing.
+
+What is exported is `Step`: the forward with the cache's keys and values as the module's buffers (so that export
+sees them as the state gpt2port::attend_one writes, not as constants) and the position a (1,) tensor. The package
+holds code, not weights (aot_inductor.package_constants_in_so off): the model's tensors and the cache's are handed
+to it as they are (user-managed constants), so nothing is copied and a package serves every checkpoint of its shape.
+Its name hashes the exported graph (an edit to model.py or to a layer is another graph, so another package), every
+tensor's shape and dtype, the thread count (Inductor's code fixes it), this PyTorch, the CPU and gpt2port's kernels.
+A process that finds the package exports the forward again (seconds at 124M) to know its name: what is loaded is
+always what the model computes now. Within a process, a loaded package is kept for the model as it is (its modules,
+their tensors, attributes and classes' functions, by identity) and handed the next cache, so a later generation
+neither exports nor loads again; any change to the model is another export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch._inductor  # AOTInductor's entry points (this module is imported only when a step is compiled)
+
+from gpt2port.fast import native
+
+ANNOUNCE = "gpt2port: compiling the decode step for this model shape ahead of time, once per machine " \
+           "(AOTInductor: ~30-60 s at 124M on 2 cores)"
+
+
+class Step(torch.nn.Module):
+    """GPT.forward for one token (ids (1, 1), pos (1,)) -> logits (1, 1, vocab), over `cache`, whose keys and values
+    are this module's buffers."""
+
+    def __init__(self, model, cache):
+        super().__init__()
+        self.model, self.cache = model, cache
+        self.register_buffer("k", cache.k, persistent=False)
+        self.register_buffer("v", cache.v, persistent=False)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.cache.k, self.cache.v = self.k, self.v  # while exported: the buffers export tracks (put back by load)
+        return self.model(ids, cache=self.cache, pos=pos, logits_to_keep=1)[0]
+
+
+# this process's loaded packages, by _identity() of the model and cache they served (with the objects that identity
+# names by id, kept alive so that no id is reused while it names a package)
+_LOADED: dict[tuple, tuple[object, list]] = {}
+
+
+def load(model, cache):
+    """The compiled step over `model` and `cache`: called with (ids (1, 1) int64, pos (1,) int64), it returns the
+    logits (1, 1, vocab) and writes the cache as the forward does. Compiled and stored first where this machine has
+    no package for it. Raises what export, the compiler or the loader raise, each meaning: not compiled."""
+    step = Step(model, cache)
+    held = dict(step.named_parameters(remove_duplicate=False))
+    held.update(step.named_buffers(remove_duplicate=False))
+    identity, named = _identity(model, cache)
+    if identity in _LOADED:  # the same model as it was: only the cache is new
+        runner = _LOADED[identity][0]
+        runner.load_constants({n: held[n] for n in runner.get_constant_fqns()}, check_full_update=True,
+                              user_managed=True)
+        return runner
+    keys, values = cache.k, cache.v
+    example = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    try:
+        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's notes are not for the user
+            exported = torch.export.export(step, example, strict=False)
+    finally:
+        cache.k, cache.v = keys, values
+    path = _packaged(exported, _name(exported, held))
+    try:
+        runner = torch._inductor.aoti_load_package(str(path))
+    except Exception:  # a broken or foreign file: gone, so that the next run compiles it again
+        path.unlink(missing_ok=True)
+        raise
+    names = runner.get_constant_fqns()
+    foreign = [n for n in names if n not in held]
+    if foreign:
+        raise RuntimeError(f"the exported step holds tensors that are not the model's or the cache's: {foreign[:3]}")
+    runner.load_constants({n: held[n] for n in names}, check_full_update=True, user_managed=True)
+    _LOADED[identity] = runner, named
+    return runner
+
+
+def _identity(model, cache) -> tuple[tuple, list]:
+    """(what the exported graph depends on, the objects it names): every module's class and attributes (a tensor
+    by its shape, strides and dtype, as its values are handed over anew each time; whatever is hashable by value,
+    which for a function is its identity; anything else by id), the functions of every class involved (model.py edited
+    and reloaded, or patched, is another function), the cache's class and shape, and the thread count."""
+    named: list = []
+
+    def value(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), v.stride(), v.dtype)
+        if isinstance(v, (list, set, frozenset)):  # by their elements (a set's in a fixed order)
+            items = tuple(value(e) for e in v)
+            return (type(v).__name__, tuple(sorted(items, key=repr)) if not isinstance(v, list) else items)
+        named.append(v)
+        try:  # by value where it has one (a number, a tuple, frozen settings; a function is its identity)
+            hash(v)
+            return ("value", type(v), v)
+        except TypeError:
+            return ("id", id(v))
+
+    parts: list = [torch.get_num_threads(), tuple(cache.k.shape), cache.k.dtype]
+    classes = {type(cache)}
+    for name, m in model.named_modules():
+        classes.add(type(m))
+        attrs = [(k, value(v)) for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")
+                 and not isinstance(v, dict)]
+        tensors = [(k, value(v)) for d in (m._parameters, m._buffers) for k, v in d.items()]
+        parts.append((name, type(m), tuple(sorted(attrs, key=str)), tuple(tensors), tuple(m._modules)))
+    for cls in sorted(classes, key=lambda c: c.__qualname__):
+        for klass in cls.__mro__:
+            parts.append((klass, tuple(sorted((k, value(v)) for k, v in vars(klass).items() if callable(v)))))
+    return tuple(parts), named
+
+
+def _name(exported, held: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(exported.graph_module.code.encode())
+    h.update(str(exported.graph_signature).encode())
+    for name in sorted(held):
+        t = held[name]
+        h.update(f"\0{name}:{tuple(t.shape)}:{t.stride()}:{t.dtype}".encode())
+    lib = native.kernels().lib
+    for part in (torch.__version__, str(torch.version.git_version), platform.machine(), native.cpu_identity(),
+                 str(torch.get_num_threads()), lib._name if lib is not None else ""):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()[:24]
+
+
+def _packaged(exported, name: str) -> Path:
+    """The package for `exported` in the cache, compiled there first (under the cache's lock, announced on stderr)
+    where it is not."""
+    directory = native.cache_dir() / "steps"
+    path = directory / f"{name}.pt2"
+    if path.is_file():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    with native.locked(directory / ".lock"):
+        if path.is_file():  # compiled by another process while this one waited
+            return path
+        print(ANNOUNCE, file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".pt2", dir=directory)
+        os.close(fd)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch._inductor.aoti_compile_and_package(
+                    exported, package_path=tmp, inductor_configs={"aot_inductor.package_constants_in_so": False})
+            os.replace(tmp, path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        print(f"gpt2port: decode step compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return path
