@@ -10,8 +10,9 @@ Each contender runs in a process of its own (so that its peak RSS is its own), t
 
 Decode: a 16-token prompt, 128 new tokens, the prompt's prefill included (as scripts/bench/generate.py measures), the
 best of --repeats runs. Prefill: 512 random tokens in one forward (llama.cpp: one batch of 512), the best of
---repeats. Peak RSS: the process's ru_maxrss after both. Weights: random GPT-2 weights of the size (the rates depend
-on the shapes, not the values). The load average is printed with each round: on a busy machine the rates mean little.
+--repeats. Peak RSS: the process's own high-water mark (VmHWM) after both. Weights: random GPT-2 weights of the size
+(the rates depend on the shapes, not the values). The load average is printed with each round: on a busy machine the
+rates mean little.
 
 Usage (from the repository root):
     python -m scripts.bench.int4_speed [--size gpt2] [--threads 2] [--rounds 3] [--repeats 3] [--workdir DIR]
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from scripts.bench.generate import prepare
+from scripts.bench.safetensors_read import _vm_hwm_kib
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 512
 CONTENDERS = ("gpt2port int4", "llama.cpp Q4_K_M", "gpt2port int4, compiled")
@@ -110,7 +111,8 @@ def child(args) -> None:
         result = run_int4(Path(args.ckpt), args.repeats, compiled=args.one == CONTENDERS[2])
     else:
         result = run_llama(Path(args.gguf), args.threads, args.repeats)
-    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, its own peak: ru_maxrss would start from the parent's high-water mark (kept across fork)
+    result["rss_mb"] = _vm_hwm_kib() / 1024
     print(json.dumps(result))
 
 
