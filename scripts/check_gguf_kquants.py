@@ -5,7 +5,8 @@
 Two checks, for each type and width:
   blocks: gpt2port's quantizer (gpt2port/formats/gguf_quants.py) against ggml's own (ggml_quantize_chunk, what
     llama-quantize calls) on a realistic-scale matrix of that width with hard rows added (zeros, constants, values
-    below ggml's 1e-15 group threshold, values on a grid that puts rounding on its ties, one sign only, an outlier):
+    below ggml's 1e-15 group threshold, values on a grid that puts rounding on its ties, one sign only, an outlier,
+    Q8_0's half-steps):
     the bytes equal?
   files: a realistic-scale GPT-2 of that width (n_layer --layers, the real vocabulary) exported as f32, quantized by
     llama-cpp-python's llama_model_quantize, and exported by gpt2port at that type: every tensor of the same GGML
@@ -76,6 +77,8 @@ def hard_matrix(rows: int, width: int, seed: int = 0) -> np.ndarray:
         -np.abs(rng.standard_normal(width)) * std,  # negative only
         np.where(np.arange(width) % 97 == 0, 40 * std, rng.standard_normal(width) * std),  # an outlier per group
         np.tile(np.repeat([1.0, -1.0], 16), width // 32) * std,  # two values per group
+        # exact half-steps of Q8_0's scale (a group's max / 127): roundf's ties, away from zero, not to even
+        np.tile(np.r_[127.0, np.arange(31) % 16 * 8 + 0.5], width // 32) * std / 64,
     ]
     for i, row in enumerate(hard[:rows]):
         x[i] = row

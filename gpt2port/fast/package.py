@@ -92,19 +92,24 @@ def load(model, cache):
 
 
 def _identity(model, cache) -> tuple[tuple, list]:
-    """(what the exported graph depends on, the objects it names by id): every module's class and attributes (a
-    tensor by its shape, strides and dtype, as its values are handed over anew each time; a number or string by
-    value; anything else, as an activation function, by id), the functions of every class involved (model.py edited
+    """(what the exported graph depends on, the objects it names): every module's class and attributes (a tensor
+    by its shape, strides and dtype, as its values are handed over anew each time; whatever is hashable by value,
+    which for a function is its identity; anything else by id), the functions of every class involved (model.py edited
     and reloaded, or patched, is another function), the cache's class and shape, and the thread count."""
     named: list = []
 
     def value(v):
         if isinstance(v, torch.Tensor):
             return ("tensor", tuple(v.shape), v.stride(), v.dtype)
-        if isinstance(v, (int, float, str, bool, type(None))):
-            return v
+        if isinstance(v, (list, set, frozenset)):  # by their elements (a set's in a fixed order)
+            items = tuple(value(e) for e in v)
+            return (type(v).__name__, tuple(sorted(items, key=repr)) if not isinstance(v, list) else items)
         named.append(v)
-        return ("id", id(v))
+        try:  # by value where it has one (a number, a tuple, frozen settings; a function is its identity)
+            hash(v)
+            return ("value", type(v), v)
+        except TypeError:
+            return ("id", id(v))
 
     parts: list = [torch.get_num_threads(), tuple(cache.k.shape), cache.k.dtype]
     classes = {type(cache)}

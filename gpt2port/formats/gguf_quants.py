@@ -3,12 +3,13 @@
 Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are ggml's `quantize_row_q{4_0,4_1,5_0,5_1,8_0}_ref`, and the K-quants Q4_K, Q5_K and
 Q6_K (which llama.cpp's `gguf` package can only read) its `quantize_row_q{4,5,6}_K_ref` (the path llama-quantize
 takes without an importance matrix), all vectorized across a chunk of blocks. (The `gguf` package's own ports of the
-first five are exact too, but run 16 blocks per numpy call: ~8x slower on a chunk.) Bytes decide equality, so every
-step keeps the C code's arithmetic: float32 throughout, each sum accumulated element by element in the C loop's order
-(`_sum`, never numpy's pairwise sum), products and sums rounded one at a time (the reference is built without FMA
-contraction), `nearest_int` as round-half-to-even (np.rint), ties in a search kept by the earlier candidate, and a
-(scale, min) search whose `min` moves inside the loop as ggml's `make_qkx2_quants` does. The proof is
-scripts/check_gguf_kquants.py and tests/formats/test_gguf_kquants.py, against llama-cpp-python's quantizer.
+first five are exact too, but group rows, not blocks: on the (n, 32) chunks here they run 16 blocks per numpy call.)
+Bytes decide equality, so every step keeps the C code's arithmetic: float32 throughout, each sum accumulated element
+by element in the C loop's order (`_sum`, never numpy's pairwise sum), products and sums rounded one at a time (the
+reference is built without FMA contraction), `nearest_int` as round-half-to-even (np.rint), ties in a search kept by
+the earlier candidate, and a (scale, min) search whose `min` moves inside the loop as ggml's `make_qkx2_quants` does.
+The proof is scripts/check_gguf_kquants.py and tests/formats/test_gguf_kquants.py, against llama-cpp-python's
+quantizer.
 
 Reading back is the `gguf` package's dequantizers (which compute as ggml's do), a chunk of blocks at a time.
 """

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-CHUNK = 256  # positions per step when comparing logits: bounds the float64 temporaries at 256 x vocab
+CHUNK = 64  # positions per step when comparing logits: a dozen float64 temporaries of 64 x vocab (26 MB each)
 
 
 def num(x) -> float:

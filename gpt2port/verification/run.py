@@ -130,7 +130,9 @@ def _manifest_reference(ckpt_dir: Path, manifest: dict) -> Path:
 def _verify(load_ours: Callable, label: str, reference, tokenizer_dirs: list[Path], tokens: int | None,
             progress: bool, known_answer: bool, use_hf: bool = True, weights_dtype=None,
             load_for_grads: Callable | None = None, events=()) -> VerifyReport:
-    say = StatusLine("verify", quiet=not progress, lines=True, tick=1.0)  # a terminal: a line; a log: step lines
+    # a terminal: a line; a log: step lines, and a long step's line again after 9 s (checked every 0.5 s): a log
+    # never goes 10 s without a line
+    say = StatusLine("verify", quiet=not progress, lines=True, tick=0.5, every=9.0)
     try:
         report = _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_hf, weights_dtype, say,
                       events)
@@ -231,14 +233,16 @@ def _run(load_ours, label, reference, tokenizer_dirs, tokens, known_answer, use_
     if owned:
         ref.close()
     local.streams = streams = None  # the captured residual streams (0.6 GB at gpt2-xl) are not needed past here
+    report.localization = local.result()
+    kv_cached = ours.kv_cached
+    # a model loaded here is freed before the logits are compared (beside both models' logits) and before HF
+    # loads; an in-memory caller still holds theirs
+    del ours, local
+    gc.collect()
     per_input = {}
     for inp, o, r in zip(inputs, ours_logits, ref_logits):
         per_input[inp.name] = {"ours_vs_f64": compare_logits(o, r, tol.logits_rel)}
     report.timings["reference"] = time.perf_counter() - t0
-    report.localization = local.result()
-    kv_cached = ours.kv_cached
-    del ours, local  # a model loaded here is freed before HF loads; an in-memory caller still holds theirs
-    gc.collect()
 
     # 3. HF transformers, same dtype
     t0 = time.perf_counter()

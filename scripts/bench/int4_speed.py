@@ -10,11 +10,13 @@ Each contender runs in a process of its own (so that its peak RSS is its own), t
 
 Decode: a 16-token prompt, 128 new tokens, the prompt's prefill included (as scripts/bench/generate.py measures), the
 best of --repeats runs. Prefill: 512 random tokens in one forward (llama.cpp: one batch of 512), the best of
---repeats. Peak RSS: the process's ru_maxrss after both. Weights: random GPT-2 weights of the size (the rates depend
-on the shapes, not the values). The load average is printed with each round: on a busy machine the rates mean little.
+--repeats. Peak RSS: the process's own high-water mark (VmHWM) after both. Weights: random GPT-2 weights of the size
+(the rates depend on the shapes, not the values). The load average is printed with each round: on a busy machine the
+rates mean little.
 
 Usage (from the repository root):
     python -m scripts.bench.int4_speed [--size gpt2] [--threads 2] [--rounds 3] [--repeats 3] [--workdir DIR]
+                                       [--compiled]
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,9 +34,10 @@ from pathlib import Path
 import torch
 
 from scripts.bench.generate import prepare
+from scripts.bench.safetensors_read import _vm_hwm_kib
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 512
-CONTENDERS = ("gpt2port int4", "llama.cpp Q4_K_M")
+CONTENDERS = ("gpt2port int4", "llama.cpp Q4_K_M", "gpt2port int4, compiled")
 
 
 def q4_k_m_file(ckpt: Path, work: Path, threads: int) -> Path:
@@ -56,7 +58,7 @@ def q4_k_m_file(ckpt: Path, work: Path, threads: int) -> Path:
     return out
 
 
-def run_int4(ckpt: Path, repeats: int) -> dict:
+def run_int4(ckpt: Path, repeats: int, compiled: bool = False) -> dict:
     from gpt2port.fast import Settings, accelerate
     from gpt2port.fast.int4 import from_pretrained
     from gpt2port.generate import steps
@@ -70,7 +72,7 @@ def run_int4(ckpt: Path, repeats: int) -> dict:
         for _ in range(repeats + 1):  # the first: warm-up (the trace is taken)
             t = time.perf_counter()
             tokens = [int(s[0]) for s in steps(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0,
-                                               stop_token=None)]
+                                               stop_token=None, fast=Settings(compile=compiled))]
             decode.append(len(tokens) / (time.perf_counter() - t))
             t = time.perf_counter()
             model(long, logits_to_keep=1)
@@ -105,11 +107,12 @@ def run_llama(gguf: Path, threads: int, repeats: int) -> dict:
 def child(args) -> None:
     """One contender in this process: its figures and peak RSS as one JSON line."""
     torch.set_num_threads(args.threads)
-    if args.one == CONTENDERS[0]:
-        result = run_int4(Path(args.ckpt), args.repeats)
+    if args.one != CONTENDERS[1]:
+        result = run_int4(Path(args.ckpt), args.repeats, compiled=args.one == CONTENDERS[2])
     else:
         result = run_llama(Path(args.gguf), args.threads, args.repeats)
-    result["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # VmHWM, its own peak: ru_maxrss would start from the parent's high-water mark (kept across fork)
+    result["rss_mb"] = _vm_hwm_kib() / 1024
     print(json.dumps(result))
 
 
@@ -120,6 +123,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and GGUF files here for reuse")
+    ap.add_argument("--compiled", action="store_true", help="also int4 with the step compiled ahead of time "
+                    "(GPT2PORT_COMPILE=1's path; its compile in the warm-up, outside the timing)")
     ap.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)  # the child's mode
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
@@ -130,10 +135,11 @@ def main() -> None:
         root = args.workdir or Path(tmp)
         _, ckpt = prepare(args.size, root)
         try:
-            gguf, names = q4_k_m_file(ckpt, root / f"{args.size}-q4_k_m", args.threads), CONTENDERS
+            gguf, names = q4_k_m_file(ckpt, root / f"{args.size}-q4_k_m", args.threads), CONTENDERS[:2]
         except ImportError:
             print("llama-cpp-python is not installed: gpt2port int4 alone", file=sys.stderr)
             gguf, names = "", CONTENDERS[:1]
+        names += CONTENDERS[2:] if args.compiled else ()
         results: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
@@ -149,10 +155,10 @@ def main() -> None:
         rounds = ", ".join(f"{x['decode']:.1f}" for x in rs)
         print(f"| {name} | {statistics.median(x['decode'] for x in rs):.1f} ({rounds}) | "
               f"{statistics.median(x['prefill'] for x in rs):.3f} | {max(x['rss_mb'] for x in rs):.0f} |")
-    if len(results) == 2:
-        ours, theirs = results.values()
-        print("int4 / Q4_K_M by round, decode: " + ", ".join(f"{a['decode'] / b['decode']:.2f}x" for a, b in
-                                                              zip(ours, theirs)))
+    theirs = results.get(CONTENDERS[1])
+    for name in (n for n in results if n != CONTENDERS[1] and theirs):
+        print(f"{name} / Q4_K_M by round, decode: " + ", ".join(f"{a['decode'] / b['decode']:.2f}x" for a, b in
+                                                                 zip(results[name], theirs)))
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def measure(cmd: list[str], period: float = 0.05, echo: bool = False) -> dict:
     lines: list[tuple[float, str]] = []
     out: list[bytes] = []
     samples: list[tuple[float, int]] = []
-    paused: list[float] = []  # the sample times at which the child was stopped
+    paused: list[float] = []  # times (one per period) at which the child, or this sampler with it, was stopped
     done = threading.Event()
 
     def read_err() -> None:
@@ -91,10 +91,15 @@ def measure(cmd: list[str], period: float = 0.05, echo: bool = False) -> dict:
                       file=sys.stderr, flush=True)
 
     def sample() -> None:
+        last = 0.0
         while not done.wait(period):
-            samples.append((time.perf_counter() - t0, tree_rss(child.pid)))
+            now = time.perf_counter() - t0
+            if now - last > 10 * period:  # this sampler was stopped too (a job stopping every process, as a timing
+                paused.extend(last + period * (k + 1) for k in range(int((now - last) / period) - 1))  # run does)
+            samples.append((now, tree_rss(child.pid)))
             if stopped(child.pid):
-                paused.append(samples[-1][0])
+                paused.append(now)
+            last = now
 
     threads = [threading.Thread(target=read_err, daemon=True), threading.Thread(target=sample, daemon=True),
                threading.Thread(target=lambda: out.append(child.stdout.read()), daemon=True)]
@@ -129,7 +134,7 @@ def summarize(cmd, code, wall, usage, samples, lines, stdout) -> dict:
 
 def gaps(lines: list[tuple[float, str]], wall: float, start: str | None = None, paused=(), period=0.05) -> dict:
     """The longest silence between stderr lines (from the first line containing `start`, if given, to the end),
-    less the time the child spent stopped (each sample found stopped counts one period)."""
+    less the time the child spent stopped (each period found stopped, or missed by a stopped sampler, counts)."""
     stamps = [(at, text) for at, text in lines]
     if start is not None:
         first = next((i for i, (_, text) in enumerate(stamps) if start in text), None)

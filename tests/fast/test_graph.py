@@ -150,6 +150,30 @@ def test_an_int4_step_compiled_generates_what_int4_does(tmp_path, native_kernels
     assert got == generate(int4, PROMPTS[:1], 16, temperature=0, stop_token=None, fast=Settings())
 
 
+def test_a_loaded_step_serves_the_next_generation_until_the_model_changes(native_kernels, monkeypatch):
+    """Within a process the loaded package is kept for the model as it is (any model of the same code and shapes:
+    its tensors are handed over anew each time): a second generation exports nothing; an activation swapped in is
+    another model, exported (and compiled) anew, and generates what it computes."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    exports = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real(*a, **k))
+    model = model_on()
+    counts = []
+    for n in (6, 9):  # (the first may find the step loaded already, for an earlier test's model of this shape)
+        report = []
+        compiled_generation(model, PROMPTS[:1], n, report)
+        assert report[-1].startswith(COMPILED), report
+        counts.append(len(exports))
+    assert counts[0] <= 1 and counts[1] == counts[0], counts
+    model.blocks[1].mlp.act = lambda x: torch.tanh(x)  # a function of its own: no other test's model has it
+    report = []
+    got = compiled_generation(model, PROMPTS[:1], 12, report)
+    assert len(exports) == counts[1] + 1 and report[-1].startswith(COMPILED), (exports, report)
+    assert got == generate(model, PROMPTS[:1], 12, temperature=0, stop_token=None, fast=OFF)
+
+
 @pytest.mark.heavy  # a second compile
 def test_a_compiled_step_is_compiled_again_once_the_model_changed(native_kernels):
     if not native_kernels.attend_one:

@@ -134,6 +134,20 @@ def test_logits_against_fp32_on_realistic_weights_every_path(ckpt):
 
 
 @pytest.mark.usefixtures("int4_kernel")
+def test_load_quantizes_in_chunks_of_rows_what_the_whole_matrix_gives(ckpt, monkeypatch):
+    from gpt2port.fast import int4
+
+    ref = GPT.from_pretrained(ckpt)
+    # 5 rows of 96 fp32 at a time (288 q/k/v rows: a remainder of 3), 1 row of the 384-wide projection
+    monkeypatch.setattr(int4, "CHUNK_BYTES", 5 * 96 * 4)
+    q = from_pretrained(ckpt, dtype="int4")
+    assert torch.equal(q.lm_head.weight, quantize(ref.lm_head.weight, 8))
+    for block, plain in zip(q.blocks, ref.blocks):
+        assert torch.equal(block.attn.qkv.weight, quantize(plain.attn.qkv.weight, 8))
+        assert torch.equal(block.mlp.proj.weight, quantize(plain.mlp.proj.weight, 4))
+
+
+@pytest.mark.usefixtures("int4_kernel")
 def test_generate_and_eval_take_int4(ckpt, tmp_path):
     r = CliRunner().invoke(main, ["generate", str(ckpt), "The dog", "-n", "6", "--dtype", "int4", "--seed", "0"])
     assert r.exit_code == 0, r.output

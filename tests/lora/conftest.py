@@ -19,3 +19,16 @@ def realistic_base(tmp_path_factory):
     _, ckpt = realistic_checkpoint(root, {**TINY, "n_layer": 3}, seed=7)
     export(ckpt, root / "hf-export", to="hf")
     return ckpt, root / "hf-export"
+
+
+@pytest.fixture(scope="session")
+def lora_run(realistic_base, corpus, tmp_path_factory):  # noqa: F811 - corpus: the fixture imported above
+    """The plain LoRA run (test_lora_cli.py's settings) that test_lora_cli, test_recompute and test_lora_held compare
+    with: made once (a fixture of each module, it was made three times)."""
+    from tests.lora.test_lora_cli import args
+    from tests.support import run_cli
+
+    out = tmp_path_factory.mktemp("lora-run") / "run"
+    r = run_cli("finetune", *args(realistic_base[0], corpus, out))
+    assert r.exit_code == 0, r.output
+    return out

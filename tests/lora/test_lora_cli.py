@@ -28,14 +28,6 @@ def args(ckpt, corpus, out, *more):
     return [ckpt, "--data", corpus, "--out", out, *RUN, *LORA, *more]
 
 
-@pytest.fixture(scope="module")
-def lora_run(realistic_base, corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("lora-run") / "run"
-    r = run_cli("finetune", *args(realistic_base[0], corpus, out))
-    assert r.exit_code == 0, r.output
-    return out
-
-
 def test_a_lora_run_leaves_a_merged_checkpoint_and_a_peft_adapter(lora_run, realistic_base):
     peft = pytest.importorskip("peft")
     from transformers import GPT2LMHeadModel

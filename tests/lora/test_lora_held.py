@@ -14,7 +14,7 @@ from gpt2port import GPT
 from gpt2port.lora import held
 from gpt2port.lora.peft import read_adapter
 from tests.lora.helpers import ALL, ids, lora_model, rel
-from tests.lora.test_lora_cli import args, lora_run  # noqa: F401 - the fp32 run, a fixture
+from tests.lora.test_lora_cli import args
 from tests.support import assert_valid_checkpoint, run_cli
 from tests.training.test_finetune import numbers, torchrun
 
@@ -83,7 +83,7 @@ def bf16_run(realistic_base, corpus, tmp_path_factory):
     return out
 
 
-def test_a_bf16_base_run_merges_into_the_fp32_checkpoint(bf16_run, lora_run, realistic_base):  # noqa: F811
+def test_a_bf16_base_run_merges_into_the_fp32_checkpoint(bf16_run, lora_run, realistic_base):
     ckpt, out = realistic_base[0], bf16_run
     assert_valid_checkpoint(out)
     record = json.loads((out / "manifest.json").read_text())["saves"][-1]["finetune"]

@@ -16,7 +16,7 @@ from gpt2port import GPT
 from gpt2port.lora import held
 from gpt2port.training import recompute
 from tests.lora.helpers import ALL, ids, lora_model
-from tests.lora.test_lora_cli import args, lora_run  # noqa: F401 - the plain LoRA run, a fixture
+from tests.lora.test_lora_cli import args
 from tests.support import assert_clean_failure, assert_valid_checkpoint, run_cli
 from tests.training.test_finetune import numbers, stopped_run, torchrun
 
@@ -68,7 +68,7 @@ def test_recomputed_blocks_give_the_same_loss_and_gradients_bit_for_bit(realisti
         assert torch.equal(grads2[k], g), k
 
 
-def test_a_run_with_checkpointing_leaves_the_same_checkpoint_and_adapter(lora_run, realistic_base,  # noqa: F811
+def test_a_run_with_checkpointing_leaves_the_same_checkpoint_and_adapter(lora_run, realistic_base,
                                                                           corpus, tmp_path):
     out = tmp_path / "run"
     r = run_cli("finetune", *[a for a in args(realistic_base[0], corpus, out) if a != "--quiet"],
@@ -97,7 +97,7 @@ def test_a_full_fine_tune_with_checkpointing_learns_the_same(realistic_base, cor
     assert (runs["plain"] / "model.safetensors").read_bytes() == (runs["recomputed"] / "model.safetensors").read_bytes()
 
 
-def test_resume_keeps_checkpointing_and_a_state_from_before_it_resumes_without(lora_run,  # noqa: F811
+def test_resume_keeps_checkpointing_and_a_state_from_before_it_resumes_without(lora_run,
                                                                                realistic_base, corpus, tmp_path):
     for name, edit in (("kept", None), ("older", "checkpoint_activations")):
         out = tmp_path / name
@@ -157,7 +157,7 @@ def test_a_saved_state_with_a_bad_checkpointing_value_is_refused_in_one_line(rea
 @pytest.mark.rehearsal  # dist.build attaches the recomputation before it wraps or shards, in every mode: by default
 # the one-process run with it above, and the torchrun tests of test_finetune.py and test_lora_cli.py
 @pytest.mark.parametrize("fsdp", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
-def test_torchrun_with_checkpointing_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path,  # noqa: F811
+def test_torchrun_with_checkpointing_trains_as_one_process(lora_run, realistic_base, corpus, tmp_path,
                                                           fsdp):
     out = tmp_path / "run"
     torchrun(*args(realistic_base[0], corpus, out, "--checkpoint-activations", *fsdp))
