@@ -3,15 +3,15 @@ well under a second): the model's own forward for one token, with gpt2port's ker
 packaged once, then loaded in a fresh process with the model's weights and the cache handed over as user-managed
 constants (no copy of them in the package), its logits compared with the forward as it is, its step timed beside it.
 
-Nothing here is used by gpt2port; it measures the route before it is built (docs/performance.md):
+Nothing here is used by gpt2port; it measured the route before it was built (docs/performance.md):
   package   seconds to export and package (Inductor's C++ compile included), in this process
-  load      seconds to import torch._inductor, then to load the package and hand it the weights, in a new process
-            (what a cached start would pay: dynamo is not involved)
+  load      seconds to load the package and hand it the weights, in a new process (what a cached start pays on top
+            of importing Inductor's loader, which gpt2port.fast.package imports; dynamo is not involved)
   agree     the largest |logit difference| over --steps steps from an empty cache, against the forward as it is
   step      ms per step, packaged and as it is, alternating in one process
 
-The cache's tensors are made buffers of the exported module and the cache object reads those while it is traced:
-export sees the keys and values as state the step mutates (gpt2port::attend_one writes them) rather than constants.
+The exported module is gpt2port.fast.package's Step (the cache's tensors its buffers, so that export sees the keys
+and values as state the step mutates); this script times its parts apart, in fresh processes.
 
 Usage (from the repository root):
     python -m scripts.bench.aoti_probe [--ckpt DIR] [--threads 2] [--steps 8] [--repeats 50]
@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from gpt2port.fast.package import Step  # what Settings(compile=True) exports
+
 TOKENS = [3, 7, 11, 5, 2, 9, 4, 8, 1, 6, 10, 12]
 
 
@@ -48,20 +50,6 @@ def _model_and_cache(ckpt: str | None):
     model = accelerate(model, Settings())
     cache, how = new_cache(model.config, 1, model.config.n_positions, torch.float32, "cpu", None, Settings())
     return model, cache, how
-
-
-class Step(torch.nn.Module):
-    """The forward for one token at a position given as a (1,) tensor; the cache's tensors are this module's buffers."""
-
-    def __init__(self, model, cache):
-        super().__init__()
-        self.model, self.cache = model, cache
-        self.register_buffer("k", cache.k, persistent=False)
-        self.register_buffer("v", cache.v, persistent=False)
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        self.cache.k, self.cache.v = self.k, self.v  # while traced: the buffers export tracks
-        return self.model(ids, cache=self.cache, pos=pos, logits_to_keep=1)[0]
 
 
 def constants(step: Step, names: list[str]) -> dict[str, torch.Tensor]:
@@ -90,10 +78,6 @@ def run(ckpt: str | None, path: str, steps: int, repeats: int) -> dict:
     model, cache, _ = _model_and_cache(ckpt)
     step = Step(model, cache)
     t = time.perf_counter()
-    import torch._inductor  # timed apart: what loading a package first imports
-
-    import_s = time.perf_counter() - t
-    t = time.perf_counter()
     runner = torch._inductor.aoti_load_package(path)
     runner.load_constants(constants(step, runner.get_constant_fqns()), check_full_update=True, user_managed=True)
     load_s = time.perf_counter() - t
@@ -115,7 +99,7 @@ def run(ckpt: str | None, path: str, steps: int, repeats: int) -> dict:
             model(ids[0], cache=cache, pos=steps, logits_to_keep=1)
             times["as it is"].append(time.perf_counter() - t)
     ms = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
-    return {"import_s": import_s, "load_s": load_s, "max_abs_diff": agree, "logit_scale": scale, "step_ms": ms,
+    return {"load_s": load_s, "max_abs_diff": agree, "logit_scale": scale, "step_ms": ms,
             "load_average": os.getloadavg()[0]}
 
 
