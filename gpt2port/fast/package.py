@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -53,9 +54,27 @@ class Step(torch.nn.Module):
 # this process's loaded packages, by _identity() of the model and cache they served (with the objects that identity
 # names by id, kept alive so that no id is reused while it names a package)
 _LOADED: dict[tuple, tuple[object, list]] = {}
+# which Bound each loaded package holds the tensors of now (weakly: a finished generation's cache is not kept alive)
+_BOUND: dict[int, weakref.ref] = {}
 
 
-def load(model, cache):
+class Bound:
+    """A loaded package over one model's and one cache's tensors. Generations of the same model share the package;
+    each call hands it this one's tensors first where another generation's were handed it since (two generators
+    interleaved each keep their own cache)."""
+
+    def __init__(self, runner, tensors: dict[str, torch.Tensor]):
+        self.runner, self.tensors = runner, tensors
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        bound = _BOUND.get(id(self.runner))
+        if bound is None or bound() is not self:
+            self.runner.load_constants(self.tensors, check_full_update=True, user_managed=True)
+            _BOUND[id(self.runner)] = weakref.ref(self)
+        return self.runner(ids, pos)
+
+
+def load(model, cache) -> Bound:
     """The compiled step over `model` and `cache`: called with (ids (1, 1) int64, pos (1,) int64), it returns the
     logits (1, 1, vocab) and writes the cache as the forward does. Compiled and stored first where this machine has
     no package for it. Raises what export, the compiler or the loader raise, each meaning: not compiled."""
@@ -65,9 +84,7 @@ def load(model, cache):
     identity, named = _identity(model, cache)
     if identity in _LOADED:  # the same model as it was: only the cache is new
         runner = _LOADED[identity][0]
-        runner.load_constants({n: held[n] for n in runner.get_constant_fqns()}, check_full_update=True,
-                              user_managed=True)
-        return runner
+        return Bound(runner, {n: held[n] for n in runner.get_constant_fqns()})
     keys, values = cache.k, cache.v
     example = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     try:
@@ -86,9 +103,8 @@ def load(model, cache):
     foreign = [n for n in names if n not in held]
     if foreign:
         raise RuntimeError(f"the exported step holds tensors that are not the model's or the cache's: {foreign[:3]}")
-    runner.load_constants({n: held[n] for n in names}, check_full_update=True, user_managed=True)
     _LOADED[identity] = runner, named
-    return runner
+    return Bound(runner, {n: held[n] for n in names})
 
 
 def _identity(model, cache) -> tuple[tuple, list]:

@@ -174,6 +174,28 @@ def test_a_loaded_step_serves_the_next_generation_until_the_model_changes(native
     assert got == generate(model, PROMPTS[:1], 12, temperature=0, stop_token=None, fast=OFF)
 
 
+def test_two_generations_interleaved_each_keep_their_own_cache(native_kernels):
+    """Two generators of one model share its loaded step; each call hands it the caller's cache, so stepping them
+    in turn gives each what it gives alone, compiled throughout (a step run over the other's cache would disagree
+    with the forward at a checked step, and decline)."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    from gpt2port.generate import steps
+
+    model = model_on()
+    prompts, reports = (PROMPTS[0], PROMPTS[2]), ([], [])
+    runs = [steps(model, [p], 12, temperature=0, stop_token=None, fast=Settings(compile=True), report=r)
+            for p, r in zip(prompts, reports)]
+    got = [[], []]
+    for a, b in zip(*runs):
+        got[0].append(int(a[0]))
+        got[1].append(int(b[0]))
+    assert [list(run) for run in runs] == [[], []]  # both ended: each said what its steps ran on
+    for prompt, tokens, report in zip(prompts, got, reports):
+        assert report[-1].startswith(COMPILED), report
+        assert tokens == generate(model, [prompt], 12, temperature=0, stop_token=None, fast=OFF)[0]
+
+
 @pytest.mark.heavy  # a second compile
 def test_a_compiled_step_is_compiled_again_once_the_model_changed(native_kernels):
     if not native_kernels.attend_one:
