@@ -22,6 +22,8 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 _NATIVE_CACHE = tempfile.mkdtemp(prefix="gpt2port-native-")
 atexit.register(shutil.rmtree, _NATIVE_CACHE, True)
 os.environ["GPT2PORT_NATIVE_CACHE"] = _NATIVE_CACHE
+# Inductor's own cache (torch.compile, the step compiled ahead of time) inside it: not left in the temp directory
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_NATIVE_CACHE, "inductor")
 
 TINY = hf_fixtures.TINY
 
