@@ -40,7 +40,7 @@ from gpt2port.model import GPT
 from gpt2port.registry import GGUF_QUANTS
 from gpt2port.targets.gguf import FILE_NAME, storage_type
 from gpt2port.targets.llmc import TEXT
-from scripts.bench.int8_error import llama_logits
+from scripts import llamacpp
 
 Q = gguf.GGMLQuantizationType
 
@@ -70,21 +70,13 @@ def dequantized(ckpt: Path, dtype: str) -> GPT:
     return model
 
 
-def llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return llama_cpp
-
-
 def measure(ckpt: Path, types: list[str], work: Path, tokens: int = 320, progress=None) -> list[dict]:
     """A row per type: file size (mb), bits per weight (bpw), (KL, top-1) of gpt2port's dequantized weights (ours)
     and of llama.cpp running the file (llama: None without llama-cpp-python)."""
     ids = torch.tensor([checkpoint.load_tokenizer(ckpt).encode(TEXT)[:tokens]])
     with torch.no_grad():
         ref = GPT.from_pretrained(ckpt, dtype="fp32")(ids)[0][0]
-    lib = llama_cpp()
+    lib = llamacpp.library()
     rows = []
     for dtype in types:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -99,7 +91,7 @@ def measure(ckpt: Path, types: list[str], work: Path, tokens: int = 320, progres
         path = out / FILE_NAME
         tensors = gguf.GGUFReader(path).tensors
         bpw = 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
-        theirs = llama_logits(lib, path, ids) if lib else None
+        theirs = torch.from_numpy(llamacpp.logits(path, ids, one_at_a_time=True)) if lib else None
         rows.append({"type": dtype, "mb": path.stat().st_size / 1e6, "bpw": bpw, "ours": metrics(ours, ref),
                      "llama": metrics(theirs, ref) if theirs is not None else None, "s": time.perf_counter() - t0,
                      "cpu_s": time.process_time() - c0})
@@ -133,7 +125,7 @@ def main() -> None:
     ckpt = built(args.ckpt, args.build, args.seed) if args.build else args.ckpt
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {ckpt}, {args.tokens} tokens, "
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}, llama-cpp-python "
-          f"{getattr(llama_cpp(), '__version__', '-')}", flush=True)
+          f"{getattr(llamacpp.library(), '__version__', '-')}", flush=True)
     print("| type | file MB | bits/weight | KL gpt2port | top-1 gpt2port | KL llama.cpp | top-1 llama.cpp |")
     print("|---|---:|---:|---:|---:|---:|---:|")
 
