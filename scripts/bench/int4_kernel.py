@@ -27,7 +27,7 @@ import torch
 
 from gpt2port.config import GPTConfig, canonical_name
 from gpt2port.fast import native
-from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES
+from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES, bits_for
 from scripts import ROOT
 
 FILES = ("gpt2port/fast/int4.c", "gpt2port/fast/vectors.h")
@@ -59,13 +59,15 @@ def row_width(dll: ctypes.CDLL, k: int, bits: int) -> int:
     return fn(k, bits)
 
 
-def step(config: GPTConfig) -> list[tuple[str, int, int, int]]:
-    """(kind, out, in, bits) of one decode step's products, in order (gpt2port.fast.int4: 8-bit q/k/v and head)."""
+def step(config: GPTConfig, wide: int | None = None) -> list[tuple[str, int, int, int]]:
+    """(kind, out, in, bits) of one decode step's products, in order, at gpt2port.quant4's code widths (`wide`: the
+    q/k/v and head's instead, for a version of int4.c from before them)."""
     d, out = config.n_embd, []
+    bits = {kind: wide or bits_for(name) for kind, name in (("qkv", "attn.qkv"), ("head", "lm_head"))}
     for _ in range(config.n_layer):
-        out += [("qkv", 3 * d, d, 8), ("attn.proj", d, d, 4),
-                ("fc", 4 * d, d, 4), ("mlp.proj", d, 4 * d, 4)]
-    return out + [("head", config.vocab_size, d, 8)]
+        out += [("qkv", 3 * d, d, bits["qkv"]), ("attn.proj", d, d, bits_for("attn.proj")),
+                ("fc", 4 * d, d, bits_for("mlp.fc")), ("mlp.proj", d, 4 * d, bits_for("mlp.proj"))]
+    return out + [("head", config.vocab_size, d, bits["head"])]
 
 
 def pack(dll: ctypes.CDLL, shapes, seed: int = 0) -> dict[tuple[int, int, int], torch.Tensor]:
@@ -100,23 +102,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--copies", type=int, default=4)
+    ap.add_argument("--against-bits", type=int, default=None, help="the baseline's q/k/v and head code width (8 for "
+                    "an int4.c from before 6-bit codes; default: the working tree's)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     config = GPTConfig.preset(canonical_name(args.size))
-    shapes = step(config)
+    shapes = {"working tree": step(config), args.against: step(config, args.against_bits)}
     clock = time.process_time if args.threads == 1 else time.perf_counter
     trees = {"working tree": {f: (ROOT / f).read_bytes() for f in FILES},
              args.against: {f: subprocess.run(["git", "show", f"{args.against}:{f}"], cwd=ROOT, check=True,
                                               capture_output=True).stdout for f in FILES}}
     g = torch.Generator().manual_seed(1)
-    x = {k: torch.randn(k, generator=g) for _, _, k, _ in shapes}
-    y = torch.empty(max(n for _, n, _, _ in shapes))
+    x = {k: torch.randn(k, generator=g) for _, _, k, _ in shapes["working tree"]}
+    y = torch.empty(max(n for _, n, _, _ in shapes["working tree"]))
     with tempfile.TemporaryDirectory(prefix="int4-kernel-") as tmp:
         versions = {}
         for i, (name, sources) in enumerate(trees.items()):
             dll = build(sources, Path(tmp) / str(i))
-            one = pack(dll, shapes)
-            copies = [[one[n, k, b].clone() for _, n, k, b in shapes] for _ in range(args.copies)]
+            one = pack(dll, shapes[name])
+            copies = [[one[n, k, b].clone() for _, n, k, b in shapes[name]] for _ in range(args.copies)]
             versions[name] = (dll, one, copies)
         step_mb = sum(p.numel() for p in versions[args.against][2][0]) / 1e6
         cold = {name: [] for name in versions}
@@ -124,8 +128,8 @@ def main() -> None:
         for r in range(args.rounds):
             for name in list(versions) if r % 2 == 0 else list(versions)[::-1]:
                 dll, one, copies = versions[name]
-                cold[name].append(run(dll, copies[r % args.copies], shapes, x, y, args.threads, clock))
-                for (kind, n, k, b) in dict.fromkeys(shapes):
+                cold[name].append(run(dll, copies[r % args.copies], shapes[name], x, y, args.threads, clock))
+                for (kind, n, k, b) in dict.fromkeys(shapes[name]):
                     repeat = max(1, 20_000_000 // (n * k))
                     t = clock()
                     for _ in range(repeat):
@@ -134,7 +138,7 @@ def main() -> None:
                     per = (clock() - t) / repeat
                     hot[name][kind] = min(hot[name].get(kind, math.inf), per)
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    kinds = list(dict.fromkeys(kind for kind, *_ in shapes))
+    kinds = list(dict.fromkeys(kind for kind, *_ in shapes[args.against]))
     print(f"{args.size}, {args.threads} thread(s), {'CPU' if args.threads == 1 else 'wall'} time, best of "
           f"{args.rounds} rounds; step {step_mb:.1f} MB in {args.against}'s layout; load average {load}")
     print("| int4.c | " + " | ".join(f"cold {k} ms" for k in kinds) + " | cold step ms | step GB/s | " +
@@ -143,7 +147,7 @@ def main() -> None:
     for name in versions:
         best = {k: min(c[k] for c in cold[name]) for k in [*kinds, "step"]}
         nbytes = sum(p.numel() for p in versions[name][2][0])
-        print(f"| {name} | " + " | ".join(f"{best[k] * 1e3:.2f}" for k in kinds) +
+        print(f"| {name} ({nbytes / 1e6:.1f} MB) | " + " | ".join(f"{best[k] * 1e3:.2f}" for k in kinds) +
               f" | {best['step'] * 1e3:.2f} | {nbytes / best['step'] / 1e9:.1f} | " +
               " | ".join(f"{hot[name][k] * 1e6:.1f}" for k in kinds) + " |")
 
