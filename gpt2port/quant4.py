@@ -43,7 +43,7 @@ def padded(k: int) -> int:
 
 
 def row_bytes(k: int, bits: int = 4) -> int:
-    """Bytes of one packed row of k numbers: `bits`-bit codes (4, 5, 6 or 8), then scales, then minimums (int4.c's
+    """Bytes of one packed row of k numbers: `bits`-bit codes (4, 6 or 8), then scales, then minimums (int4.c's
     layout)."""
     return padded(k) * bits // 8 + 4 * (padded(k) // GROUP)
 
@@ -56,7 +56,7 @@ def bits_for(name: str) -> int:
 
 
 def bits_of(packed: torch.Tensor, k: int) -> int:
-    """The code width of packed rows of k numbers, as their byte count says: 4, 5, 6 or 8."""
+    """The code width of packed rows of k numbers, as their byte count says: 4, 6 or 8."""
     return (packed.size(-1) - 4 * (padded(k) // GROUP)) * 8 // padded(k)
 
 
@@ -72,10 +72,10 @@ def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
     else:
         nibbles = groups[..., :16].int()
         codes = torch.cat((nibbles & 15, nibbles >> 4), dim=2)  # (rows, G, 32): low nibbles first
-        for p in range(bits - 4):  # bit p of the plane's 32-bit little-endian word: bit 4 + p of element i
-            plane = groups[..., 16 + 4 * p : 20 + 4 * p].int()
-            word = plane[..., 0] | plane[..., 1] << 8 | plane[..., 2] << 16 | plane[..., 3] << 24
-            codes |= ((word[..., None] >> torch.arange(GROUP)) & 1) << (4 + p)
+        if bits == 6:  # byte j's bits 2m, 2m + 1: the high bits of element j + 8m
+            crumbs = groups[..., 16:24].int()
+            high = torch.stack([(crumbs >> 2 * m) & 3 for m in range(4)], dim=2)  # (rows, G, 4, 8): element 8m + j
+            codes |= high.flatten(2) << 4
     halves = flat[:, Kp * bits // 8 :].contiguous().view(torch.float16).float().view(-1, 2, G)
     w = codes.float() * halves[:, 0, :, None] + halves[:, 1, :, None]
     return w.reshape(*lead, Kp)[..., :k]

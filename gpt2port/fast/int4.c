@@ -1,12 +1,13 @@
-/* Weights of 4, 5, 6 or 8 bits, group-wise (gpt2port/quant4.py): one row times a weight, y[n] = W[n, k] . x[k]
+/* Weights of 4, 6 or 8 bits, group-wise (gpt2port/quant4.py): one row times a weight, y[n] = W[n, k] . x[k]
  * (+ b[n]), and a block of rows dequantized to fp32 (for products of many rows, which a GEMM does better).
  *
  * A packed row of k numbers (k a multiple of GROUP) is its codes, 4 * bits bytes per group, then k / GROUP fp16
  * scales, then k / GROUP fp16 minimums: w[GROUP g + i] = code * scale[g] + min[g]. 8-bit codes are one byte each.
  * Narrower codes keep their low four bits as nibbles, byte i of a group holding element i in its low nibble and
- * element i + 16 in its high one (so that one vector of bytes widens into the group's two halves); a 5- or 6-bit
- * code's higher bits follow as one or two 32-bit little-endian planes, bit i of plane p being bit 4 + p of element
- * i (one mask register each with AVX-512). The width of a row says which: k * bits / 8 + k / 8 bytes.
+ * element i + 16 in its high one (so that one vector of bytes widens into the group's two halves); a 6-bit code's
+ * two higher bits follow in 8 bytes, byte j holding those of elements j, j + 8, j + 16, j + 24 from its low bits up
+ * (one byte per lane after a shift that depends only on the lane). The width of a row says which: k * bits / 8 + k /
+ * 8 bytes, bits 4, 6 or 8.
  *
  * The product is taken as y = sum_g scale[g] (codes_g . x_g) + sum_g min[g] (sum of x_g): the codes widened to fp32
  * (exactly), multiplied by x in fp32, the group's partial sums scaled as vectors, so the result is the fp32 product
@@ -15,8 +16,9 @@
  * slice of x loaded once for the four), each run prefetched AHEAD bytes ahead: without it a step's products (107 MB
  * at 124M, none in cache) ran at half of what one core reads, the 8-bit rows most (scripts/bench/int4_kernel.py).
  * With AVX-512, nibbles become floats by a lookup in {0, ..., 15} (vpermps reads an index's low four bits, so the
- * low nibble needs no mask and no conversion) and each higher bit is a masked add of 16 or 32: fewer instructions
- * per group where the narrow rows are bound by them. Written in the vector extension of GCC and Clang: with
+ * low nibble needs no mask and no conversion), and a 6-bit code's high bits by a lookup in {0, 16, 32, 48}: fewer
+ * instructions per group where the narrow rows are bound by them (a masked add per bit, bit planes, took 1.6x the
+ * time of 8-bit codes in cache). Written in the vector extension of GCC and Clang: with
  * -march=native the compiler maps it onto AVX-512, AVX2 or NEON, without it onto SSE; every row's sum is formed in
  * the same order whatever the thread count.
  */
@@ -102,19 +104,25 @@ static inline float row_setup(const uint8_t *row, const float *sums, float *scal
     return offset;
 }
 
-/* One group's codes (`bits` < 8) as two vectors of integers: elements 0..15 and 16..31. */
+/* A 6-bit group's high bits: 8 bytes, byte j holding element j + 8 m's two bits at bits 2 m, 2 m + 1 (m = 0..3).
+ * Read twice into 16 lanes (lane i: byte i % 8), then shifted per lane, each lane's low two bits are element i's
+ * (shift 0 or 2) or element i + 16's (4 or 6). */
+static const int_vec CRUMB_LO = {0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2};
+static const int_vec CRUMB_HI = {4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6};
+
+/* One group's codes (4 or 6 bits) as two vectors of integers: elements 0..15 and 16..31. */
 static inline __attribute__((always_inline)) void narrow_codes(const uint8_t *codes, int bits, int_vec *lo,
                                                                int_vec *hi) {
     int_vec v = widen_bytes(codes);
     *lo = v & 15;
     *hi = v >> 4;
-    for (int p = 0; p < bits - 4; p++) {
-        const int_vec bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
-        uint32_t plane;
-        memcpy(&plane, codes + 16 + 4 * p, 4);
-        int_vec low = (int_vec){0} + (int32_t)(plane & 0xffff), high = (int_vec){0} + (int32_t)(plane >> 16);
-        *lo |= ((low & bit) != 0) & (16 << p);
-        *hi |= ((high & bit) != 0) & (16 << p);
+    if (bits == 6) {
+        uint8_t twice[16];
+        memcpy(twice, codes + 16, 8);
+        memcpy(twice + 8, codes + 16, 8);
+        int_vec c = widen_bytes(twice);
+        *lo |= ((c >> CRUMB_LO) & 3) << 4;
+        *hi |= ((c >> CRUMB_HI) & 3) << 4;
     }
 }
 
@@ -124,15 +132,16 @@ static inline __attribute__((always_inline)) vec group_dot(const uint8_t *codes,
         return __builtin_convertvector(widen_bytes(codes), vec) * x_lo +
                __builtin_convertvector(widen_bytes(codes + 16), vec) * x_hi;
 #ifdef __AVX512F__
+    /* vpermps reads an index's low four bits: the nibbles need no mask, the high bits' lookup ignores bits 2, 3 */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
     __m512 lo = _mm512_permutexvar_ps(b, iota), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), iota);
-    for (int p = 0; p < bits - 4; p++) {
-        uint32_t plane;
-        memcpy(&plane, codes + 16 + 4 * p, 4);
-        const __m512 add = _mm512_set1_ps((float)(16 << p));
-        lo = _mm512_mask_add_ps(lo, (__mmask16)plane, lo, add);
-        hi = _mm512_mask_add_ps(hi, (__mmask16)(plane >> 16), hi, add);
+    if (bits == 6) {
+        const __m512 high = _mm512_setr_ps(0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48);
+        __m128i c8 = _mm_loadl_epi64((const __m128i *)(codes + 16));
+        __m512i c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(c8, c8));
+        lo = _mm512_add_ps(lo, _mm512_permutexvar_ps(_mm512_srlv_epi32(c, (__m512i)CRUMB_LO), high));
+        hi = _mm512_add_ps(hi, _mm512_permutexvar_ps(_mm512_srlv_epi32(c, (__m512i)CRUMB_HI), high));
     }
     return (vec)lo * x_lo + (vec)hi * x_hi;
 #else
@@ -198,11 +207,10 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const f
         rows(P, x, sums, b, y, r0, r1, k, scratch, bits);                                                             \
     }
 ROWS(4)
-ROWS(5)
 ROWS(6)
 ROWS(8)
 
-/* P (n, k * bits / 8 + k / 8) packed rows of `bits`-bit codes (4, 5, 6 or 8), x (k), b (n) or NULL, y (n); k a
+/* P (n, k * bits / 8 + k / 8) packed rows of `bits`-bit codes (4, 6 or 8), x (k), b (n) or NULL, y (n); k a
  * multiple of GROUP. 0, or -1 where memory for the scratch could not be had (nothing written). */
 int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads) {
@@ -219,7 +227,7 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t per = (n + T - 1) / T, r0 = t * per, r1 = r0 + per < n ? r0 + per : n;
         void (*run)(const uint8_t *, const float *, const float *, const float *, float *, int64_t, int64_t, int64_t,
-                    float *) = bits == 8 ? rows8 : bits == 6 ? rows6 : bits == 5 ? rows5 : rows4;
+                    float *) = bits == 8 ? rows8 : bits == 6 ? rows6 : rows4;
         if (r0 < r1) run(P, x, sums, b, y, r0, r1, k, sums + groups * (1 + STREAMS * t));
     }
     free(sums);
@@ -311,7 +319,7 @@ static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t 
     }
 }
 
-/* W (n, k) fp32, k a multiple of GROUP -> P packed rows of `bits` (4, 5, 6 or 8) codes; `candidates` scales each side
+/* W (n, k) fp32, k a multiple of GROUP -> P packed rows of `bits` (4, 6 or 8) codes; `candidates` scales each side
  * of the range's, `step` apart (in units of one code). */
 void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, int bits, int candidates, float step,
                             int threads) {
@@ -325,11 +333,10 @@ void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, in
             uint8_t *at = row + g * 4 * bits;
             if (bits == 8) memcpy(at, codes, GROUP);
             else for (int i = 0; i < 16; i++) at[i] = (uint8_t)((codes[i] & 15) | (codes[i + 16] & 15) << 4);
-            for (int p = 0; p < bits - 4 && bits < 8; p++) {
-                uint32_t plane = 0;
-                for (int i = 0; i < GROUP; i++) plane |= (uint32_t)((codes[i] >> (4 + p)) & 1) << i;
-                memcpy(at + 16 + 4 * p, &plane, 4);
-            }
+            if (bits == 6)
+                for (int j = 0; j < 8; j++)
+                    at[16 + j] = (uint8_t)(codes[j] >> 4 | (codes[j + 8] >> 4) << 2 | (codes[j + 16] >> 4) << 4 |
+                                           (codes[j + 24] >> 4) << 6);
             memcpy(row + codes_bytes + 2 * g, &s, 2);
             memcpy(row + codes_bytes + 2 * (groups + g), &m, 2);
         }

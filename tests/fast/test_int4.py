@@ -64,7 +64,7 @@ def minmax_error(w: torch.Tensor, levels: int = 15) -> float:
 
 
 @pytest.mark.usefixtures("int4_kernel")
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("n, k", [(1, 32), (3, 64), (4, 96), (9, 768), (130, 768), (37, 3072), (5, 50), (7, 1)])
 def test_the_kernel_is_the_product_by_the_dequantized_weight(n, k, bits):
     w, layer_bias = trained_like(n, k, seed=n * 7 + k), torch.randn(n) * 0.1
@@ -91,7 +91,7 @@ def test_the_kernel_is_the_product_by_the_dequantized_weight(n, k, bits):
 
 
 @pytest.mark.usefixtures("int4_kernel")
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("n, k", [(64, 768), (200, 96), (3, 50)])
 def test_the_fit_beats_min_max_rounding_and_codes_stay_in_range(n, k, bits):
     w = trained_like(n, k, seed=k)
@@ -107,10 +107,11 @@ def test_the_fit_beats_min_max_rounding_and_codes_stay_in_range(n, k, bits):
 
 
 @pytest.mark.usefixtures("int4_kernel")
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_the_packed_bytes_are_the_layout_the_docstring_gives(bits):
     """Codes chosen by hand in one row of two groups, read back from the bytes as int4.c's docstring lays them out:
-    nibbles (element i low, i + 16 high), then bits - 4 little-endian 32-bit planes, then fp16 scales, minimums."""
+    nibbles (element i low, i + 16 high), for 6 bits 8 bytes of high bits (byte j: elements j, j + 8, j + 16, j + 24,
+    two bits each from the low end), then fp16 scales, then minimums."""
     k, levels = 2 * GROUP, 2**bits - 1
     codes = torch.tensor([(7 * i + 3) % (levels + 1) for i in range(k)])
     codes[[0, GROUP + 1]], codes[[1, GROUP]] = 0, levels  # each group spans its whole range: the fit keeps
@@ -125,9 +126,8 @@ def test_the_packed_bytes_are_the_layout_the_docstring_gives(bits):
             assert row[at : at + GROUP] == c
             continue
         assert row[at : at + 16] == [(c[i] & 15) | (c[i + 16] & 15) << 4 for i in range(16)]
-        for p in range(bits - 4):
-            plane = int.from_bytes(bytes(row[at + 16 + 4 * p : at + 20 + 4 * p]), "little")
-            assert plane == sum(((c[i] >> (4 + p)) & 1) << i for i in range(GROUP))
+        if bits == 6:
+            assert row[at + 16 : at + 24] == [sum((c[j + 8 * m] >> 4) << 2 * m for m in range(4)) for j in range(8)]
     halves = packed[0, k * bits // 8 :].view(torch.float16).float().tolist()
     assert halves == [1 / 64, 1 / 64, -1.0, -1.0]
     torch.testing.assert_close(dequantize(packed, k), w, rtol=0, atol=0)
