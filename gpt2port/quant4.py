@@ -5,11 +5,12 @@ the packed layout and the layers. The kernel, the quantizer and the loader are i
 Every matrix of the model (the four per block, and the token embedding, which is also the tied head) is stored in
 groups of GROUP numbers along its input dimension, each group as codes with an fp16 scale and an fp16 minimum
 (asymmetric): w ~= code * scale + min. Most matrices take 4-bit codes (0..15; 5 bits per weight in all, 4 + 2 x 16 /
-32); the tied head and each block's q/k/v matrix (BITS) take 6-bit codes (7 bits per weight), as llama.cpp's Q4_K_M
-gives its head and half its q/k/v matrices Q6_K: on trained-like weights 4-bit codes there cost far more than
-elsewhere, and 5-bit q/k/v codes (or 8-bit ones, 9 bits per weight, the first choice) lose on error or on bytes
-(scripts/bench/int4_error.py, docs/performance.md). The tied matrix is held once. Norms, biases and the position
-table stay fp32.
+32); the tied head and each block's q/k/v matrix (BITS, HEAD_BITS) take 8-bit codes (9 bits per weight), as
+llama.cpp's Q4_K_M gives its head and half its q/k/v matrices Q6_K: on trained-like weights 4-bit codes there cost
+far more than elsewhere. 6-bit codes (7 bits per weight) keep the error below Q4_K_M's with 14% fewer bytes at 124M,
+but decode slower than 8-bit ones on a CPU that streams 8-bit rows at its memory's rate, so they are not the default
+(scripts/bench/int4_error.py, int4_kernel.py, docs/performance.md). The tied matrix is held once. Norms, biases and
+the position table stay fp32.
 
 Each group's scale and minimum are fitted, not just taken from its range: over candidate scales around
 (max - min) / 15 (or 255) the codes are rounded, the scale and minimum refitted to them by least squares, and the
@@ -82,8 +83,8 @@ def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
 
 INT4 = "int4"
 # Code widths other than 4, by the end of a matrix's module name (the tied head's is HEAD_BITS)
-BITS = {"attn.qkv": 6}
-HEAD_BITS = 6
+BITS = {"attn.qkv": 8}
+HEAD_BITS = 8
 # Output rows dequantized per block for many-row products (as gpt2port.quant's int8: 26 MB of fp32 at 6400 inputs)
 BLOCK_ROWS = 1024
 

@@ -5,6 +5,7 @@ Each contender runs in a process of its own (so that its peak RSS is its own), t
 
   gpt2port int4     `generate --dtype int4`'s path: the checkpoint quantized at load (gpt2port.fast.int4), the fast
                     layers swapped in, greedy decoding through gpt2port.generate.steps (the traced step)
+  --wide BITS       int4 as above with its q/k/v and head at BITS-bit codes (the recipe's other choices, side by side)
   llama.cpp Q4_K_M  the same checkpoint exported as f32 GGUF by gpt2port and quantized by llama.cpp's own
                     llama_model_quantize (llama-cpp-python), greedy through llama.cpp's sampler
 
@@ -16,7 +17,7 @@ rates mean little.
 
 Usage (from the repository root):
     python -m scripts.bench.int4_speed [--size gpt2] [--threads 2] [--rounds 3] [--repeats 3] [--workdir DIR]
-                                       [--compiled]
+                                       [--compiled] [--wide BITS]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from scripts.bench.generate import prepare
 from scripts.bench.safetensors_read import _vm_hwm_kib
 
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 16, 128, 512
-CONTENDERS = ("gpt2port int4", "llama.cpp Q4_K_M", "gpt2port int4, compiled")
+CONTENDERS = ("gpt2port int4", "llama.cpp Q4_K_M", "gpt2port int4, compiled", "gpt2port int4, q/k/v and head at")
 
 
 def q4_k_m_file(ckpt: Path, work: Path, threads: int) -> Path:
@@ -58,10 +59,14 @@ def q4_k_m_file(ckpt: Path, work: Path, threads: int) -> Path:
     return out
 
 
-def run_int4(ckpt: Path, repeats: int, compiled: bool = False) -> dict:
+def run_int4(ckpt: Path, repeats: int, compiled: bool = False, wide: int | None = None) -> dict:
+    from gpt2port import quant4
     from gpt2port.fast import Settings, accelerate
     from gpt2port.fast.int4 import from_pretrained
     from gpt2port.generate import steps
+
+    if wide is not None:  # this process's recipe only: the q/k/v and head at `wide` bits
+        quant4.BITS, quant4.HEAD_BITS = {"attn.qkv": wide}, wide
 
     model = accelerate(from_pretrained(ckpt, "int4"), Settings())
     g = torch.Generator().manual_seed(1)
@@ -107,7 +112,9 @@ def run_llama(gguf: Path, threads: int, repeats: int) -> dict:
 def child(args) -> None:
     """One contender in this process: its figures and peak RSS as one JSON line."""
     torch.set_num_threads(args.threads)
-    if args.one != CONTENDERS[1]:
+    if args.one.startswith(CONTENDERS[3]):
+        result = run_int4(Path(args.ckpt), args.repeats, wide=int(args.one.split()[-2]))
+    elif args.one != CONTENDERS[1]:
         result = run_int4(Path(args.ckpt), args.repeats, compiled=args.one == CONTENDERS[2])
     else:
         result = run_llama(Path(args.gguf), args.threads, args.repeats)
@@ -125,7 +132,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and GGUF files here for reuse")
     ap.add_argument("--compiled", action="store_true", help="also int4 with the step compiled ahead of time "
                     "(GPT2PORT_COMPILE=1's path; its compile in the warm-up, outside the timing)")
-    ap.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)  # the child's mode
+    ap.add_argument("--wide", type=int, choices=(4, 6, 8), help="also int4 with the q/k/v and head at this code width "
+                    "(gpt2port.quant4.BITS, HEAD_BITS), its recipe set in its own process")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # the child's mode: a contender's name
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -139,7 +148,8 @@ def main() -> None:
         except ImportError:
             print("llama-cpp-python is not installed: gpt2port int4 alone", file=sys.stderr)
             gguf, names = "", CONTENDERS[:1]
-        names += CONTENDERS[2:] if args.compiled else ()
+        names += CONTENDERS[2:3] if args.compiled else ()
+        names += (f"{CONTENDERS[3]} {args.wide} bits",) if args.wide else ()
         results: dict[str, list[dict]] = {name: [] for name in names}
         for r in range(args.rounds):
             for name in names if r % 2 == 0 else names[::-1]:
