@@ -5,10 +5,11 @@ the packed layout and the layers. The kernel, the quantizer and the loader are i
 Every matrix of the model (the four per block, and the token embedding, which is also the tied head) is stored in
 groups of GROUP numbers along its input dimension, each group as codes with an fp16 scale and an fp16 minimum
 (asymmetric): w ~= code * scale + min. Most matrices take 4-bit codes (0..15; 5 bits per weight in all, 4 + 2 x 16 /
-32); the tied head and each block's q/k/v matrix (WIDE) take 8-bit codes (9 bits per weight), as llama.cpp's Q4_K_M
-gives its head and half its q/k/v matrices 6 bits: on trained-like weights 4-bit codes there cost far more than
-elsewhere (scripts/bench/int4_error.py, docs/performance.md). The tied matrix is held once. Norms, biases and the
-position table stay fp32.
+32); the tied head and each block's q/k/v matrix (BITS) take 6-bit codes (7 bits per weight), as llama.cpp's Q4_K_M
+gives its head and half its q/k/v matrices Q6_K: on trained-like weights 4-bit codes there cost far more than
+elsewhere, and 5-bit q/k/v codes (or 8-bit ones, 9 bits per weight, the first choice) lose on error or on bytes
+(scripts/bench/int4_error.py, docs/performance.md). The tied matrix is held once. Norms, biases and the position
+table stay fp32.
 
 Each group's scale and minimum are fitted, not just taken from its range: over candidate scales around
 (max - min) / 15 (or 255) the codes are rounded, the scale and minimum refitted to them by least squares, and the
@@ -42,33 +43,47 @@ def padded(k: int) -> int:
 
 
 def row_bytes(k: int, bits: int = 4) -> int:
-    """Bytes of one packed row of k numbers: `bits`-bit codes, then scales, then minimums (int4.c's layout)."""
+    """Bytes of one packed row of k numbers: `bits`-bit codes (4, 5, 6 or 8), then scales, then minimums (int4.c's
+    layout)."""
     return padded(k) * bits // 8 + 4 * (padded(k) // GROUP)
 
 
+def bits_for(name: str) -> int:
+    """The code width of the model's matrix of module `name` (gpt2port's names; "lm_head": the tied head)."""
+    if name == "lm_head":
+        return HEAD_BITS
+    return next((bits for end, bits in BITS.items() if name.endswith(end)), 4)
+
+
 def bits_of(packed: torch.Tensor, k: int) -> int:
-    """The code width of packed rows of k numbers, as their byte count says: 4 or 8."""
-    return 8 if packed.size(-1) == row_bytes(k, 8) else 4
+    """The code width of packed rows of k numbers, as their byte count says: 4, 5, 6 or 8."""
+    return (packed.size(-1) - 4 * (padded(k) // GROUP)) * 8 // padded(k)
 
 
 def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """The fp32 rows (..., k) that packed rows (..., row_bytes(k)) stand for, in plain PyTorch: code * scale + min
-    (the reference the kernel is checked against)."""
+    """The fp32 rows (..., k) that packed rows (..., row_bytes(k, bits)) stand for, in plain PyTorch: code * scale +
+    min (the reference the kernel is checked against)."""
     Kp, G, bits = padded(k), padded(k) // GROUP, bits_of(packed, k)
     lead = packed.shape[:-1]
     flat = packed.reshape(-1, packed.size(-1))
+    groups = flat[:, : Kp * bits // 8].reshape(-1, G, 4 * bits)  # each group's bytes
     if bits == 8:
-        codes = flat[:, :Kp].reshape(-1, G, GROUP).float()
+        codes = groups.int()
     else:
-        codes = flat[:, : Kp // 2].reshape(-1, G, 16)
-        codes = torch.cat((codes & 15, codes >> 4), dim=2).float()  # (rows, G, 32): low nibbles first
+        nibbles = groups[..., :16].int()
+        codes = torch.cat((nibbles & 15, nibbles >> 4), dim=2)  # (rows, G, 32): low nibbles first
+        for p in range(bits - 4):  # bit p of the plane's 32-bit little-endian word: bit 4 + p of element i
+            plane = groups[..., 16 + 4 * p : 20 + 4 * p].int()
+            word = plane[..., 0] | plane[..., 1] << 8 | plane[..., 2] << 16 | plane[..., 3] << 24
+            codes |= ((word[..., None] >> torch.arange(GROUP)) & 1) << (4 + p)
     halves = flat[:, Kp * bits // 8 :].contiguous().view(torch.float16).float().view(-1, 2, G)
-    w = codes * halves[:, 0, :, None] + halves[:, 1, :, None]
+    w = codes.float() * halves[:, 0, :, None] + halves[:, 1, :, None]
     return w.reshape(*lead, Kp)[..., :k]
 
 INT4 = "int4"
-# Matrices given 8-bit codes, by the end of their module's name; and the tied head
-WIDE = ("attn.qkv",)
+# Code widths other than 4, by the end of a matrix's module name (the tied head's is HEAD_BITS)
+BITS = {"attn.qkv": 6}
+HEAD_BITS = 6
 # Output rows dequantized per block for many-row products (as gpt2port.quant's int8: 26 MB of fp32 at 6400 inputs)
 BLOCK_ROWS = 1024
 

@@ -20,14 +20,13 @@ import torch
 from gpt2port import checkpoint, export
 from gpt2port.targets.gguf import FILE_NAME
 from gpt2port.model import GPT
+from scripts import llamacpp
 
 TEXT = ("The quick brown fox jumps over the lazy dog. GGUF carries GPT-2's byte-level BPE: caf\u00e9, \u4e2d\u6587, "
         "emoji \U0001F600, tabs\tand   spaces, numbers 12345.")
 
 
 def check(ckpt: Path, dtypes: list[str], work: Path, text: str = TEXT) -> dict[str, dict]:
-    import llama_cpp
-
     enc = checkpoint.load_tokenizer(ckpt)
     ours_tokens = enc.encode(text)
     model = GPT.from_pretrained(ckpt, dtype="fp32")
@@ -39,15 +38,13 @@ def check(ckpt: Path, dtypes: list[str], work: Path, text: str = TEXT) -> dict[s
     for dtype in dtypes:
         out = work / f"gguf-{dtype}"
         export(ckpt, out, to="gguf", dtype=dtype, force=True)
-        llm = llama_cpp.Llama(str(out / FILE_NAME), logits_all=True, n_ctx=n_ctx, n_threads=2, verbose=False)
+        llm = llamacpp.load(out / FILE_NAME, n_ctx)
         theirs_tokens = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-        llm.reset()
-        llm.eval(ids)
-        logits = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+        logits = llamacpp.run(llm, ids)
         err = float(np.abs(logits - ref).max() / np.abs(ref).max())
         results[dtype] = {"tokens_equal": theirs_tokens == ours_tokens, "n_tokens": len(ids),
                           "max_rel_err": err, "argmax_agree": float((logits.argmax(-1) == ref.argmax(-1)).mean())}
-        del llm
+        llm.close()
     return results
 
 

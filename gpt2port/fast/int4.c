@@ -1,11 +1,12 @@
-/* 4-bit weights, group-wise (gpt2port/quant4.py): one row times a weight, y[n] = W[n, k] . x[k] (+ b[n]), and a block
- * of rows dequantized to fp32 (for products of many rows, which a GEMM does better).
+/* Weights of 4, 5, 6 or 8 bits, group-wise (gpt2port/quant4.py): one row times a weight, y[n] = W[n, k] . x[k]
+ * (+ b[n]), and a block of rows dequantized to fp32 (for products of many rows, which a GEMM does better).
  *
- * A packed row of k numbers (k a multiple of GROUP) is its codes, then k / GROUP fp16 scales, then k / GROUP fp16
- * minimums: w[GROUP g + i] = code * scale[g] + min[g]. 4-bit codes take k / 2 bytes, byte i of a group holding
- * element i in its low nibble and element i + 16 in its high one (so that one vector of bytes widens into the
- * group's two halves); 8-bit codes (`wide`, for the matrices gpt2port.quant4 gives more bits) take k bytes. The width
- * of a row says which: k / 2 + k / 8 bytes or k + k / 8.
+ * A packed row of k numbers (k a multiple of GROUP) is its codes, 4 * bits bytes per group, then k / GROUP fp16
+ * scales, then k / GROUP fp16 minimums: w[GROUP g + i] = code * scale[g] + min[g]. 8-bit codes are one byte each.
+ * Narrower codes keep their low four bits as nibbles, byte i of a group holding element i in its low nibble and
+ * element i + 16 in its high one (so that one vector of bytes widens into the group's two halves); a 5- or 6-bit
+ * code's higher bits follow as one or two 32-bit little-endian planes, bit i of plane p being bit 4 + p of element
+ * i (one mask register each with AVX-512). The width of a row says which: k * bits / 8 + k / 8 bytes.
  *
  * The product is taken as y = sum_g scale[g] (codes_g . x_g) + sum_g min[g] (sum of x_g): the codes widened to fp32
  * (exactly), multiplied by x in fp32, the group's partial sums scaled as vectors, so the result is the fp32 product
@@ -13,10 +14,11 @@
  * group are formed once per call. Rows are read STREAMS at a time from far-apart runs, as matvec.c does (and each
  * slice of x loaded once for the four), each run prefetched AHEAD bytes ahead: without it a step's products (107 MB
  * at 124M, none in cache) ran at half of what one core reads, the 8-bit rows most (scripts/bench/int4_kernel.py).
- * With AVX-512, 4-bit codes become floats by a lookup in {0, ..., 15} (vpermps reads an index's low four bits, so
- * the low nibble needs no mask and no conversion): fewer instructions per group where 4-bit rows are bound by them. Written in the vector extension of GCC and Clang: with -march=native the
- * compiler maps it onto AVX-512, AVX2 or NEON, without it onto SSE; every row's sum is formed in the same order
- * whatever the thread count.
+ * With AVX-512, nibbles become floats by a lookup in {0, ..., 15} (vpermps reads an index's low four bits, so the
+ * low nibble needs no mask and no conversion) and each higher bit is a masked add of 16 or 32: fewer instructions
+ * per group where the narrow rows are bound by them. Written in the vector extension of GCC and Clang: with
+ * -march=native the compiler maps it onto AVX-512, AVX2 or NEON, without it onto SSE; every row's sum is formed in
+ * the same order whatever the thread count.
  */
 #include <math.h>
 #include <omp.h>
@@ -100,20 +102,44 @@ static inline float row_setup(const uint8_t *row, const float *sums, float *scal
     return offset;
 }
 
-/* One group's codes times x's 32 numbers: a vector of LANES partial sums. */
-static inline __attribute__((always_inline)) vec group_dot(const uint8_t *codes, vec x_lo, vec x_hi, int wide) {
-#ifdef __AVX512F__
-    if (!wide) {
-        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-        vec lo = (vec)_mm512_permutexvar_ps(b, iota), hi = (vec)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), iota);
-        return lo * x_lo + hi * x_hi;
-    }
-#endif
+/* One group's codes (`bits` < 8) as two vectors of integers: elements 0..15 and 16..31. */
+static inline __attribute__((always_inline)) void narrow_codes(const uint8_t *codes, int bits, int_vec *lo,
+                                                               int_vec *hi) {
     int_vec v = widen_bytes(codes);
-    if (wide)
-        return __builtin_convertvector(v, vec) * x_lo + __builtin_convertvector(widen_bytes(codes + 16), vec) * x_hi;
-    return __builtin_convertvector(v & 15, vec) * x_lo + __builtin_convertvector(v >> 4, vec) * x_hi;
+    *lo = v & 15;
+    *hi = v >> 4;
+    for (int p = 0; p < bits - 4; p++) {
+        const int_vec bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+        uint32_t plane;
+        memcpy(&plane, codes + 16 + 4 * p, 4);
+        int_vec low = (int_vec){0} + (int32_t)(plane & 0xffff), high = (int_vec){0} + (int32_t)(plane >> 16);
+        *lo |= ((low & bit) != 0) & (16 << p);
+        *hi |= ((high & bit) != 0) & (16 << p);
+    }
+}
+
+/* One group's codes times x's 32 numbers: a vector of LANES partial sums. */
+static inline __attribute__((always_inline)) vec group_dot(const uint8_t *codes, vec x_lo, vec x_hi, int bits) {
+    if (bits == 8)
+        return __builtin_convertvector(widen_bytes(codes), vec) * x_lo +
+               __builtin_convertvector(widen_bytes(codes + 16), vec) * x_hi;
+#ifdef __AVX512F__
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    __m512 lo = _mm512_permutexvar_ps(b, iota), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), iota);
+    for (int p = 0; p < bits - 4; p++) {
+        uint32_t plane;
+        memcpy(&plane, codes + 16 + 4 * p, 4);
+        const __m512 add = _mm512_set1_ps((float)(16 << p));
+        lo = _mm512_mask_add_ps(lo, (__mmask16)plane, lo, add);
+        hi = _mm512_mask_add_ps(hi, (__mmask16)(plane >> 16), hi, add);
+    }
+    return (vec)lo * x_lo + (vec)hi * x_hi;
+#else
+    int_vec lo, hi;
+    narrow_codes(codes, bits, &lo, &hi);
+    return __builtin_convertvector(lo, vec) * x_lo + __builtin_convertvector(hi, vec) * x_hi;
+#endif
 }
 
 static inline float total(vec acc) {
@@ -127,11 +153,11 @@ static inline float total(vec acc) {
 }
 
 /* Rows [r0, r1) of y: STREAMS runs of rows at a time, then the rows left over. `scratch`: STREAMS * groups floats.
- * Inlined into one copy per code width, where `wide` is a constant. */
+ * Inlined into one copy per code width, where `bits` is a constant. */
 static inline __attribute__((always_inline)) void rows(const uint8_t *P, const float *x, const float *sums,
                                                        const float *b, float *y, int64_t r0, int64_t r1, int64_t k,
-                                                       float *scratch, int wide) {
-    int64_t groups = k / GROUP, codes = wide ? k : k / 2, per = wide ? GROUP : GROUP / 2;
+                                                       float *scratch, int bits) {
+    int64_t groups = k / GROUP, codes = k * bits / 8, per = 4 * bits;
     int64_t stride = codes + 4 * groups, run = (r1 - r0) / STREAMS;
     float *s0 = scratch, *s1 = s0 + groups, *s2 = s1 + groups, *s3 = s2 + groups;
     for (int64_t i = 0; i < run; i++) {
@@ -146,10 +172,10 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const f
             __builtin_prefetch(w1 + g * per + AHEAD);
             __builtin_prefetch(w2 + g * per + AHEAD);
             __builtin_prefetch(w3 + g * per + AHEAD);
-            a0 += s0[g] * group_dot(w0 + g * per, lo, hi, wide);
-            a1 += s1[g] * group_dot(w1 + g * per, lo, hi, wide);
-            a2 += s2[g] * group_dot(w2 + g * per, lo, hi, wide);
-            a3 += s3[g] * group_dot(w3 + g * per, lo, hi, wide);
+            a0 += s0[g] * group_dot(w0 + g * per, lo, hi, bits);
+            a1 += s1[g] * group_dot(w1 + g * per, lo, hi, bits);
+            a2 += s2[g] * group_dot(w2 + g * per, lo, hi, bits);
+            a3 += s3[g] * group_dot(w3 + g * per, lo, hi, bits);
         }
         y[r] = total(a0) + o0 + (b ? b[r] : 0.f);
         y[r + run] = total(a1) + o1 + (b ? b[r + run] : 0.f);
@@ -161,22 +187,23 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const f
         float o = row_setup(w, sums, s0, groups, codes);
         vec a = {0};
         for (int64_t g = 0; g < groups; g++, __builtin_prefetch(w + g * per + AHEAD))
-            a += s0[g] * group_dot(w + g * per, load(x + g * GROUP), load(x + g * GROUP + 16), wide);
+            a += s0[g] * group_dot(w + g * per, load(x + g * GROUP), load(x + g * GROUP + 16), bits);
         y[r] = total(a) + o + (b ? b[r] : 0.f);
     }
 }
 
-static void rows4(const uint8_t *P, const float *x, const float *sums, const float *b, float *y, int64_t r0,
-                  int64_t r1, int64_t k, float *scratch) {
-    rows(P, x, sums, b, y, r0, r1, k, scratch, 0);
-}
-static void rows8(const uint8_t *P, const float *x, const float *sums, const float *b, float *y, int64_t r0,
-                  int64_t r1, int64_t k, float *scratch) {
-    rows(P, x, sums, b, y, r0, r1, k, scratch, 1);
-}
+#define ROWS(bits)                                                                                                \
+    static void rows##bits(const uint8_t *P, const float *x, const float *sums, const float *b, float *y, int64_t r0, \
+                           int64_t r1, int64_t k, float *scratch) {                                                   \
+        rows(P, x, sums, b, y, r0, r1, k, scratch, bits);                                                             \
+    }
+ROWS(4)
+ROWS(5)
+ROWS(6)
+ROWS(8)
 
-/* P (n, k / 2 + k / 8) packed rows of 4-bit codes (bits 4) or (n, k + k / 8) of 8-bit ones (bits 8), x (k), b (n) or
- * NULL, y (n); k a multiple of GROUP. 0, or -1 where memory for the scratch could not be had (nothing written). */
+/* P (n, k * bits / 8 + k / 8) packed rows of `bits`-bit codes (4, 5, 6 or 8), x (k), b (n) or NULL, y (n); k a
+ * multiple of GROUP. 0, or -1 where memory for the scratch could not be had (nothing written). */
 int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads) {
     int64_t groups = k / GROUP;
@@ -191,7 +218,9 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
     {
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t per = (n + T - 1) / T, r0 = t * per, r1 = r0 + per < n ? r0 + per : n;
-        if (r0 < r1) (bits == 8 ? rows8 : rows4)(P, x, sums, b, y, r0, r1, k, sums + groups * (1 + STREAMS * t));
+        void (*run)(const uint8_t *, const float *, const float *, const float *, float *, int64_t, int64_t, int64_t,
+                    float *) = bits == 8 ? rows8 : bits == 6 ? rows6 : bits == 5 ? rows5 : rows4;
+        if (r0 < r1) run(P, x, sums, b, y, r0, r1, k, sums + groups * (1 + STREAMS * t));
     }
     free(sums);
     return 0;
@@ -200,7 +229,7 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
 /* The same rows dequantized: W (n, k) fp32, w = code * scale + min (the compiler may fuse the two: within a rounding
  * of PyTorch's reference, gpt2port/quant4.py). */
 void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int bits, int threads) {
-    int64_t groups = k / GROUP, codes = bits == 8 ? k : k / 2, stride = codes + 4 * groups;
+    int64_t groups = k / GROUP, codes = k * bits / 8, stride = codes + 4 * groups;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *row = P + r * stride;
@@ -211,10 +240,14 @@ void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, 
             memcpy(&sg, s + g, 2);
             memcpy(&mg, m + g, 2);
             float scale = half_to_float(sg), low = half_to_float(mg);
-            int_vec v = widen_bytes(row + g * (bits == 8 ? GROUP : GROUP / 2));
-            int_vec u = bits == 8 ? widen_bytes(row + g * GROUP + 16) : v >> 4;
-            vec lo = __builtin_convertvector(bits == 8 ? v : v & 15, vec), hi = __builtin_convertvector(u, vec);
-            vec a = lo * scale + low, c = hi * scale + low;
+            int_vec v, u;
+            if (bits == 8) {
+                v = widen_bytes(row + g * GROUP);
+                u = widen_bytes(row + g * GROUP + 16);
+            } else {
+                narrow_codes(row + g * 4 * bits, bits, &v, &u);
+            }
+            vec a = __builtin_convertvector(v, vec) * scale + low, c = __builtin_convertvector(u, vec) * scale + low;
             memcpy(out + g * GROUP, &a, sizeof a);
             memcpy(out + g * GROUP + 16, &c, sizeof c);
         }
@@ -278,19 +311,25 @@ static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t 
     }
 }
 
-/* W (n, k) fp32, k a multiple of GROUP -> P packed rows of `bits` (4 or 8) codes; `candidates` scales each side of
- * the range's, `step` apart (in units of one code). */
+/* W (n, k) fp32, k a multiple of GROUP -> P packed rows of `bits` (4, 5, 6 or 8) codes; `candidates` scales each side
+ * of the range's, `step` apart (in units of one code). */
 void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, int bits, int candidates, float step,
                             int threads) {
-    int64_t groups = k / GROUP, codes_bytes = bits == 8 ? k : k / 2, stride = codes_bytes + 4 * groups;
+    int64_t groups = k / GROUP, codes_bytes = k * bits / 8, stride = codes_bytes + 4 * groups;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         uint8_t *row = P + r * stride, codes[GROUP];
         for (int64_t g = 0; g < groups; g++) {
             uint16_t s, m;
             fit_group(W + r * k + g * GROUP, codes, &s, &m, (float)((1 << bits) - 1), candidates, step);
-            if (bits == 8) memcpy(row + g * GROUP, codes, GROUP);
-            else for (int i = 0; i < 16; i++) row[g * 16 + i] = (uint8_t)(codes[i] | (codes[i + 16] << 4));
+            uint8_t *at = row + g * 4 * bits;
+            if (bits == 8) memcpy(at, codes, GROUP);
+            else for (int i = 0; i < 16; i++) at[i] = (uint8_t)((codes[i] & 15) | (codes[i + 16] & 15) << 4);
+            for (int p = 0; p < bits - 4 && bits < 8; p++) {
+                uint32_t plane = 0;
+                for (int i = 0; i < GROUP; i++) plane |= (uint32_t)((codes[i] >> (4 + p)) & 1) << i;
+                memcpy(at + 16 + 4 * p, &plane, 4);
+            }
             memcpy(row + codes_bytes + 2 * g, &s, 2);
             memcpy(row + codes_bytes + 2 * (groups + g), &m, 2);
         }

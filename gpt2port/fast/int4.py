@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from gpt2port.errors import GPT2PortError
 from gpt2port.fast import native
-from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES, INT4, WIDE, Int4Embedding, Int4Linear, dequantize, padded, \
-    row_bytes
+from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES, INT4, Int4Embedding, Int4Linear, bits_for, dequantize, \
+    padded, row_bytes
 
 # Stored bytes of a matrix read and quantized at a time, at load
 CHUNK_BYTES = 8 << 20
@@ -48,7 +48,7 @@ def _quantizer():
 
 
 def quantize(w: torch.Tensor, bits: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed rows (N, row_bytes(K, bits)) uint8 of a weight (N, K), `bits` 4 or 8, on the kernel's quantizer
+    """The packed rows (N, row_bytes(K, bits)) uint8 of a weight (N, K), `bits` 4, 5, 6 or 8, on the kernel's quantizer
     (gpt2port.quant4 says how), into `out` (contiguous) if given; why_not() must have said None."""
     N, K = w.shape
     rows = w.float().contiguous() if padded(K) == K else F.pad(w.float(), (0, padded(K) - K))
@@ -65,7 +65,7 @@ def _agrees() -> bool:
     g = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
     try:
-        for (n, k), bits in zip(((37, 64), (8, 32), (130, 768), (9, 96)), (4, 4, 4, 8)):
+        for (n, k), bits in zip(((37, 64), (8, 32), (130, 768), (9, 96), (11, 64), (6, 96)), (4, 4, 4, 8, 5, 6)):
             w, x, b = torch.randn(n, k, generator=g) * 0.05, torch.randn(1, k, generator=g), torch.randn(n, generator=g)
             packed = quantize(w, bits)
             ref_w = dequantize(packed, k)
@@ -111,9 +111,8 @@ def quantized_model(cls, path, device=None):
         for name in linear_names(model):
             if name != "lm_head":
                 owner, attr = _owner(model, name)
-                bits = 8 if name.endswith(WIDE) else 4
-                setattr(owner, attr, _layer(reader, f"{name}.weight", getattr(owner, attr).bias, bits))
-        head = _layer(reader, "tok_emb.weight", None, 8)
+                setattr(owner, attr, _layer(reader, f"{name}.weight", getattr(owner, attr).bias, bits_for(name)))
+        head = _layer(reader, "tok_emb.weight", None, bits_for("lm_head"))
     finally:
         reader.close()
     model.lm_head, model.tok_emb = head, Int4Embedding(head)

@@ -9,10 +9,13 @@ holds code, not weights (aot_inductor.package_constants_in_so off): the model's 
 to it as they are (user-managed constants), so nothing is copied and a package serves every checkpoint of its shape.
 Its name hashes the exported graph (an edit to model.py or to a layer is another graph, so another package), every
 tensor's shape and dtype, the thread count (Inductor's code fixes it), this PyTorch, the CPU and gpt2port's kernels.
-A process that finds the package exports the forward again (seconds at 124M) to know its name: what is loaded is
-always what the model computes now. Within a process, a loaded package is kept for the model as it is (its modules,
-their tensors, attributes and classes' functions, by identity) and handed the next cache, so a later generation
-neither exports nor loads again; any change to the model is another export.
+A later process finds the package without exporting where the model's fingerprint (fast.fingerprint: its code and
+shapes, stable across processes) was seen before, and exports the forward to name the package where it was not (an
+object with no stable description, a changed source file: seconds at 124M, no compile where the graph is the same).
+Either way the loaded step is checked against the forward before it is trusted, and a fingerprint whose package
+disagreed is forgotten. Within a process, a loaded package is kept for the model as it is (its modules, their
+tensors, attributes and classes' functions, by identity) and handed the next cache, so a later generation neither
+exports nor loads again; any change to the model is another export.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 import torch._inductor  # AOTInductor's entry points (this module is imported only when a step is compiled)
 
-from gpt2port.fast import native
+from gpt2port.fast import fingerprint, native
 
 ANNOUNCE = "gpt2port: compiling the decode step for this model shape ahead of time, once per machine " \
            "(AOTInductor: ~30-60 s at 124M on 2 cores)"
@@ -53,7 +56,7 @@ class Step(torch.nn.Module):
 
 # this process's loaded packages, by _identity() of the model and cache they served (with the objects that identity
 # names by id, kept alive so that no id is reused while it names a package)
-_LOADED: dict[tuple, tuple[object, list]] = {}
+_LOADED: dict[tuple, tuple[object, list, str | None]] = {}
 # which Bound each loaded package holds the tensors of now (weakly: a finished generation's cache is not kept alive)
 _BOUND: dict[int, weakref.ref] = {}
 
@@ -63,8 +66,8 @@ class Bound:
     each call hands it this one's tensors first where another generation's were handed it since (two generators
     interleaved each keep their own cache)."""
 
-    def __init__(self, runner, tensors: dict[str, torch.Tensor]):
-        self.runner, self.tensors = runner, tensors
+    def __init__(self, runner, tensors: dict[str, torch.Tensor], key: str | None):
+        self.runner, self.tensors, self.key = runner, tensors, key
 
     def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         bound = _BOUND.get(id(self.runner))
@@ -84,18 +87,25 @@ def load(model, cache) -> Bound:
     identity, named = _identity(model, cache)
     if identity in _LOADED:  # the same model as it was: only the cache is new
         runner = _LOADED[identity][0]
-        return Bound(runner, {n: held[n] for n in runner.get_constant_fqns()})
-    keys, values = cache.k, cache.v
-    example = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        return Bound(runner, {n: held[n] for n in runner.get_constant_fqns()}, _LOADED[identity][2])
+    key = fingerprint.of(model, cache, _machine())
+    path = _found(key)
+    if path is None:  # exported, to name the package by the graph the forward is now
+        keys, values = cache.k, cache.v
+        example = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        try:
+            with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the exporter's notes are not for the user
+                exported = torch.export.export(step, example, strict=False)
+        finally:
+            cache.k, cache.v = keys, values
+        path = _packaged(exported, _name(exported, held))
+        _remember(key, path)
     try:
-        with torch.inference_mode(False), torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's notes are not for the user
-            exported = torch.export.export(step, example, strict=False)
-    finally:
-        cache.k, cache.v = keys, values
-    path = _packaged(exported, _name(exported, held))
-    try:
-        runner = torch._inductor.aoti_load_package(str(path))
+        # Inductor checks, before loading, that the package's vector ISA is this CPU's by building and loading a
+        # probe per ISA in child processes (~1.6 s); the package's name already names this CPU.
+        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+            runner = torch._inductor.aoti_load_package(str(path))
     except Exception:  # a broken or foreign file: gone, so that the next run compiles it again
         path.unlink(missing_ok=True)
         raise
@@ -103,8 +113,38 @@ def load(model, cache) -> Bound:
     foreign = [n for n in names if n not in held]
     if foreign:
         raise RuntimeError(f"the exported step holds tensors that are not the model's or the cache's: {foreign[:3]}")
-    _LOADED[identity] = runner, named
-    return Bound(runner, {n: held[n] for n in names})
+    _LOADED[identity] = runner, named, key
+    return Bound(runner, {n: held[n] for n in names}, key)
+
+
+def forget(bound: Bound) -> None:
+    """A step that disagreed with the forward: not found again by its model's fingerprint (a later run exports the
+    forward to name its package) nor kept in this process."""
+    if bound.key is not None:
+        (native.cache_dir() / "steps" / f"{bound.key}.key").unlink(missing_ok=True)
+    for identity in [i for i, held in _LOADED.items() if held[0] is bound.runner]:
+        del _LOADED[identity]
+
+
+def _found(key: str | None) -> Path | None:
+    """The package the fingerprint `key` was last found to name, where it is still there."""
+    if key is None:
+        return None
+    try:
+        name = (native.cache_dir() / "steps" / f"{key}.key").read_text().strip()
+    except OSError:
+        return None
+    path = native.cache_dir() / "steps" / f"{name}.pt2"
+    return path if name.isalnum() and path.is_file() else None
+
+
+def _remember(key: str | None, path: Path) -> None:
+    if key is None:
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".key-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(path.stem)
+    os.replace(tmp, path.parent / f"{key}.key")
 
 
 def _identity(model, cache) -> tuple[tuple, list]:
@@ -147,11 +187,17 @@ def _name(exported, held: dict[str, torch.Tensor]) -> str:
     for name in sorted(held):
         t = held[name]
         h.update(f"\0{name}:{tuple(t.shape)}:{t.stride()}:{t.dtype}".encode())
-    lib = native.kernels().lib
-    for part in (torch.__version__, str(torch.version.git_version), platform.machine(), native.cpu_identity(),
-                 str(torch.get_num_threads()), lib._name if lib is not None else ""):
+    for part in _machine():
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:24]
+
+
+def _machine() -> tuple[str, ...]:
+    """What a package depends on besides the graph: this PyTorch, the CPU, the thread count (Inductor's code fixes
+    it) and gpt2port's kernels."""
+    lib = native.kernels().lib
+    return (torch.__version__, str(torch.version.git_version), platform.machine(), native.cpu_identity(),
+            str(torch.get_num_threads()), lib._name if lib is not None else "")
 
 
 def _packaged(exported, name: str) -> Path:

@@ -88,9 +88,9 @@ def llama_q4_k_m(ckpt: Path, ids: torch.Tensor, work: Path) -> tuple[torch.Tenso
                                                 params)
         if status != 0:
             raise RuntimeError(f"llama_model_quantize returned {status}")
-    from scripts.bench.int8_error import llama_logits
+    from scripts import llamacpp
 
-    return llama_logits(llama_cpp, quantized, ids), quantized.stat().st_size
+    return torch.from_numpy(llamacpp.logits(quantized, ids, one_at_a_time=True)), quantized.stat().st_size
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ import torch
 
 from gpt2port import GPT, export, quant
 from gpt2port.model import KVCache
+from scripts import llamacpp
 from scripts.bench.generate import prepare
 
 
@@ -76,28 +77,12 @@ def with_outliers(ckpt: Path, out: Path, factor: float, gains: int = 3, units: i
 
 
 def llama_row(ckpt: Path, ids: torch.Tensor, ref: torch.Tensor, work: Path) -> list[float] | None:
-    try:
-        import llama_cpp
-    except ImportError:
+    if llamacpp.library() is None:
         return None
     from gpt2port.targets.gguf import FILE_NAME
 
     export(ckpt, work, to="gguf", dtype="q8_0", force=True)
-    return per_position(llama_logits(llama_cpp, work / FILE_NAME, ids), ref)
-
-
-def llama_logits(llama_cpp, path, ids: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's logits of the GGUF at `path` for each position of ids[0], one token per eval."""
-    import numpy as np
-
-    llm = llama_cpp.Llama(str(path), logits_all=True, n_ctx=ids.size(1), n_threads=torch.get_num_threads(),
-                          verbose=False)
-    llm.reset()
-    out = []
-    for t in range(ids.size(1)):
-        llm.eval([int(ids[0, t])])
-        out.append(torch.from_numpy(np.asarray(llm.scores[t], dtype=np.float32)))
-    return torch.stack(out)
+    return per_position(torch.from_numpy(llamacpp.logits(work / FILE_NAME, ids, one_at_a_time=True)), ref)
 
 
 def main() -> None:

@@ -22,22 +22,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from scripts import llamacpp
+
 IDS = list(range(100, 140))
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.float64) - b).max() / np.abs(b).max())
-
-
-def _llama_logits(gguf, **kw) -> np.ndarray:
-    """llama.cpp's logits for IDS, every position."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(str(gguf), logits_all=True, n_ctx=64, n_threads=2, verbose=False, **kw)
-    llm.eval(IDS)
-    out = np.asarray(llm.scores[: len(IDS)], dtype=np.float32)
-    del llm
-    return out
 
 
 def check(ckpt: Path, adapter: Path, work: Path, dtype: str = "fp32") -> dict:
@@ -56,9 +47,9 @@ def check(ckpt: Path, adapter: Path, work: Path, dtype: str = "fp32") -> dict:
     layer.attach_deltas(model, read_adapter(adapter)[0])
     with torch.no_grad():
         ours = layer.logits_of(model.eval(), torch.tensor([IDS]))[0].numpy()
-    base = _llama_logits(work / "base" / "model.gguf")
-    merged = _llama_logits(work / "merged-gguf" / "model.gguf")
-    adapted = _llama_logits(work / "base" / "model.gguf", lora_path=str(work / "lora" / FILE_NAME))
+    base = llamacpp.logits(work / "base" / "model.gguf", IDS)
+    merged = llamacpp.logits(work / "merged-gguf" / "model.gguf", IDS)
+    adapted = llamacpp.logits(work / "base" / "model.gguf", IDS, lora_path=str(work / "lora" / FILE_NAME))
     return {"adapter_moves_logits": _rel(base, merged), "adapter_vs_merged": _rel(adapted, merged),
             "adapter_vs_gpt2port": _rel(adapted, ours), "merged_vs_gpt2port": _rel(merged, ours),
             "argmax_agree": float((adapted.argmax(-1) == ours.argmax(-1)).mean())}

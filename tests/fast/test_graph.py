@@ -103,17 +103,21 @@ from gpt2port.fast import OFF, Settings
 from gpt2port.generate import generate
 from tests.realistic import make_realistic_
 torch.set_num_threads(1)
+exports, real = [], torch.export.export
+torch.export.export = lambda *a, **k: exports.append(1) or real(*a, **k)
 model = make_realistic_(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=200, n_positions=24)), seed=1).eval()
 report = []
 got = generate(model, [[3, 9, 27]], 12, temperature=0, stop_token=None, fast=Settings(compile=True), report=report)
 assert got == generate(model, [[3, 9, 27]], 12, temperature=0, stop_token=None, fast=OFF)
 print(report[-1])
+print("exports:", len(exports))
 """
 
 
 def test_a_compiled_step_is_stored_once_per_machine_and_loaded_by_a_later_process(native_kernels):
     """The first process compiles the step into the per-machine cache, and says so on stderr; a second process of
-    the same model shape loads that package: no compile, the same tokens as the forward."""
+    the same model loads that package by the model's fingerprint: no compile, no export, the same tokens as the
+    forward."""
     if not native_kernels.attend_one:
         pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
     import subprocess
@@ -132,6 +136,37 @@ def test_a_compiled_step_is_stored_once_per_machine_and_loaded_by_a_later_proces
         assert run.stdout.strip().startswith(COMPILED), run.stdout
     assert ANNOUNCE in runs[0].stderr and ANNOUNCE not in runs[1].stderr, (runs[0].stderr, runs[1].stderr)
     assert len(set(steps.glob("*.pt2")) - before) == 1
+    assert [run.stdout.split("exports:")[1].strip() for run in runs] == ["1", "0"], [run.stdout for run in runs]
+
+
+def test_a_package_found_by_fingerprint_that_disagrees_is_declined_and_forgotten(native_kernels, monkeypatch):
+    """The fingerprint is a shortcut, the check the proof: a model whose fingerprint names another model's package
+    (here written by hand: tanh where the package computes GELU) decodes as it is, says why, and the fingerprint is
+    forgotten (the next generation exports the forward to name its package)."""
+    if not native_kernels.attend_one:
+        pytest.skip(f"no attention kernel here (a step is compiled where it serves): {native_kernels.binding_why_not}")
+    from gpt2port.fast import fingerprint, native, package
+
+    steps = native.cache_dir() / "steps"
+    monkeypatch.setattr(package, "_LOADED", {})  # each model found by its fingerprint, not by this process's memo
+    keys, real = [], fingerprint.of
+
+    def of(*args):
+        keys.append(real(*args))
+        if len(keys) == 2:  # the second model's fingerprint made to name the first's package
+            (steps / f"{keys[1]}.key").write_text((steps / f"{keys[0]}.key").read_text())
+        return keys[-1]
+
+    monkeypatch.setattr(fingerprint, "of", of)
+    compiled_generation(model_on(), PROMPTS[:1], 4, [])  # GELU's package, found or stored
+    model = model_on()
+    model.blocks[2].mlp.act = lambda x: torch.tanh(x) * 1.0  # a function of its own: no other test's model has it
+    report = []
+    got = compiled_generation(model, PROMPTS[:1], 12, report)
+    assert len(keys) == 2 and None not in keys and keys[0] != keys[1], keys
+    assert report[-1].startswith("the model's forward (not compiled: its compiled forward disagreed"), report
+    assert got == generate(model, PROMPTS[:1], 12, temperature=0, stop_token=None, fast=OFF)
+    assert not (steps / f"{keys[1]}.key").exists() and (steps / f"{keys[0]}.key").exists()
 
 
 def test_an_int4_step_compiled_generates_what_int4_does(tmp_path, native_kernels):
