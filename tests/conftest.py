@@ -17,13 +17,32 @@ from scripts import hf_fixtures
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-# gpt2port's one-row kernel is built afresh for each run (and by the CLI runs it starts), not taken from ~/.cache
-_NATIVE_CACHE = tempfile.mkdtemp(prefix="gpt2port-native-")
-atexit.register(shutil.rmtree, _NATIVE_CACHE, True)
+# Under pytest-xdist (-n N) each of N workers gets its share of the cores: two workers of two threads on two cores
+# wait on each other's thread teams (on a busy machine, a scheduler slice per op; the one_thread fixture says more).
+# A worker's children get the same count: a run in a child compared bit for bit with one in the test's process (a
+# resumed fine-tune with the uninterrupted one) sums in the same order only with as many threads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(_THREADS)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+# gpt2port's one-row kernel is built afresh for each run (and by the CLI runs it starts), not taken from ~/.cache.
+# The directory is made by the process that runs pytest, and removed when it exits; under pytest-xdist its workers
+# (started by it after this ran, with its environment) each take a cache of their own inside it, so that a worker's
+# tests see the cache as a plain run's see the run's: what is built or compiled there came from that worker's tests
+# (tests/fast/test_graph.py counts the packages a compile adds). Inductor's own cache (torch.compile, the step
+# compiled ahead of time), which is made for processes sharing it, is the run's one, in that directory too.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and os.environ.get("GPT2PORT_TESTS_TEMP"):
+    _RUN_DIR = os.environ["GPT2PORT_TESTS_TEMP"]
+    _NATIVE_CACHE = os.path.join(_RUN_DIR, _WORKER)
+    os.makedirs(_NATIVE_CACHE, exist_ok=True)
+else:
+    _RUN_DIR = _NATIVE_CACHE = tempfile.mkdtemp(prefix="gpt2port-native-")
+    atexit.register(shutil.rmtree, _RUN_DIR, True)
+    os.environ["GPT2PORT_TESTS_TEMP"] = _RUN_DIR
 os.environ["GPT2PORT_NATIVE_CACHE"] = _NATIVE_CACHE
-# Inductor's own cache (torch.compile, the step compiled ahead of time) inside it: not left in the temp directory
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_NATIVE_CACHE, "inductor")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_RUN_DIR, "inductor")
 
 TINY = hf_fixtures.TINY
 
