@@ -16,12 +16,16 @@ import functools
 import hashlib
 import sys
 import types
-from pathlib import Path, PurePath
+from pathlib import PurePath
 
 import torch
 
+from gpt2port import inputs
+from gpt2port.errors import GPT2PortError
+
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
           torch.memory_format)
+_SOURCE_LIMIT = 64 << 20  # a module's source file, read whole to be hashed
 
 # a class's attributes that are Python's bookkeeping (a dataclass's fields are described by its instances' values)
 _SKIPPED = ("_abc_impl", "__dict__", "__weakref__", "__doc__", "__module__", "__qualname__", "__dataclass_fields__",
@@ -153,6 +157,8 @@ def _names(code: types.CodeType) -> set[str]:
 
 def _file_digest(path: str) -> str:
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        return hashlib.sha256(inputs.read_bytes(path, _SOURCE_LIMIT, "a Python source file")).hexdigest()
     except OSError as e:
         raise Unstable(f"{path}: {e.strerror}") from None
+    except GPT2PortError as e:
+        raise Unstable(str(e)) from None

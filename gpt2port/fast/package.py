@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 import torch._inductor  # AOTInductor's entry points (this module is imported only when a step is compiled)
 
+from gpt2port import inputs
+from gpt2port.errors import GPT2PortError
 from gpt2port.fast import fingerprint, native
 
 ANNOUNCE = "gpt2port: compiling the decode step for this model shape ahead of time, once per machine " \
@@ -131,8 +133,8 @@ def _found(key: str | None) -> Path | None:
     if key is None:
         return None
     try:
-        name = (native.cache_dir() / "steps" / f"{key}.key").read_text().strip()
-    except OSError:
+        name = inputs.read_text(native.cache_dir() / "steps" / f"{key}.key", 256, "a step's key").strip()
+    except (OSError, GPT2PortError):
         return None
     path = native.cache_dir() / "steps" / f"{name}.pt2"
     return path if name.isalnum() and path.is_file() else None
