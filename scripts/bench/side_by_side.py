@@ -4,13 +4,13 @@ For each thread count and round, each tree in turn runs a fresh interpreter (PYT
 loads the checkpoint as fp32, bf16 and int8 and, for each, decodes greedily from a 16-token prompt (after a short
 warm-up), timing 128 new tokens, the prompt's prefill included (as scripts/bench/generate.py). Right before each
 decode it probes the memory bandwidth (the tree's own matvec_bandwidth), so each rate is also given as a fraction of
-the floor that probe sets: bandwidth / bytes of weights per token. Trees alternate round by round, so both see the
-same load; on a shared machine compare ranges, not single runs.
+the floor that probe sets: bandwidth / bytes of weights per token (the table gives the first of --dtypes'). Trees
+alternate round by round, so both see the same load; on a shared machine compare ranges, not single runs.
 
 Usage (from the repository root; any gpt2port checkpoint directory, e.g. one scripts/bench/generate.py --workdir
 left, or a small one, where a step is all dispatch and Python):
     python -m scripts.bench.side_by_side --trees /path/to/before,. --ckpt DIR [--threads 1,2] [--rounds 3]
-                                         [--json out.json]
+                                         [--dtypes fp32,bf16,int8] [--tokens 128] [--json out.json]
 A tree may carry environment variables for its runs, `TREE:NAME=VALUE[:NAME=VALUE]` (`.:GPT2PORT_COMPILE=1`: the
 same tree with the step compiled, its compile in the warm-up, outside the timing).
 The child only uses what both trees have: GPT.from_pretrained, gpt2port.generate.steps and the bandwidth probe.
@@ -30,7 +30,7 @@ from pathlib import Path
 PROMPT_LEN, NEW_TOKENS, DTYPES = 16, 128, ("fp32", "bf16", "int8")
 
 
-def child(ckpt: str, threads: int) -> dict:
+def child(ckpt: str, threads: int, dtypes: list[str], new_tokens: int) -> dict:
     import torch
 
     import gpt2port
@@ -43,7 +43,7 @@ def child(ckpt: str, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     got = {}
-    for name in DTYPES:
+    for name in dtypes:
         dtype = {"fp32": None, "bf16": torch.bfloat16, "int8": "int8"}[name]
         model = GPT.from_pretrained(ckpt, dtype=dtype)
         prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
@@ -51,10 +51,10 @@ def child(ckpt: str, threads: int) -> dict:
             pass
         bandwidth = matvec_bandwidth("cpu", repeats=5)
         times, cpu, report = [time.perf_counter()], time.process_time(), []
-        for _ in steps(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0, stop_token=None, report=report):
+        for _ in steps(model, prompt, max_new_tokens=new_tokens, temperature=0, stop_token=None, report=report):
             times.append(time.perf_counter())
         cpu = time.process_time() - cpu
-        rate = NEW_TOKENS / (times[-1] - times[0])
+        rate = new_tokens / (times[-1] - times[0])
         gaps = sorted(b - a for a, b in zip(times[1:], times[2:]))  # one decode step each (the prefill is the first)
         got[name] = {"tokens_per_s": rate, "bandwidth": bandwidth,
                      "floor_fraction": rate * weight_bytes_per_token(model) / bandwidth,
@@ -63,7 +63,7 @@ def child(ckpt: str, threads: int) -> dict:
                      "load_average": os.getloadavg()[0],  # the 1-minute load right after the run: a shared machine
                      # CPU time the process spent per token: what a busy machine's waiting for a core leaves out
                      # (at --threads 1; cache and memory contention still count)
-                     "cpu_ms_per_token": 1e3 * cpu / NEW_TOKENS}
+                     "cpu_ms_per_token": 1e3 * cpu / new_tokens}
         del model
     return got
 
@@ -74,11 +74,16 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--threads", default="2")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated, of " + ",".join(DTYPES))
+    ap.add_argument("--tokens", type=int, default=NEW_TOKENS, help="new tokens timed per decode")
     ap.add_argument("--json")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # threads, in a child
     args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    if set(dtypes) - set(DTYPES) or args.tokens < 2:
+        ap.error(f"--dtypes: of {','.join(DTYPES)}; --tokens: at least 2")
     if args.child:
-        print(json.dumps(child(args.ckpt, args.child)))
+        print(json.dumps(child(args.ckpt, args.child, dtypes, args.tokens)))
         return
     trees = args.trees.split(",")
     runs: dict = {}
@@ -89,7 +94,8 @@ def main() -> None:
                 tree = Path(tree).resolve()
                 env = dict(os.environ, PYTHONPATH=str(tree), **dict(v.split("=", 1) for v in variables))
                 out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--ckpt", args.ckpt,
-                                      "--child", str(threads)], cwd=tree, env=env, stdout=subprocess.PIPE, text=True,
+                                      "--child", str(threads), "--dtypes", args.dtypes, "--tokens",
+                                      str(args.tokens)], cwd=tree, env=env, stdout=subprocess.PIPE, text=True,
                                      check=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 name = ":".join([tree.name, *variables])
@@ -100,27 +106,27 @@ def main() -> None:
                     f"{v['cpu_ms_per_token']:.2f} ms/token; load {v['load_average']:.1f})"
                     for k, v in got.items()),
                     file=sys.stderr, flush=True)
-    print(report(runs))
+    print(report(runs, dtypes))
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
 
 
-def report(runs: dict) -> str:
-    lines = ["| threads | tree | " + " | ".join(f"{d} tokens/s (median, min-max)" for d in DTYPES)
-             + " | fp32 fraction of floor (median, min-max) | " + " | ".join(f"{d} CPU ms/token" for d in DTYPES)
-             + " | load average (min-max) |", "|---" * (4 + 2 * len(DTYPES)) + "|"]
+def report(runs: dict, dtypes: list[str]) -> str:
+    lines = ["| threads | tree | " + " | ".join(f"{d} tokens/s (median, min-max)" for d in dtypes)
+             + " | fraction of floor (median, min-max) | " + " | ".join(f"{d} CPU ms/token" for d in dtypes)
+             + " | load average (min-max) |", "|---" * (4 + 2 * len(dtypes)) + "|"]
     for threads, trees in runs.items():
         for tree, rounds in trees.items():
             cells = []
-            for d in DTYPES:
+            for d in dtypes:
                 rates = [r[d]["tokens_per_s"] for r in rounds]
                 cells.append(f"{statistics.median(rates):.1f} ({min(rates):.1f}-{max(rates):.1f})")
-            fractions = [r["fp32"]["floor_fraction"] for r in rounds]
+            fractions = [r[dtypes[0]]["floor_fraction"] for r in rounds]  # the first dtype's
             cells.append(f"{statistics.median(fractions):.0%} ({min(fractions):.0%}-{max(fractions):.0%})")
-            for d in DTYPES:
+            for d in dtypes:
                 cpu = [r[d]["cpu_ms_per_token"] for r in rounds]
                 cells.append(f"{statistics.median(cpu):.2f} ({min(cpu):.2f}-{max(cpu):.2f})")
-            loads = [r[d]["load_average"] for r in rounds for d in DTYPES]
+            loads = [r[d]["load_average"] for r in rounds for d in dtypes]
             cells.append(f"{min(loads):.1f}-{max(loads):.1f}")
             lines.append(f"| {threads} | {tree} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
