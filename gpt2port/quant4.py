@@ -18,9 +18,12 @@ pair with the least squared error kept (llama.cpp's make_qkx2_quants does the sa
 rounded to fp16, the codes are rounded once more against the stored pair. scripts/bench/int4_error.py compares the
 logits' KL divergence from fp32 with llama.cpp's Q4_K_M on the same weights (docs/performance.md).
 
-One row (a decode step) is multiplied by the packed bytes as they are, activations in fp32
-(torch.ops.gpt2port.matvec_int4); many rows (a prompt, eval) by BLOCK_ROWS output rows at a time dequantized to fp32
-(torch.ops.gpt2port.dequantize_int4), each block multiplied while it is in cache (on oneDNN once
+Activations are rounded to 8 bits per group of GROUP before every product (round_activations, as llama.cpp rounds
+them for its 4-bit types): the kernel then multiplies codes by them in integer dot products where the CPU has them
+(int4.c), which a decode step's speed depends on; every path computes the same numbers up to the order of the sums.
+One row (a decode step) is multiplied by the packed bytes as they are (torch.ops.gpt2port.matvec_int4, which rounds
+the row itself); many rows (a prompt, eval) by BLOCK_ROWS output rows at a time dequantized to fp32
+(torch.ops.gpt2port.dequantize_int4), each block multiplied by the rounded rows while it is in cache (on oneDNN once
 gpt2port.fast.accelerate swaps its kernels in). Without the kernel (no C compiler, GPT2PORT_NATIVE=0) or on another
 device, loading refuses in one line: a model that computed at a fraction of fp32's speed would be no use. The
 matrices are quantized at load, one at a time, from the checkpoint's tensors in whatever dtype they are stored.
@@ -81,6 +84,18 @@ def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
     w = codes.float() * halves[:, 0, :, None] + halves[:, 1, :, None]
     return w.reshape(*lead, Kp)[..., :k]
 
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """Activations x (..., k) as the int4 products take them (int4.c rounds them so in C): per group of GROUP along
+    the last dimension (the last one filled with zeros), d = max|x| / 127 and q = round(x / d) (ties to even; 0 where
+    d is 0), returned as q * d in fp32; a group holding a NaN or an infinity becomes NaN."""
+    k = x.size(-1)
+    groups = F.pad(x.float(), (0, padded(k) - k)).reshape(*x.shape[:-1], -1, GROUP)
+    d = groups.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(groups / d), 0.0)
+    out = torch.where(torch.isfinite(groups).all(-1, keepdim=True), q * d, float("nan"))
+    return out.reshape(*x.shape[:-1], padded(k))[..., :k]
+
+
 INT4 = "int4"
 # Code widths other than 4, by the end of a matrix's module name (the tied head's is HEAD_BITS)
 BITS = {"attn.qkv": 8}
@@ -116,10 +131,12 @@ class Int4Linear(nn.Module):
         if x.numel() == self.in_features:
             return self.matvec(x if self.padded == self.in_features else F.pad(x, (0, self.padded - self.in_features)))
         rows = x.reshape(-1, self.in_features)
+        if self.padded != self.in_features:
+            rows = F.pad(rows, (0, self.padded - self.in_features))
+        rows = torch.ops.gpt2port.round_int4(rows)  # as the one-row kernel rounds them (round_activations)
         y = torch.empty(rows.size(0), self.out_features, dtype=torch.float32)
         for a in range(0, self.out_features, BLOCK_ROWS):
             w = torch.ops.gpt2port.dequantize_int4(self.weight[a : a + BLOCK_ROWS], self.padded)
-            w = w if self.padded == self.in_features else w[:, : self.in_features]
             y[:, a : a + BLOCK_ROWS] = self.dense(rows, w, None if self.bias is None else self.bias[a : a + BLOCK_ROWS])
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -134,8 +134,10 @@ class Compiled(Forward):
             t.copy_(old)
         eager = super().__call__(ids, pos)
         # Inductor fuses and orders the arithmetic its own way: the same numbers to float rounding, which in bf16
-        # is coarse (a wrong position or weight moves logits by far more)
-        tolerance = 1e-3 if eager.dtype == torch.float32 else 3e-2
+        # is coarse, and in int4 moves an activation's 8-bit rounding by a step now and then, which the layers after
+        # it spread (1-1.5% of the largest logit at 124M; a wrong position or weight moves logits by far more)
+        int4 = getattr(self.model, "quantized", None) == "int4"
+        tolerance = 5e-2 if int4 else 1e-3 if eager.dtype == torch.float32 else 3e-2
         if got is not None and not torch.allclose(got.float(), eager.float(), rtol=tolerance,
                                                   atol=tolerance * float(eager.abs().max())):
             from gpt2port.fast import package

@@ -9,12 +9,17 @@
  * (one byte per lane after a shift that depends only on the lane). The width of a row says which: k * bits / 8 + k /
  * 8 bytes, bits 4, 6 or 8.
  *
- * The product is taken as y = sum_g scale[g] (codes_g . x_g) + sum_g min[g] (sum of x_g): the codes widened to fp32
- * (exactly), multiplied by x in fp32, the group's partial sums scaled as vectors, so the result is the fp32 product
- * by the dequantized weight up to the order of its sums (no activation is rounded to fewer bits). The sums of x per
- * group are formed once per call. Rows are read STREAMS at a time from far-apart runs, as matvec.c does (and each
- * slice of x loaded once for the four), each run prefetched AHEAD bytes ahead: without it a step's products (107 MB
- * at 124M, none in cache) ran at half of what one core reads, the 8-bit rows most (scripts/bench/int4_kernel.py).
+ * The activations are rounded first, per group of GROUP: d = max|x_g| / 127, q = round(x / d) (ties to even; 0 where
+ * d is 0; a group holding a NaN or an infinity gives NaN), as llama.cpp rounds them for its 4-bit types, and gpt2port's
+ * quant4.round_activations in PyTorch. The product is then y = sum_g scale[g] d[g] (codes_g . q_g) + sum_g min[g] d[g]
+ * (sum of q_g): every group's dot product of codes and q is an integer (at most 32 x 255 x 127 < 2^24, so exact in
+ * fp32 too), so the result is the fp32 product of the dequantized weight by the rounded activations up to the order
+ * of its sums, whichever of the two ways below forms it. Where the CPU has AVX-512 VNNI, 4- and 8-bit codes meet q in
+ * integer dot products, two groups at a time (vpdpbusd: 64 unsigned codes by 64 signed bytes), ~4x fewer instructions
+ * a weight than widening both to floats, which is what bounded the step (docs/performance.md); elsewhere, and for
+ * 6-bit codes, codes and q are widened to fp32. Rows are read STREAMS at a time from far-apart runs, as matvec.c does
+ * (and each slice of q loaded once for the four), each run prefetched AHEAD bytes ahead: without it a step's products
+ * (107 MB at 124M, none in cache) ran at half of what one core reads (scripts/bench/int4_kernel.py).
  * With AVX-512, nibbles become floats by a lookup in {0, ..., 15} (vpermps reads an index's low four bits, so the
  * low nibble needs no mask and no conversion), and a 6-bit code's high bits by a lookup in {0, 16, 32, 48}: fewer
  * instructions per group where the narrow rows are bound by them (a masked add per bit, bit planes, took 1.6x the
@@ -28,12 +33,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "int4.h"
 #include "vectors.h"
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
-#define GROUP 32
 #define STREAMS 4
 #define AHEAD 2048 /* bytes: a prefetch's distance along each run of rows */
 
@@ -52,32 +57,18 @@ static inline __attribute__((always_inline)) int_vec widen_bytes(const uint8_t *
 #endif
 }
 
-/* IEEE half to single, exactly (normal, subnormal, zero, infinity, NaN). */
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-    if (e == 0x1f) u = sign | 0x7f800000u | (m << 13);
-    else if (e) u = sign | ((e + 112) << 23) | (m << 13);
-    else if (!m) u = sign;
-    else {  /* subnormal: m * 2^-24, exact in fp32 */
-        float f = (float)m * 5.9604644775390625e-8f;
-        memcpy(&u, &f, sizeof u);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* The row's scales widened to fp32 into `scales`, and sum_g min[g] * sums[g]: 16 or 8 groups at a time where the
+/* The row's scales widened to fp32 and multiplied by the groups' d into `scales`, and sum_g min[g] * sums[g]: 16 or 8 groups at a time where the
  * CPU converts halves itself (F16C, AVX-512), which a decode step otherwise spends a third of its time on. */
-static inline float row_setup(const uint8_t *row, const float *sums, float *scales, int64_t groups, int64_t codes) {
+static inline float row_setup(const uint8_t *row, const float *d, const float *sums, float *scales, int64_t groups,
+                              int64_t codes) {
     const uint16_t *s = (const uint16_t *)(row + codes), *m = s + groups;
     float offset = 0.f;
     int64_t g = 0;
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
     for (; g + 16 <= groups; g += 16) {
-        _mm512_storeu_ps(scales + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g))));
+        _mm512_storeu_ps(scales + g, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g))),
+                                                   _mm512_loadu_ps(d + g)));
         acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g))),
                               _mm512_loadu_ps(sums + g), acc);
     }
@@ -86,7 +77,8 @@ static inline float row_setup(const uint8_t *row, const float *sums, float *scal
 #if defined(__F16C__) && defined(__AVX__)
     __m256 acc8 = _mm256_setzero_ps();
     for (; g + 8 <= groups; g += 8) {
-        _mm256_storeu_ps(scales + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g))));
+        _mm256_storeu_ps(scales + g, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g))),
+                                                   _mm256_loadu_ps(d + g)));
         acc8 = _mm256_add_ps(acc8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))),
                                                  _mm256_loadu_ps(sums + g)));
     }
@@ -98,7 +90,7 @@ static inline float row_setup(const uint8_t *row, const float *sums, float *scal
         uint16_t sg, mg;
         memcpy(&sg, s + g, 2);  /* rows start at any even byte: read unaligned */
         memcpy(&mg, m + g, 2);
-        scales[g] = half_to_float(sg);
+        scales[g] = half_to_float(sg) * d[g];
         offset += half_to_float(mg) * sums[g];
     }
     return offset;
@@ -161,21 +153,134 @@ static inline float total(vec acc) {
 #endif
 }
 
+/* The activations of one call, rounded (see the top): per group d and d * sum(q); q as floats (the widening path),
+ * as bytes, and as bytes in the order 4-bit rows meet them two groups at a time (q_g[0:16], q_g+1[0:16], q_g[16:32],
+ * q_g+1[16:32]: a pair's 32 code bytes' low nibbles, then their high ones). */
+typedef struct {
+    const float *d, *sums, *qf;
+    const int8_t *q, *q4;
+} activations;
+
+/* One group's activations rounded (see the top): q as floats and bytes, d, and sum(q); d NaN where the group holds a
+ * NaN or an infinity (q zeros then). */
+static inline void round_group(const float *x, float *qf, int8_t *q, float *d, int32_t *sum_q) {
+    float amax = 0.f;
+    int finite = 1;
+    for (int i = 0; i < GROUP; i++) {
+        float v = fabsf(x[i]);
+        finite &= isfinite(x[i]) != 0;
+        amax = v > amax ? v : amax;
+    }
+    float dg = amax / 127.f;
+    int32_t total_q = 0;
+    for (int i = 0; i < GROUP; i++) {
+        float v = finite && dg > 0.f ? nearbyintf(x[i] / dg) : 0.f;  /* ties to even: torch.round */
+        qf[i] = v;
+        if (q) q[i] = (int8_t)v;
+        total_q += (int32_t)v;
+    }
+    *d = finite ? dg : NAN;
+    *sum_q = total_q;
+}
+
+/* Rows (rows, k) of activations as the products take them, q * d (gpt2port.quant4.round_activations), for the
+ * products of many rows, which multiply dequantized weights by them. */
+void gpt2port_round_int4(const float *x, float *out, int64_t rows, int64_t k, int threads) {
+    int64_t groups = k / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float *o = out + r * k + g * GROUP, d;
+            int32_t sum_q;
+            round_group(x + r * k + g * GROUP, o, NULL, &d, &sum_q);
+            for (int i = 0; i < GROUP; i++) o[i] *= d;
+        }
+}
+
+/* Rounds x (k) into a: 0, or -1 where memory could not be had. */
+static int round_activations(const float *x, int64_t k, void **block, activations *a, int64_t extra_floats) {
+    int64_t groups = k / GROUP;
+    float *f = malloc(sizeof(float) * (2 * groups + k + extra_floats) + 2 * k);
+    if (!f) return -1;
+    float *d = f, *sums = d + groups, *qf = sums + groups;
+    int8_t *q = (int8_t *)(qf + k + extra_floats), *q4 = q + k;
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t sum_q;
+        round_group(x + g * GROUP, qf + g * GROUP, q + g * GROUP, d + g, &sum_q);
+        sums[g] = d[g] * (float)sum_q;
+    }
+    for (int64_t g = 0; g + 1 < groups; g += 2) {
+        int8_t *out = q4 + g * GROUP;
+        const int8_t *a0 = q + g * GROUP, *a1 = a0 + GROUP;
+        memcpy(out, a0, 16);
+        memcpy(out + 16, a1, 16);
+        memcpy(out + 32, a0 + 16, 16);
+        memcpy(out + 48, a1 + 16, 16);
+    }
+    *block = f;
+    a->d = d, a->sums = sums, a->qf = qf, a->q = q, a->q4 = q4;
+    return 0;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INTEGER_DOTS 1
+/* Two groups' dot products of codes and q (g, g + 1), scaled by the row's scales (times d), added to acc. 8-bit:
+ * int32 lanes 0-7 are group g's, 8-15 group g + 1's; 4-bit: lanes 0-3 and 8-11 group g's (low, then high nibbles). */
+static inline __attribute__((always_inline)) __m512 pair_dot(const uint8_t *codes, const int8_t *q, const float *scales,
+                                                             __m512 acc, int bits) {
+    __m512i c;
+    if (bits == 8) {
+        c = _mm512_loadu_si512(codes);
+    } else {
+        const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  /* upper half: the high nibbles */
+        __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)codes));
+        c = _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(15));
+    }
+    __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, _mm512_loadu_si512(q));
+    const __m512i pick8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i pick4 = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 two = _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)scales)));
+    __m512 s = _mm512_permutexvar_ps(bits == 8 ? pick8 : pick4, two);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), s, acc);
+}
+#else
+#define INTEGER_DOTS 0
+#endif
+
 /* Rows [r0, r1) of y: STREAMS runs of rows at a time, then the rows left over. `scratch`: STREAMS * groups floats.
- * Inlined into one copy per code width, where `bits` is a constant. */
-static inline __attribute__((always_inline)) void rows(const uint8_t *P, const float *x, const float *sums,
-                                                       const float *b, float *y, int64_t r0, int64_t r1, int64_t k,
-                                                       float *scratch, int bits) {
-    int64_t groups = k / GROUP, codes = k * bits / 8, per = 4 * bits;
+ * Inlined into one copy per code width, where `bits` is a constant; `dots`: integer dot products (pair_dot) for all
+ * groups but an odd last one. */
+static inline __attribute__((always_inline)) void rows(const uint8_t *P, const activations *act, const float *b,
+                                                       float *y, int64_t r0, int64_t r1, int64_t k, float *scratch,
+                                                       int bits, int dots) {
+    int64_t groups = k / GROUP, codes = k * bits / 8, per = 4 * bits, paired = dots ? groups & ~(int64_t)1 : 0;
     int64_t stride = codes + 4 * groups, run = (r1 - r0) / STREAMS;
+    const float *x = act->qf, *d = act->d, *sums = act->sums;
     float *s0 = scratch, *s1 = s0 + groups, *s2 = s1 + groups, *s3 = s2 + groups;
     for (int64_t i = 0; i < run; i++) {
         int64_t r = r0 + i;
         const uint8_t *w0 = P + r * stride, *w1 = w0 + run * stride, *w2 = w1 + run * stride, *w3 = w2 + run * stride;
-        float o0 = row_setup(w0, sums, s0, groups, codes), o1 = row_setup(w1, sums, s1, groups, codes),
-              o2 = row_setup(w2, sums, s2, groups, codes), o3 = row_setup(w3, sums, s3, groups, codes);
+        float o0 = row_setup(w0, d, sums, s0, groups, codes), o1 = row_setup(w1, d, sums, s1, groups, codes),
+              o2 = row_setup(w2, d, sums, s2, groups, codes), o3 = row_setup(w3, d, sums, s3, groups, codes);
         vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t g = 0; g < groups; g++) {
+#if INTEGER_DOTS
+        if (dots) {
+            const int8_t *q = bits == 8 ? act->q : act->q4;
+            __m512 i0 = _mm512_setzero_ps(), i1 = i0, i2 = i0, i3 = i0;
+            for (int64_t g = 0; g < paired; g += 2) {
+                __builtin_prefetch(w0 + g * per + AHEAD);
+                __builtin_prefetch(w1 + g * per + AHEAD);
+                __builtin_prefetch(w2 + g * per + AHEAD);
+                __builtin_prefetch(w3 + g * per + AHEAD);
+                i0 = pair_dot(w0 + g * per, q + g * GROUP, s0 + g, i0, bits);
+                i1 = pair_dot(w1 + g * per, q + g * GROUP, s1 + g, i1, bits);
+                i2 = pair_dot(w2 + g * per, q + g * GROUP, s2 + g, i2, bits);
+                i3 = pair_dot(w3 + g * per, q + g * GROUP, s3 + g, i3, bits);
+            }
+            a0 = (vec)i0, a1 = (vec)i1, a2 = (vec)i2, a3 = (vec)i3;
+        }
+#endif
+        for (int64_t g = paired; g < groups; g++) {
             vec lo = load(x + g * GROUP), hi = load(x + g * GROUP + 16);
             __builtin_prefetch(w0 + g * per + AHEAD);  /* past the last row: harmless, a prefetch never faults */
             __builtin_prefetch(w1 + g * per + AHEAD);
@@ -193,44 +298,54 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const f
     }
     for (int64_t r = r0 + STREAMS * run; r < r1; r++) {
         const uint8_t *w = P + r * stride;
-        float o = row_setup(w, sums, s0, groups, codes);
+        float o = row_setup(w, d, sums, s0, groups, codes);
         vec a = {0};
-        for (int64_t g = 0; g < groups; g++, __builtin_prefetch(w + g * per + AHEAD))
+#if INTEGER_DOTS
+        if (dots) {
+            const int8_t *q = bits == 8 ? act->q : act->q4;
+            __m512 i0 = _mm512_setzero_ps();
+            for (int64_t g = 0; g < paired; g += 2, __builtin_prefetch(w + g * per + AHEAD))
+                i0 = pair_dot(w + g * per, q + g * GROUP, s0 + g, i0, bits);
+            a = (vec)i0;
+        }
+#endif
+        for (int64_t g = paired; g < groups; g++, __builtin_prefetch(w + g * per + AHEAD))
             a += s0[g] * group_dot(w + g * per, load(x + g * GROUP), load(x + g * GROUP + 16), bits);
         y[r] = total(a) + o + (b ? b[r] : 0.f);
     }
 }
 
-#define ROWS(bits)                                                                                                \
-    static void rows##bits(const uint8_t *P, const float *x, const float *sums, const float *b, float *y, int64_t r0, \
-                           int64_t r1, int64_t k, float *scratch) {                                                   \
-        rows(P, x, sums, b, y, r0, r1, k, scratch, bits);                                                             \
+#define ROWS(bits, dots)                                                                                           \
+    static void rows##bits(const uint8_t *P, const activations *act, const float *b, float *y, int64_t r0,          \
+                           int64_t r1, int64_t k, float *scratch) {                                                 \
+        rows(P, act, b, y, r0, r1, k, scratch, bits, dots);                                                         \
     }
-ROWS(4)
-ROWS(6)
-ROWS(8)
+ROWS(4, INTEGER_DOTS)
+ROWS(6, 0)
+ROWS(8, INTEGER_DOTS)
+
+/* Whether 4- and 8-bit rows are multiplied by integer dot products here (AVX-512 VNNI): the same numbers up to the
+ * order of the sums either way; for benchmarks and `gpt2port doctor`. */
+int gpt2port_int4_integer_dots(void) { return INTEGER_DOTS; }
 
 /* P (n, k * bits / 8 + k / 8) packed rows of `bits`-bit codes (4, 6 or 8), x (k), b (n) or NULL, y (n); k a
  * multiple of GROUP. 0, or -1 where memory for the scratch could not be had (nothing written). */
 int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads) {
     int64_t groups = k / GROUP;
-    float *sums = malloc(sizeof(float) * groups * (1 + STREAMS * (int64_t)threads));
-    if (!sums) return -1;
-    for (int64_t g = 0; g < groups; g++) {
-        float v = 0.f;
-        for (int i = 0; i < GROUP; i++) v += x[g * GROUP + i];
-        sums[g] = v;
-    }
+    void *block;
+    activations act;
+    if (round_activations(x, k, &block, &act, groups * STREAMS * (int64_t)threads) != 0) return -1;
+    float *scratch = (float *)act.qf + k;
     #pragma omp parallel num_threads(threads)
     {
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t per = (n + T - 1) / T, r0 = t * per, r1 = r0 + per < n ? r0 + per : n;
-        void (*run)(const uint8_t *, const float *, const float *, const float *, float *, int64_t, int64_t, int64_t,
+        void (*run)(const uint8_t *, const activations *, const float *, float *, int64_t, int64_t, int64_t,
                     float *) = bits == 8 ? rows8 : bits == 6 ? rows6 : rows4;
-        if (r0 < r1) run(P, x, sums, b, y, r0, r1, k, sums + groups * (1 + STREAMS * t));
+        if (r0 < r1) run(P, &act, b, y, r0, r1, k, scratch + groups * STREAMS * t);
     }
-    free(sums);
+    free(block);
     return 0;
 }
 
@@ -258,87 +373,6 @@ void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, 
             vec a = __builtin_convertvector(v, vec) * scale + low, c = __builtin_convertvector(u, vec) * scale + low;
             memcpy(out + g * GROUP, &a, sizeof a);
             memcpy(out + g * GROUP + 16, &c, sizeof c);
-        }
-    }
-}
-
-/* Single to IEEE half, rounded to nearest, ties to even (as PyTorch's .half()). */
-static inline uint16_t float_to_half(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint32_t sign = (u >> 16) & 0x8000, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00);
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);  /* 65520 and up: infinity */
-    if (a < 0x38800000u) {  /* below 2^-14: a subnormal half, v * 2^24 rounded (exactly representable first) */
-        float v;
-        memcpy(&v, &a, sizeof v);
-        return (uint16_t)(sign | (uint16_t)lrintf(v * 16777216.0f));
-    }
-    a += 0xfffu + ((a >> 13) & 1u);
-    return (uint16_t)(sign | ((a - 0x38000000u) >> 13));
-}
-
-/* One group's codes, scale and minimum (see gpt2port/quant4.py): over candidate scales span / (15 + step * i), the
- * codes rounded from the minimum, the scale and minimum refitted by least squares, the least squared error kept;
- * then the pair rounded to fp16 and the codes rounded against it. */
-static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t *low, float levels, int candidates,
-                      float step) {
-    float lo = x[0], hi = x[0], sum_x = 0.f;
-    for (int i = 0; i < GROUP; i++) {
-        lo = x[i] < lo ? x[i] : lo;
-        hi = x[i] > hi ? x[i] : hi;
-        sum_x += x[i];
-    }
-    float best_s = (hi - lo) / levels, best_m = lo, best_err = INFINITY;
-    if (hi > lo) {
-        for (int c = -candidates; c <= candidates; c++) {
-            float inv = (levels + step * (float)c) / (hi - lo), sl = 0.f, sl2 = 0.f, sxl = 0.f, l[GROUP];
-            for (int i = 0; i < GROUP; i++) {
-                float q = nearbyintf((x[i] - lo) * inv);
-                l[i] = q < 0.f ? 0.f : q > levels ? levels : q;
-                sl += l[i];
-                sl2 += l[i] * l[i];
-                sxl += l[i] * x[i];
-            }
-            float det = GROUP * sl2 - sl * sl;
-            if (det <= 0.f) continue;
-            float s = (GROUP * sxl - sl * sum_x) / det, m = (sl2 * sum_x - sl * sxl) / det, err = 0.f;
-            for (int i = 0; i < GROUP; i++) {
-                float d = l[i] * s + m - x[i];
-                err += d * d;
-            }
-            if (err < best_err) best_err = err, best_s = s, best_m = m;
-        }
-    }
-    *scale = float_to_half(best_s);
-    *low = float_to_half(best_m);
-    float s = half_to_float(*scale), m = half_to_float(*low);
-    for (int i = 0; i < GROUP; i++) {
-        float q = s != 0.f ? nearbyintf((x[i] - m) / s) : 0.f;
-        codes[i] = (uint8_t)(q < 0.f ? 0.f : q > levels ? levels : q);
-    }
-}
-
-/* W (n, k) fp32, k a multiple of GROUP -> P packed rows of `bits` (4, 6 or 8) codes; `candidates` scales each side
- * of the range's, `step` apart (in units of one code). */
-void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, int bits, int candidates, float step,
-                            int threads) {
-    int64_t groups = k / GROUP, codes_bytes = k * bits / 8, stride = codes_bytes + 4 * groups;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        uint8_t *row = P + r * stride, codes[GROUP];
-        for (int64_t g = 0; g < groups; g++) {
-            uint16_t s, m;
-            fit_group(W + r * k + g * GROUP, codes, &s, &m, (float)((1 << bits) - 1), candidates, step);
-            uint8_t *at = row + g * 4 * bits;
-            if (bits == 8) memcpy(at, codes, GROUP);
-            else for (int i = 0; i < 16; i++) at[i] = (uint8_t)((codes[i] & 15) | (codes[i + 16] & 15) << 4);
-            if (bits == 6)
-                for (int j = 0; j < 8; j++)
-                    at[16 + j] = (uint8_t)(codes[j] >> 4 | (codes[j + 8] >> 4) << 2 | (codes[j + 16] >> 4) << 4 |
-                                           (codes[j + 24] >> 4) << 6);
-            memcpy(row + codes_bytes + 2 * g, &s, 2);
-            memcpy(row + codes_bytes + 2 * (groups + g), &m, 2);
         }
     }
 }

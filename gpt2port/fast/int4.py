@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from gpt2port.errors import GPT2PortError
 from gpt2port.fast import native
 from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES, INT4, Int4Embedding, Int4Linear, bits_for, dequantize, \
-    padded, row_bytes
+    padded, round_activations, row_bytes
 
 # Stored bytes of a matrix read and quantized at a time, at load
 CHUNK_BYTES = 8 << 20
@@ -59,7 +59,8 @@ def quantize(w: torch.Tensor, bits: int = 4, out: torch.Tensor | None = None) ->
 
 
 def _agrees() -> bool:
-    """The operators against plain PyTorch on the quantizer's own output, from a private generator: one row and
+    """The operators against plain PyTorch (the activations rounded as quant4.round_activations says) on the
+    quantizer's own output, from a private generator: one row and
     many, with and without bias, widths of one and several groups and rows that leave a remainder over the streams,
     at 1 and 2 threads; and the quantizer's error within a 4-bit code's."""
     g = torch.Generator().manual_seed(0)
@@ -74,11 +75,14 @@ def _agrees() -> bool:
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 for bias in (b, None):
-                    want = F.linear(x, ref_w, bias)
+                    want = F.linear(round_activations(x), ref_w, bias)
                     y = torch.ops.gpt2port.matvec_int4(x, packed, bias, k)
                     if y.shape != want.shape or not torch.allclose(y, want, rtol=1e-4, atol=1e-4):
                         return False
                 if not torch.equal(torch.ops.gpt2port.dequantize_int4(packed, k), ref_w):
+                    return False
+                rows = torch.randn(3, k, generator=g)
+                if not torch.equal(torch.ops.gpt2port.round_int4(rows), round_activations(rows)):
                     return False
     except RuntimeError:
         return False

@@ -1,7 +1,7 @@
 """gpt2port's own CPU kernels for a decode step, fp32 and bf16, built on purpose with the machine's C compiler and
 offered to PyTorch as operators: torch.ops.gpt2port.matvec, one row times a weight (matvec.c),
 torch.ops.gpt2port.attend_one, attention for one new token of one sequence (attention.c), and the 4-bit weights'
-products of gpt2port.quant4 (int4.c: matvec_int4, dequantize_int4; fast/int4.py checks them).
+products of gpt2port.quant4 (int4.c: matvec_int4, dequantize_int4, round_int4; fast/int4.py checks them).
 
 Why: a decode step is ~50 one-row products, and the kernels PyTorch ships stream GPT-2's narrow weights well below
 what the memory gives (matvec.c says why and how its loops differ); attention for one token is small work that
@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 # The library's C files, and the header they share (part of what a build is named after).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "attention.c", "int4.c"))
-HEADERS = (Path(__file__).with_name("vectors.h"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "attention.c", "int4.c", "int4_fit.c"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("vectors.h", "int4.h"))
 LIBRARY_NAME = "libgpt2port_native.so"
 BINDING_SOURCE, BINDING_NAME = Path(__file__).with_name("native_ops.cpp"), "libgpt2port_ops.so"
 # Tried in order: the machine's own vector instructions, then the compiler's defaults.
@@ -121,6 +121,9 @@ def _define_ops() -> None:
     _OPS.define("dequantize_int4(Tensor packed, int k) -> Tensor")
     _OPS.impl("matvec_int4", lambda x, packed, bias, k: x.new_empty(*x.shape[:-1], packed.size(0)), "Meta")
     _OPS.impl("dequantize_int4", lambda packed, k: packed.new_empty(packed.size(0), k, dtype=torch.float32), "Meta")
+    # activations as the int4 products take them, rounded to 8 bits per group of 32 (gpt2port.quant4.round_activations)
+    _OPS.define("round_int4(Tensor x) -> Tensor")
+    _OPS.impl("round_int4", lambda x: x.new_empty(x.shape), "Meta")
 
 
 def _matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

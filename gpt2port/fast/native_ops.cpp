@@ -1,6 +1,6 @@
 // The kernels of gpt2port's operators on the CPU, in C++: gpt2port::matvec (one row times a weight, matvec.c) and
-// gpt2port::attend_one (attention for one new token, attention.c), gpt2port::matvec_int4 and dequantize_int4 (4-bit
-// weights, int4.c), each checking its arguments, then calling the
+// gpt2port::attend_one (attention for one new token, attention.c), gpt2port::matvec_int4, dequantize_int4 and
+// round_int4 (4-bit weights, int4.c), each checking its arguments, then calling the
 // library gpt2port/fast/native.py built from those C files.
 //
 // Why C++: a decode step makes ~50 one-row products (~200 at 1.5B), and a kernel written in Python costs each a round
@@ -30,6 +30,7 @@ void gpt2port_attend_one_bf16(const uint16_t *qkv, uint16_t *K, uint16_t *V, uin
 int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads);
 void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int bits, int threads);
+void gpt2port_round_int4(const float *x, float *out, int64_t rows, int64_t k, int threads);
 }
 
 namespace {
@@ -167,6 +168,20 @@ at::Tensor dequantize_int4(const at::Tensor &packed, int64_t k) {
   return w;
 }
 
+// activations (..., k) fp32, k a multiple of 32 -> the same rounded to 8 bits per group of 32, as the int4 products
+// take them (int4.c)
+at::Tensor round_int4(const at::Tensor &x) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) % 32 == 0,
+                    "gpt2port::round_int4 takes fp32 rows (..., k), k a multiple of 32; got ", shape(x), " ",
+                    x.scalar_type());
+  at::Tensor rows = x.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  int64_t k = x.size(-1);
+  gpt2port_round_int4(rows.const_data_ptr<float>(), y.mutable_data_ptr<float>(), k ? x.numel() / k : 0, k,
+                      at::get_num_threads());
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gpt2port, CPU, m) {
@@ -175,4 +190,5 @@ TORCH_LIBRARY_IMPL(gpt2port, CPU, m) {
   m.impl("attend_one.at", attend_one_at);
   m.impl("matvec_int4", matvec_int4);
   m.impl("dequantize_int4", dequantize_int4);
+  m.impl("round_int4", round_int4);
 }

@@ -30,17 +30,19 @@ from gpt2port.fast import native
 from gpt2port.quant4 import CANDIDATE_STEP, CANDIDATES, bits_for
 from scripts import ROOT
 
-FILES = ("gpt2port/fast/int4.c", "gpt2port/fast/vectors.h")
+FILES = ("gpt2port/fast/int4.c", "gpt2port/fast/int4_fit.c", "gpt2port/fast/int4.h", "gpt2port/fast/vectors.h")
 
 
 def build(sources: dict[str, bytes], out: Path) -> ctypes.CDLL:
-    """int4.c built as native.py builds the library (its first flag set), into out."""
+    """int4.c (and int4_fit.c, where the version has one) built as native.py builds the library (its first flag
+    set), into out."""
     out.mkdir(parents=True, exist_ok=True)
     for name, text in sources.items():
         (out / Path(name).name).write_bytes(text)
     lib = out / "libint4.so"
-    subprocess.run([native.compiler() or "cc", *native.FLAG_SETS[0], "-shared", "-fPIC", str(out / "int4.c"), "-lm",
-                    "-o", str(lib)], check=True)
+    c_files = [str(out / Path(name).name) for name in sources if name.endswith(".c")]
+    subprocess.run([native.compiler() or "cc", *native.FLAG_SETS[0], "-shared", "-fPIC", *c_files, "-lm", "-o",
+                    str(lib)], check=True)
     dll = ctypes.CDLL(str(lib))
     dll.gpt2port_matvec_int4.restype = ctypes.c_int
     dll.gpt2port_matvec_int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
@@ -110,8 +112,9 @@ def main() -> None:
     shapes = {"working tree": step(config), args.against: step(config, args.against_bits)}
     clock = time.process_time if args.threads == 1 else time.perf_counter
     trees = {"working tree": {f: (ROOT / f).read_bytes() for f in FILES},
-             args.against: {f: subprocess.run(["git", "show", f"{args.against}:{f}"], cwd=ROOT, check=True,
-                                              capture_output=True).stdout for f in FILES}}
+             args.against: {f: shown.stdout for f in FILES
+                            if (shown := subprocess.run(["git", "show", f"{args.against}:{f}"], cwd=ROOT,
+                                                        capture_output=True)).returncode == 0}}  # its files
     g = torch.Generator().manual_seed(1)
     x = {k: torch.randn(k, generator=g) for _, _, k, _ in shapes["working tree"]}
     y = torch.empty(max(n for _, n, _, _ in shapes["working tree"]))

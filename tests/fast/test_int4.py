@@ -3,7 +3,9 @@ dequantize-and-matmul at trained-like scales (one row and many, odd shapes, 1 an
 the model's logits against fp32 on realistic-scale weights, the swap, `generate`/`eval --dtype int4`, and the
 refusals (another device, no kernel).
 
-Bounds: the kernel is the fp32 product by the dequantized weight up to the order of its sums (1e-5 relative). The
+Bounds: the kernel is the fp32 product by the dequantized weight of the activations rounded to 8 bits per group
+(quant4.round_activations) up to the order of its sums (1e-5 relative), whether it forms it in integer dot products
+(AVX-512 VNNI) or widened to fp32. The
 model's error against fp32 on the realistic tiny model: a KL divergence of 0.18 nats per position (0.27 with the head
 and q/k/v at 6 bits; its logits are peaked and its weights Gaussian, so every group uses its whole range); with the
 head and q/k/v at 4 bits too it was 1.11 (scripts/bench/int4_error.py compares with llama.cpp's Q4_K_M). The bound,
@@ -13,6 +15,7 @@ head and q/k/v at 4 bits too it was 1.11 (scripts/bench/int4_error.py compares w
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ from gpt2port.cli import main
 from gpt2port.fast import Settings, accelerate, restore
 from gpt2port.fast.int4 import from_pretrained, quantize
 from gpt2port.fast.kernels import FastInt4Linear
-from gpt2port.quant4 import GROUP, Int4Embedding, Int4Linear, dequantize, row_bytes
+from gpt2port.quant4 import GROUP, Int4Embedding, Int4Linear, dequantize, round_activations, row_bytes
 from scripts.hf_fixtures import TINY
 from tests.realistic import realistic_checkpoint
 
@@ -81,13 +84,90 @@ def test_the_kernel_is_the_product_by_the_dequantized_weight(n, k, bits):
                 x = torch.randn(rows, k, generator=g) * 2
                 for bias in (layer_bias, None):
                     layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
-                    want = F.linear(x.double(), ref_w.double(), None if bias is None else bias.double())
+                    want = F.linear(round_activations(x).double(), ref_w.double(),
+                                    None if bias is None else bias.double())
                     got = layer(x.view(1, rows, k))
                     assert got.shape == (1, rows, n) and got.dtype == torch.float32
                     scale = want.abs().max().item()
                     assert (got[0].double() - want).abs().max().item() <= 1e-5 * scale
     finally:
         torch.set_num_threads(before)
+
+
+def test_activations_are_rounded_per_group_as_written():
+    """round_activations by hand: d = max|x| / 127 per group of 32, q rounded half to even, a zero group zeros, a
+    group with a NaN or an infinity NaN, a partial last group as if filled with zeros."""
+    x = torch.zeros(1, 3 * GROUP + 5)
+    x[0, :5] = torch.tensor([127, 0.5, 1.5, 2.5, -63.49]) / 64  # d = 1/64 exactly: q 127, 0, 2, 2 (ties to even), -63
+    x[0, 2 * GROUP], x[0, 2 * GROUP + 1] = float("inf"), 1.0
+    x[0, 3 * GROUP], x[0, 3 * GROUP + 4] = 2.54, 1.0  # the last group's 5 numbers: d = 0.02, 1.0 -> q 50
+    y = round_activations(x)
+    assert (y[0, :5] * 64).tolist() == [127, 0, 2, 2, -63]
+    assert torch.equal(y[0, GROUP : 2 * GROUP], torch.zeros(GROUP))
+    assert bool(y[0, 2 * GROUP : 3 * GROUP].isnan().all())
+    assert y[0, 3 * GROUP + 4].item() == float(50 * (torch.tensor(2.54) / 127)) and y.shape == x.shape
+
+
+@pytest.mark.usefixtures("int4_kernel")
+def test_the_operator_for_many_rows_rounds_as_the_reference_bit_for_bit():
+    rows = trained_like(40, 3 * GROUP, seed=5) * 50
+    rows[0, :5] = torch.tensor([127, 0.5, 1.5, 2.5, -63.49]) / 64
+    rows[1, GROUP], rows[2, 2 * GROUP + 3] = float("inf"), float("nan")
+    rows[3, GROUP : 2 * GROUP] = 0
+    got, want = torch.ops.gpt2port.round_int4(rows), round_activations(rows)
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2 * GROUP
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.usefixtures("int4_kernel")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_rounds_activations_and_a_nan_reaches_its_rows(bits):
+    """The one-row product is not the product by fp32 activations (it would be within 1e-5 if it were, as the
+    rounding moves it by ~1e-3 here), and a NaN in one group of x makes every output NaN."""
+    k, n = 768, 64
+    w = trained_like(n, k, seed=3)
+    packed = quantize(w, bits)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)) * 2
+    got = torch.ops.gpt2port.matvec_int4(x, packed, None, k).double()
+    plain = F.linear(x.double(), dequantize(packed, k).double())
+    rounded = F.linear(round_activations(x).double(), dequantize(packed, k).double())
+    scale = plain.abs().max().item()
+    assert (got - rounded).abs().max().item() <= 1e-5 * scale < (got - plain).abs().max().item()
+    x[0, 100] = float("nan")
+    assert bool(torch.ops.gpt2port.matvec_int4(x, packed, None, k).isnan().all())
+
+
+@pytest.mark.usefixtures("int4_kernel")
+def test_integer_dot_products_and_the_widening_path_give_the_same_numbers(tmp_path):
+    """int4.c built as gpt2port builds it (-march=native: integer dot products where the CPU has AVX-512 VNNI) and
+    without -march (codes and activations widened to fp32): the same outputs up to the order of the sums, for every
+    code width, an odd number of groups and a remainder of rows over the streams included."""
+    import ctypes
+    import subprocess
+
+    from gpt2port.fast import native
+
+    source = Path(native.__file__).with_name("int4.c")
+    libs = []
+    for i, flags in enumerate(native.FLAG_SETS):
+        out = tmp_path / f"lib{i}.so"
+        subprocess.run([native.compiler() or "cc", *flags, "-shared", "-fPIC", "-I", str(source.parent), str(source),
+                        "-lm", "-o", str(out)], check=True)
+        lib = ctypes.CDLL(str(out))
+        lib.gpt2port_matvec_int4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+        libs.append(lib)
+    if libs[0].gpt2port_int4_integer_dots() == libs[1].gpt2port_int4_integer_dots():
+        pytest.skip("this CPU has no AVX-512 VNNI: both builds widen")
+    for bits in (4, 6, 8):
+        for n, k in ((37, 768), (9, 96), (130, 3072)):
+            packed = quantize(trained_like(n, k, seed=k + bits), bits)
+            x = torch.randn(k, generator=torch.Generator().manual_seed(n)) * 2
+            ys = []
+            for lib in libs:
+                y = torch.empty(n)
+                assert lib.gpt2port_matvec_int4(packed.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, bits, 2) == 0
+                ys.append(y)
+            torch.testing.assert_close(ys[0], ys[1], rtol=1e-5, atol=1e-5 * ys[1].abs().max().item())
 
 
 @pytest.mark.usefixtures("int4_kernel")
