@@ -72,17 +72,21 @@ def run_int4(ckpt: Path, repeats: int, compiled: bool = False, wide: int | None 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 50257, (1, PROMPT_LEN), generator=g)
     long = torch.randint(0, 50257, (1, PREFILL_LEN), generator=g)
-    decode, prefill = [], []
+    decode, prefill, report = [], [], []
     with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first: warm-up (the trace is taken)
+        for _ in range(repeats + 1):  # the first: warm-up (a compiled step is compiled or loaded there)
             t = time.perf_counter()
             tokens = [int(s[0]) for s in steps(model, prompt, max_new_tokens=NEW_TOKENS, temperature=0,
-                                               stop_token=None, fast=Settings(compile=compiled))]
+                                               stop_token=None, fast=Settings(compile=compiled), report=report)]
             decode.append(len(tokens) / (time.perf_counter() - t))
             t = time.perf_counter()
             model(long, logits_to_keep=1)
             prefill.append(time.perf_counter() - t)
-    return {"decode": max(decode[1:]), "prefill": min(prefill[1:])}
+    # how the timed steps ran: a compiled contender whose step was declined would be the eager one under its name
+    how = sorted(set(report[1:]))
+    if compiled and not all("compiled ahead of time" in h and "not compiled" not in h for h in how):
+        raise SystemExit(f"the compiled contender's steps did not run compiled: {how}")
+    return {"decode": max(decode[1:]), "prefill": min(prefill[1:]), "steps": how}
 
 
 def run_llama(gguf: Path, threads: int, repeats: int) -> dict:
