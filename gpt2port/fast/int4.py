@@ -112,11 +112,15 @@ def quantized_model(cls, path, device=None):
         raise GPT2PortError(f"dtype int4 needs gpt2port's int4 kernel, which is not available here: {missing}")
     model, reader = start_quantizing(cls, path, INT4)
     try:
+        names = [f"{n}.weight" for n in linear_names(model) if n != "lm_head"] + ["tok_emb.weight"]
+        staging = _Staging(reader, names)
         for name in linear_names(model):
             if name != "lm_head":
                 owner, attr = _owner(model, name)
-                setattr(owner, attr, _layer(reader, f"{name}.weight", getattr(owner, attr).bias, bits_for(name)))
-        head = _layer(reader, "tok_emb.weight", None, bits_for("lm_head"))
+                setattr(owner, attr, _layer(reader, f"{name}.weight", getattr(owner, attr).bias, bits_for(name),
+                                            staging))
+        head = _layer(reader, "tok_emb.weight", None, bits_for("lm_head"), staging)
+        del staging
     finally:
         reader.close()
     model.lm_head, model.tok_emb = head, Int4Embedding(head)
@@ -125,21 +129,40 @@ def quantized_model(cls, path, device=None):
     return model.eval()
 
 
-def _layer(reader, name: str, bias: torch.Tensor | None, bits: int) -> Int4Linear:
-    """The checkpoint's matrix `name` quantized CHUNK_BYTES of its stored rows at a time: no whole fp32 copy of it is
-    ever held (the tied head's was 154 MB at 124M, the load's peak)."""
+class _Staging:
+    """The chunk buffers of a whole load, allocated once before any matrix is quantized: one per matrix, freed
+    after it, left a hole under the next matrix's packed rows each time (at 1.5B ~500 MB of the peak was such holes,
+    freed memory the allocator could not give back)."""
+
+    def __init__(self, reader, names: list[str]):
+        def chunk(name):
+            (N, K), size = reader.tensors[name].shape, reader.tensors[name].dtype.itemsize
+            return max(1, min(N, CHUNK_BYTES // (K * size))) * K, size
+
+        chunks = [chunk(name) for name in names]
+        self.bytes = torch.empty(max(n * size for n, size in chunks), dtype=torch.uint8)
+        self.floats = torch.empty(max(n for n, size in chunks if size != 4) if any(size != 4 for _, size in chunks)
+                                  else 0)
+
+
+def _layer(reader, name: str, bias: torch.Tensor | None, bits: int, staging: _Staging) -> Int4Linear:
+    """The checkpoint's matrix `name` quantized CHUNK_BYTES of its stored rows at a time, read into the load's staging
+    buffers: no whole fp32 copy of it is ever held (the tied head's was 154 MB at 124M, the load's peak)."""
     info = reader.tensors[name]
     (N, K), size = info.shape, info.dtype.itemsize
     out = torch.empty(N, row_bytes(K, bits), dtype=torch.uint8)
     rows = max(1, min(N, CHUNK_BYTES // (K * size)))
-    buffer, stream = torch.empty(rows * K * size, dtype=torch.uint8), reader.stream(name)
+    stream = reader.stream(name)
     try:
         for a in range(0, N, rows):
             n = min(rows, N - a)
-            view, got = buffer[: n * K * size].numpy(), 0
+            view, got = staging.bytes[: n * K * size].numpy(), 0
             while got < len(view):
                 got += stream.readinto(view[got:])  # no loans: the source's hash reads these bytes itself
-            quantize(buffer[: n * K * size].view(info.dtype).view(n, K), bits, out[a : a + n])
+            chunk = staging.bytes[: n * K * size].view(info.dtype).view(n, K)
+            if info.dtype != torch.float32:  # widened into the staging floats, not a new tensor per chunk
+                chunk = staging.floats[: n * K].view(n, K).copy_(chunk)
+            quantize(chunk, bits, out[a : a + n])
         stream.finish()
     finally:
         stream.close()

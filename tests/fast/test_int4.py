@@ -259,6 +259,23 @@ def test_load_quantizes_in_chunks_of_rows_what_the_whole_matrix_gives(ckpt, monk
 
 
 @pytest.mark.usefixtures("int4_kernel")
+@pytest.mark.parametrize("stored", ["fp16", "bf16"])
+def test_a_checkpoint_stored_in_half_precision_quantizes_as_its_widened_weights(ckpt, tmp_path, monkeypatch, stored):
+    """fp16/bf16 chunks are widened into the load's staging floats (gpt2port/fast/int4.py _Staging): the packed bytes
+    are those of quantizing the whole widened matrix, with chunks of a few rows and a remainder."""
+    from gpt2port import export
+    from gpt2port.fast import int4
+
+    export(ckpt, tmp_path / stored, dtype=stored)
+    monkeypatch.setattr(int4, "CHUNK_BYTES", 5 * 96 * 2)  # 5 rows of 96 halves at a time
+    q, ref = from_pretrained(tmp_path / stored, dtype="int4"), GPT.from_pretrained(tmp_path / stored, dtype="fp32")
+    assert torch.equal(q.lm_head.weight, quantize(ref.lm_head.weight, 8))
+    for block, plain in zip(q.blocks, ref.blocks):
+        assert torch.equal(block.attn.qkv.weight, quantize(plain.attn.qkv.weight, 8))
+        assert torch.equal(block.mlp.fc.weight, quantize(plain.mlp.fc.weight, 4))
+
+
+@pytest.mark.usefixtures("int4_kernel")
 def test_generate_and_eval_take_int4(ckpt, tmp_path):
     r = CliRunner().invoke(main, ["generate", str(ckpt), "The dog", "-n", "6", "--dtype", "int4", "--seed", "0"])
     assert r.exit_code == 0, r.output
