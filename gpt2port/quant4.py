@@ -84,6 +84,7 @@ def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
     w = codes.float() * halves[:, 0, :, None] + halves[:, 1, :, None]
     return w.reshape(*lead, Kp)[..., :k]
 
+
 def round_activations(x: torch.Tensor) -> torch.Tensor:
     """Activations x (..., k) as the int4 products take them (int4.c rounds them so in C): per group of GROUP along
     the last dimension (the last one filled with zeros), d = max|x| / 127 and q = round(x / d) (ties to even; 0 where

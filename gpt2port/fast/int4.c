@@ -57,8 +57,9 @@ static inline __attribute__((always_inline)) int_vec widen_bytes(const uint8_t *
 #endif
 }
 
-/* The row's scales widened to fp32 and multiplied by the groups' d into `scales`, and sum_g min[g] * sums[g]: 16 or 8 groups at a time where the
- * CPU converts halves itself (F16C, AVX-512), which a decode step otherwise spends a third of its time on. */
+/* The row's scales widened to fp32 and multiplied by the groups' d into `scales`, and sum_g min[g] * sums[g]: 16 or
+ * 8 groups at a time where the CPU converts halves itself (F16C, AVX-512), which a decode step otherwise spends a
+ * third of its time on. */
 static inline float row_setup(const uint8_t *row, const float *d, const float *sums, float *scales, int64_t groups,
                               int64_t codes) {
     const uint16_t *s = (const uint16_t *)(row + codes), *m = s + groups;
@@ -325,7 +326,7 @@ ROWS(6, 0)
 ROWS(8, INTEGER_DOTS)
 
 /* Whether 4- and 8-bit rows are multiplied by integer dot products here (AVX-512 VNNI): the same numbers up to the
- * order of the sums either way; for benchmarks and `gpt2port doctor`. */
+ * order of the sums either way (tests/fast/test_int4.py builds int4.c both ways). */
 int gpt2port_int4_integer_dots(void) { return INTEGER_DOTS; }
 
 /* P (n, k * bits / 8 + k / 8) packed rows of `bits`-bit codes (4, 6 or 8), x (k), b (n) or NULL, y (n); k a

@@ -59,10 +59,10 @@ def quantize(w: torch.Tensor, bits: int = 4, out: torch.Tensor | None = None) ->
 
 
 def _agrees() -> bool:
-    """The operators against plain PyTorch (the activations rounded as quant4.round_activations says) on the
-    quantizer's own output, from a private generator: one row and
-    many, with and without bias, widths of one and several groups and rows that leave a remainder over the streams,
-    at 1 and 2 threads; and the quantizer's error within a 4-bit code's."""
+    """The operators against plain PyTorch (activations rounded as quant4.round_activations says) on the quantizer's
+    own output, from a private generator: one row and many, with and without bias, widths of one and several groups
+    and rows that leave a remainder over the streams, at 1 and 2 threads; and the quantizer's error within a 4-bit
+    code's."""
     g = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
     try:
@@ -130,19 +130,17 @@ def quantized_model(cls, path, device=None):
 
 
 class _Staging:
-    """The chunk buffers of a whole load, allocated once before any matrix is quantized: one per matrix, freed
-    after it, left a hole under the next matrix's packed rows each time (at 1.5B ~500 MB of the peak was such holes,
-    freed memory the allocator could not give back)."""
+    """The buffers a load reads its matrices' chunks into (and widens fp16/bf16 chunks into), allocated once before
+    any matrix is quantized: a buffer per matrix, freed after it, left a hole under the next matrix's packed rows each
+    time, ~500 MB of the peak at 1.5B that the allocator could not give back."""
 
     def __init__(self, reader, names: list[str]):
-        def chunk(name):
+        chunks = []
+        for name in names:
             (N, K), size = reader.tensors[name].shape, reader.tensors[name].dtype.itemsize
-            return max(1, min(N, CHUNK_BYTES // (K * size))) * K, size
-
-        chunks = [chunk(name) for name in names]
+            chunks.append((max(1, min(N, CHUNK_BYTES // (K * size))) * K, size))
         self.bytes = torch.empty(max(n * size for n, size in chunks), dtype=torch.uint8)
-        self.floats = torch.empty(max(n for n, size in chunks if size != 4) if any(size != 4 for _, size in chunks)
-                                  else 0)
+        self.floats = torch.empty(max((n for n, size in chunks if size != 4), default=0))
 
 
 def _layer(reader, name: str, bias: torch.Tensor | None, bits: int, staging: _Staging) -> Int4Linear:
