@@ -14,10 +14,10 @@
  * quant4.round_activations in PyTorch. The product is then y = sum_g scale[g] d[g] (codes_g . q_g) + sum_g min[g] d[g]
  * (sum of q_g): every group's dot product of codes and q is an integer (at most 32 x 255 x 127 < 2^24, so exact in
  * fp32 too), so the result is the fp32 product of the dequantized weight by the rounded activations up to the order
- * of its sums, whichever of the two ways below forms it. Where the CPU has AVX-512 VNNI, 4- and 8-bit codes meet q in
+ * of its sums, whichever of the two ways below forms it. Where the CPU has AVX-512 VNNI, codes of every width meet q in
  * integer dot products, two groups at a time (vpdpbusd: 64 unsigned codes by 64 signed bytes), ~4x fewer instructions
- * a weight than widening both to floats, which is what bounded the step (docs/performance.md); elsewhere, and for
- * 6-bit codes, codes and q are widened to fp32. Rows are read STREAMS at a time from far-apart runs, as matvec.c does
+ * a weight than widening both to floats, which is what bounded the step (docs/performance.md); elsewhere codes and q
+ * are widened to fp32. Rows are read STREAMS at a time from far-apart runs, as matvec.c does
  * (and each slice of q loaded once for the four), each run prefetched AHEAD bytes ahead: without it a step's products
  * (107 MB at 124M, none in cache) ran at half of what one core reads (scripts/bench/int4_kernel.py).
  * With AVX-512, nibbles become floats by a lookup in {0, ..., 15} (vpermps reads an index's low four bits, so the
@@ -225,8 +225,19 @@ static int round_activations(const float *x, int64_t k, void **block, activation
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define INTEGER_DOTS 1
+/* A pair of 6-bit groups' high bits in the 4-bit pair's byte order (g's elements 0-15, g + 1's 0-15, g's 16-31,
+ * g + 1's 16-31): the byte of the group's 8 that holds element e (e % 8, g + 1's 8 after g's), then the shift of its
+ * two bits (2 (e / 8)), the same for both bytes of each 16-bit lane. */
+static const uint8_t CRUMB_BYTE[64] = {0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+                                       8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15,
+                                       0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7,
+                                       8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15};
+static const uint16_t CRUMB_SHIFT[32] = {0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2,
+                                         4, 4, 4, 4, 6, 6, 6, 6, 4, 4, 4, 4, 6, 6, 6, 6};
+
 /* Two groups' dot products of codes and q (g, g + 1), scaled by the row's scales (times d), added to acc. 8-bit:
- * int32 lanes 0-7 are group g's, 8-15 group g + 1's; 4-bit: lanes 0-3 and 8-11 group g's (low, then high nibbles). */
+ * int32 lanes 0-7 are group g's, 8-15 group g + 1's; 4- and 6-bit: lanes 0-3 and 8-11 group g's (low, then high
+ * nibbles), q in that order (activations.q4). */
 static inline __attribute__((always_inline)) __m512 pair_dot(const uint8_t *codes, const int8_t *q, const float *scales,
                                                              __m512 acc, int bits) {
     __m512i c;
@@ -234,8 +245,19 @@ static inline __attribute__((always_inline)) __m512 pair_dot(const uint8_t *code
         c = _mm512_loadu_si512(codes);
     } else {
         const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  /* upper half: the high nibbles */
-        __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)codes));
+        __m256i nibbles = _mm256_loadu_si256((const __m256i *)codes);
+        if (bits == 6)  /* a 6-bit group is 24 bytes: g + 1's nibbles start at byte 24 */
+            nibbles = _mm256_inserti128_si256(nibbles, _mm_loadu_si128((const __m128i *)(codes + 24)), 1);
+        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles), nibbles, 1);
         c = _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(15));
+        if (bits == 6) {
+            __m128i crumbs = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(codes + 16)),
+                                                _mm_loadl_epi64((const __m128i *)(codes + 40)));
+            __m512i spread = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(crumbs), _mm512_loadu_si512(CRUMB_BYTE));
+            __m512i high = _mm512_and_si512(_mm512_srlv_epi16(spread, _mm512_loadu_si512(CRUMB_SHIFT)),
+                                            _mm512_set1_epi8(3));
+            c = _mm512_or_si512(c, _mm512_slli_epi16(high, 4));
+        }
     }
     __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, _mm512_loadu_si512(q));
     const __m512i pick8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -322,10 +344,10 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const a
         rows(P, act, b, y, r0, r1, k, scratch, bits, dots);                                                         \
     }
 ROWS(4, INTEGER_DOTS)
-ROWS(6, 0)
+ROWS(6, INTEGER_DOTS)
 ROWS(8, INTEGER_DOTS)
 
-/* Whether 4- and 8-bit rows are multiplied by integer dot products here (AVX-512 VNNI): the same numbers up to the
+/* Whether rows are multiplied by integer dot products here (AVX-512 VNNI): the same numbers up to the
  * order of the sums either way (tests/fast/test_int4.py builds int4.c both ways). */
 int gpt2port_int4_integer_dots(void) { return INTEGER_DOTS; }
 
