@@ -4,7 +4,10 @@
 Each contender runs in a process of its own (so that its peak RSS is its own), the two alternating round by round:
 
   gpt2port int4     `generate --dtype int4`'s path: the checkpoint quantized at load (gpt2port.fast.int4), the fast
-                    layers swapped in, greedy decoding through gpt2port.generate.steps (the traced step)
+                    layers swapped in, greedy decoding through gpt2port.generate.steps (the model's forward)
+  --compiled        also int4 with the decode step compiled ahead of time (GPT2PORT_COMPILE=1's path, compiled or
+                    loaded in the warm-up); how each int4 contender's steps ran is printed, and a compiled one whose
+                    steps were declined fails rather than be timed as the forward under that name
   --wide BITS       int4 as above with its q/k/v and head at BITS-bit codes (the recipe's other choices, side by side)
   llama.cpp Q4_K_M  the same checkpoint exported as f32 GGUF by gpt2port and quantized by llama.cpp's own
                     llama_model_quantize (llama-cpp-python), greedy through llama.cpp's sampler
