@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import getpass
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,6 +43,15 @@ else:
     _RUN_DIR = _NATIVE_CACHE = tempfile.mkdtemp(prefix="gpt2port-native-")
     atexit.register(shutil.rmtree, _RUN_DIR, True)
     os.environ["GPT2PORT_TESTS_TEMP"] = _RUN_DIR
+    # Inductor keeps its precompiled headers in its default directory whatever TORCHINDUCTOR_CACHE_DIR says
+    # (<temp>/torchinductor_<user>, ~0.9 GB after the compile tests): removed at exit where this run made it
+    try:
+        _INDUCTOR_DEFAULT = os.path.join(tempfile.gettempdir(),
+                                         "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser()))
+    except (KeyError, OSError):
+        _INDUCTOR_DEFAULT = None
+    if _INDUCTOR_DEFAULT is not None and not os.path.exists(_INDUCTOR_DEFAULT):
+        atexit.register(shutil.rmtree, _INDUCTOR_DEFAULT, True)
 os.environ["GPT2PORT_NATIVE_CACHE"] = _NATIVE_CACHE
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_RUN_DIR, "inductor")
 
