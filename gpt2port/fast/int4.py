@@ -129,16 +129,20 @@ def quantized_model(cls, path, device=None):
     return model.eval()
 
 
+def _chunk_rows(info) -> int:
+    """Rows of a stored matrix read and quantized at a time: CHUNK_BYTES of them, at least one."""
+    (N, K), size = info.shape, info.dtype.itemsize
+    return max(1, min(N, CHUNK_BYTES // (K * size)))
+
+
 class _Staging:
     """The buffers a load reads its matrices' chunks into (and widens fp16/bf16 chunks into), allocated once before
     any matrix is quantized: a buffer per matrix, freed after it, left a hole under the next matrix's packed rows each
     time, ~500 MB of the peak at 1.5B that the allocator could not give back."""
 
     def __init__(self, reader, names: list[str]):
-        chunks = []
-        for name in names:
-            (N, K), size = reader.tensors[name].shape, reader.tensors[name].dtype.itemsize
-            chunks.append((max(1, min(N, CHUNK_BYTES // (K * size))) * K, size))
+        chunks = [(_chunk_rows(reader.tensors[n]) * reader.tensors[n].shape[1], reader.tensors[n].dtype.itemsize)
+                  for n in names]
         self.bytes = torch.empty(max(n * size for n, size in chunks), dtype=torch.uint8)
         self.floats = torch.empty(max((n for n, size in chunks if size != 4), default=0))
 
@@ -149,7 +153,7 @@ def _layer(reader, name: str, bias: torch.Tensor | None, bits: int, staging: _St
     info = reader.tensors[name]
     (N, K), size = info.shape, info.dtype.itemsize
     out = torch.empty(N, row_bytes(K, bits), dtype=torch.uint8)
-    rows = max(1, min(N, CHUNK_BYTES // (K * size)))
+    rows = _chunk_rows(info)
     stream = reader.stream(name)
     try:
         for a in range(0, N, rows):
