@@ -3,20 +3,28 @@ the packed layout and the layers. The kernel, the quantizer and the loader are i
 (gpt2port/fast/int4.py, int4.c), which the layers reach through their operators.
 
 Every matrix of the model (the four per block, and the token embedding, which is also the tied head) is stored in
-groups of GROUP numbers along its input dimension, each group as codes with an fp16 scale and an fp16 minimum
-(asymmetric): w ~= code * scale + min. Most matrices take 4-bit codes (0..15; 5 bits per weight in all, 4 + 2 x 16 /
-32); the tied head and each block's q/k/v matrix (BITS, HEAD_BITS) take 8-bit codes (9 bits per weight), as
-llama.cpp's Q4_K_M gives its head and half its q/k/v matrices Q6_K: on trained-like weights 4-bit codes there cost
-far more than elsewhere. 6-bit codes (7 bits per weight) keep the error below Q4_K_M's with 14% fewer bytes at 124M,
-but shorten a step by only ~5% on integer dot products for a KL divergence ~15% higher, so they are not the default
-(scripts/bench/int4_error.py, int4_kernel.py, docs/performance.md). The tied matrix is held once. Norms, biases and
-the position table stay fp32.
+groups of GROUP numbers along its input dimension, each group as codes, a scale byte c and a zero byte z (int8) under
+the row's fp32 base: w ~= s * (code - 2^(bits - 1) + z * u), s = base * 2^(-c / 32), u = 2^bits / 256 codes (so the
+group's middle sits within half its range of 0, to 1/16 of a 4-bit step). Two bytes a group, where an fp16 scale and
+minimum took four: 4.5 bits per weight at 4-bit codes (was 5), as llama.cpp's Q4_K, whose 6-bit scales and minimums
+are linear under a pair per 256 numbers; a scale's 2^(1/32) steps are even across magnitudes (eight octaves below
+the row's largest group), and codes are rounded against the stored pair. At 4 bits the squared error is that of fp16
+scales and minimums (within 0.2%); at 6 and 8 bits, where codes are fine enough for the scale's steps to show, 8% and
+23% above it (scripts/bench/int4_error.py: the logits' KL divergence moves by less than its noise at 8 bits).
+Most matrices take 4-bit codes (0..15); the tied head and each block's q/k/v matrix (BITS, HEAD_BITS) take 8-bit codes
+(8.5 bits per weight), as llama.cpp's Q4_K_M gives its head and half its q/k/v matrices Q6_K: on trained-like weights
+4-bit codes there cost far more than elsewhere. 6-bit codes (6.5 bits per weight) are the other choice
+(docs/performance.md has both side by side). The tied matrix is held once. Norms, biases and the position table stay
+fp32.
 
 Each group's scale and minimum are fitted, not just taken from its range: over candidate scales around
 (max - min) / 15 (or 255) the codes are rounded, the scale and minimum refitted to them by least squares, and the
-pair with the least squared error kept (llama.cpp's make_qkx2_quants does the same for Q4_K, there with weights);
-rounded to fp16, the codes are rounded once more against the stored pair. scripts/bench/int4_error.py compares the
-logits' KL divergence from fp32 with llama.cpp's Q4_K_M on the same weights (docs/performance.md).
+pair with the least squared error kept (llama.cpp's make_qkx2_quants does the same for Q4_K, there with weights).
+The row's base is its largest fitted scale two steps up; each group then tries the four stored scales nearest its
+own, each with the zeros nearest its minimum (down, up, and the nearest that leaves no number outside the codes'
+range), refitted once to the codes, and keeps the pair with the least squared error.
+scripts/bench/int4_error.py compares the logits' KL divergence from fp32 with llama.cpp's Q4_K_M on the same weights
+(docs/performance.md).
 
 Activations are rounded to 8 bits per group of GROUP before every product (round_activations, as llama.cpp rounds
 them for its 4-bit types): the kernel then multiplies codes by them in integer dot products where the CPU has them
@@ -37,6 +45,11 @@ import torch.nn.functional as F
 
 
 GROUP = 32
+# 2^(-j / 32) for j = 0..31 and 2^(-j) for j = 0..7, in fp32 (int4.h's SCALE_STEP)
+SCALE_STEPS = torch.tensor([2.0 ** (-j / 32) for j in range(32)])
+POWERS = torch.tensor([2.0**-j for j in range(8)])
+# A zero byte's unit: 2^(bits - ZERO_SHIFT) codes (int4.h's)
+ZERO_SHIFT = 8
 # Candidate scales: span / (15 + CANDIDATE_STEP * i) for |i| <= CANDIDATES (make_qkx2_quants': -1 .. 1 by 0.1)
 CANDIDATES, CANDIDATE_STEP = 10, 0.1
 
@@ -47,9 +60,9 @@ def padded(k: int) -> int:
 
 
 def row_bytes(k: int, bits: int = 4) -> int:
-    """Bytes of one packed row of k numbers: `bits`-bit codes (4, 6 or 8), then scales, then minimums (int4.c's
-    layout)."""
-    return padded(k) * bits // 8 + 4 * (padded(k) // GROUP)
+    """Bytes of one packed row of k numbers: `bits`-bit codes (4, 6 or 8), scale bytes, zero bytes, the fp32 base
+    (int4.c's layout)."""
+    return padded(k) * bits // 8 + 2 * (padded(k) // GROUP) + 4
 
 
 def bits_for(name: str) -> int:
@@ -61,12 +74,12 @@ def bits_for(name: str) -> int:
 
 def bits_of(packed: torch.Tensor, k: int) -> int:
     """The code width of packed rows of k numbers, as their byte count says: 4, 6 or 8."""
-    return (packed.size(-1) - 4 * (padded(k) // GROUP)) * 8 // padded(k)
+    return (packed.size(-1) - 2 * (padded(k) // GROUP) - 4) * 8 // padded(k)
 
 
 def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
-    """The fp32 rows (..., k) that packed rows (..., row_bytes(k, bits)) stand for, in plain PyTorch: code * scale +
-    min (the reference the kernel is checked against)."""
+    """The fp32 rows (..., k) that packed rows (..., row_bytes(k, bits)) stand for, in plain PyTorch: s * (code + z *
+    u), s = base * 2^(-c / 32) (the reference the kernel is checked against)."""
     Kp, G, bits = padded(k), padded(k) // GROUP, bits_of(packed, k)
     lead = packed.shape[:-1]
     flat = packed.reshape(-1, packed.size(-1))
@@ -80,8 +93,13 @@ def dequantize(packed: torch.Tensor, k: int) -> torch.Tensor:
             crumbs = groups[..., 16:24].int()
             high = torch.stack([(crumbs >> 2 * m) & 3 for m in range(4)], dim=2)  # (rows, G, 4, 8): element 8m + j
             codes |= high.flatten(2) << 4
-    halves = flat[:, Kp * bits // 8 :].contiguous().view(torch.float16).float().view(-1, 2, G)
-    w = codes.float() * halves[:, 0, :, None] + halves[:, 1, :, None]
+    at = Kp * bits // 8
+    c = flat[:, at : at + G].long()
+    z = flat[:, at + G : at + 2 * G].contiguous().view(torch.int8).float()
+    zu = z * 2.0 ** (bits - ZERO_SHIFT) - 2.0 ** (bits - 1)  # the zero in codes (int4.h's zero_codes)
+    base = flat[:, at + 2 * G : at + 2 * G + 4].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    s = base * SCALE_STEPS[c & 31] * POWERS[c >> 5]  # int4.h's group_scale: one rounding, then an exact power of two
+    w = (codes.float() + zu[..., None]) * s[..., None]
     return w.reshape(*lead, Kp)[..., :k]
 
 

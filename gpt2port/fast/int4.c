@@ -1,17 +1,18 @@
 /* Weights of 4, 6 or 8 bits, group-wise (gpt2port/quant4.py): one row times a weight, y[n] = W[n, k] . x[k]
  * (+ b[n]), and a block of rows dequantized to fp32 (for products of many rows, which a GEMM does better).
  *
- * A packed row of k numbers (k a multiple of GROUP) is its codes, 4 * bits bytes per group, then k / GROUP fp16
- * scales, then k / GROUP fp16 minimums: w[GROUP g + i] = code * scale[g] + min[g]. 8-bit codes are one byte each.
+ * A packed row of k numbers (k a multiple of GROUP) is its codes, 4 * bits bytes per group, then k / GROUP scale
+ * bytes c, then k / GROUP zero bytes z (int8), then the row's fp32 base: w[GROUP g + i] = s[g] (code + z[g] u), s[g]
+ * = base 2^(-c[g] / 32) (int4.h's group_scale), u = 2^bits / 128. 8-bit codes are one byte each.
  * Narrower codes keep their low four bits as nibbles, byte i of a group holding element i in its low nibble and
  * element i + 16 in its high one (so that one vector of bytes widens into the group's two halves); a 6-bit code's
  * two higher bits follow in 8 bytes, byte j holding those of elements j, j + 8, j + 16, j + 24 from its low bits up
  * (one byte per lane after a shift that depends only on the lane). The width of a row says which: k * bits / 8 + k /
- * 8 bytes, bits 4, 6 or 8.
+ * 16 + 4 bytes, bits 4, 6 or 8.
  *
  * The activations are rounded first, per group of GROUP: d = max|x_g| / 127, q = round(x / d) (ties to even; 0 where
  * d is 0; a group holding a NaN or an infinity gives NaN), as llama.cpp rounds them for its 4-bit types, and gpt2port's
- * quant4.round_activations in PyTorch. The product is then y = sum_g scale[g] d[g] (codes_g . q_g) + sum_g min[g] d[g]
+ * quant4.round_activations in PyTorch. The product is then y = sum_g s[g] d[g] (codes_g . q_g) + sum_g s[g] z[g] u d[g]
  * (sum of q_g): every group's dot product of codes and q is an integer (at most 32 x 255 x 127 < 2^24, so exact in
  * fp32 too), so the result is the fp32 product of the dequantized weight by the rounded activations up to the order
  * of its sums, whichever of the two ways below forms it. Where the CPU has AVX-512 VNNI, codes of every width meet q in
@@ -35,7 +36,7 @@
 
 #include "int4.h"
 #include "vectors.h"
-#if defined(__AVX512F__) || defined(__F16C__)
+#ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
@@ -57,42 +58,34 @@ static inline __attribute__((always_inline)) int_vec widen_bytes(const uint8_t *
 #endif
 }
 
-/* The row's scales widened to fp32 and multiplied by the groups' d into `scales`, and sum_g min[g] * sums[g]: 16 or
- * 8 groups at a time where the CPU converts halves itself (F16C, AVX-512), which a decode step otherwise spends a
- * third of its time on. */
+/* The row's group scales times the groups' d into `scales`, and sum_g s[g] z[g] u * sums[g] (the minimums' part of
+ * the product): 16 groups at a time with AVX-512 (a table lookup of 2^(-(c % 32) / 32), a scaling by 2^(-c / 32)). */
 static inline float row_setup(const uint8_t *row, const float *d, const float *sums, float *scales, int64_t groups,
-                              int64_t codes) {
-    const uint16_t *s = (const uint16_t *)(row + codes), *m = s + groups;
-    float offset = 0.f;
+                              int64_t codes, int bits) {
+    const uint8_t *c = row + codes;
+    const int8_t *z = (const int8_t *)(c + groups);
+    float base, unit = (float)(1 << bits) / (float)(1 << ZERO_SHIFT), half = (float)(1 << (bits - 1)), offset = 0.f;
+    memcpy(&base, c + 2 * groups, 4);  /* rows start at any even byte: read unaligned */
     int64_t g = 0;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; g + 16 <= groups; g += 16) {
-        _mm512_storeu_ps(scales + g, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + g))),
-                                                   _mm512_loadu_ps(d + g)));
-        acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + g))),
-                              _mm512_loadu_ps(sums + g), acc);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    __m512 acc = _mm512_setzero_ps(), b = _mm512_set1_ps(base), steps = _mm512_loadu_ps(SCALE_STEP),
+           steps2 = _mm512_loadu_ps(SCALE_STEP + 16), u = _mm512_set1_ps(unit), h = _mm512_set1_ps(half);
+    for (; g < groups; g += 16) {  /* the last 1-15 groups under a mask (one scalar call each cost a third of a row) */
+        __mmask16 on = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        __m512i cs = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(on, c + g));
+        __m512 s = _mm512_scalef_ps(_mm512_mul_ps(b, _mm512_permutex2var_ps(steps, cs, steps2)),
+                                    _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setzero_si512(),
+                                                                        _mm512_srli_epi32(cs, 5))));
+        __m512 zu = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(on, z + g))), u, h);
+        _mm512_mask_storeu_ps(scales + g, on, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(on, d + g)));
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(s, zu), _mm512_maskz_loadu_ps(on, sums + g), acc);
     }
     offset = _mm512_reduce_add_ps(acc);
 #endif
-#if defined(__F16C__) && defined(__AVX__)
-    __m256 acc8 = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8) {
-        _mm256_storeu_ps(scales + g, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g))),
-                                                   _mm256_loadu_ps(d + g)));
-        acc8 = _mm256_add_ps(acc8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + g))),
-                                                 _mm256_loadu_ps(sums + g)));
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc8);
-    for (int l = 0; l < 8; l++) offset += lanes[l];
-#endif
     for (; g < groups; g++) {
-        uint16_t sg, mg;
-        memcpy(&sg, s + g, 2);  /* rows start at any even byte: read unaligned */
-        memcpy(&mg, m + g, 2);
-        scales[g] = half_to_float(sg) * d[g];
-        offset += half_to_float(mg) * sums[g];
+        float s = group_scale(base, c[g]);
+        scales[g] = s * d[g];
+        offset += s * zero_codes(z[g], bits) * sums[g];
     }
     return offset;
 }
@@ -277,14 +270,14 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const a
                                                        float *y, int64_t r0, int64_t r1, int64_t k, float *scratch,
                                                        int bits, int dots) {
     int64_t groups = k / GROUP, codes = k * bits / 8, per = 4 * bits, paired = dots ? groups & ~(int64_t)1 : 0;
-    int64_t stride = codes + 4 * groups, run = (r1 - r0) / STREAMS;
+    int64_t stride = codes + 2 * groups + 4, run = (r1 - r0) / STREAMS;
     const float *x = act->qf, *d = act->d, *sums = act->sums;
     float *s0 = scratch, *s1 = s0 + groups, *s2 = s1 + groups, *s3 = s2 + groups;
     for (int64_t i = 0; i < run; i++) {
         int64_t r = r0 + i;
         const uint8_t *w0 = P + r * stride, *w1 = w0 + run * stride, *w2 = w1 + run * stride, *w3 = w2 + run * stride;
-        float o0 = row_setup(w0, d, sums, s0, groups, codes), o1 = row_setup(w1, d, sums, s1, groups, codes),
-              o2 = row_setup(w2, d, sums, s2, groups, codes), o3 = row_setup(w3, d, sums, s3, groups, codes);
+        float o0 = row_setup(w0, d, sums, s0, groups, codes, bits), o1 = row_setup(w1, d, sums, s1, groups, codes, bits),
+              o2 = row_setup(w2, d, sums, s2, groups, codes, bits), o3 = row_setup(w3, d, sums, s3, groups, codes, bits);
         vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
 #if INTEGER_DOTS
         if (dots) {
@@ -321,7 +314,7 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const a
     }
     for (int64_t r = r0 + STREAMS * run; r < r1; r++) {
         const uint8_t *w = P + r * stride;
-        float o = row_setup(w, d, sums, s0, groups, codes);
+        float o = row_setup(w, d, sums, s0, groups, codes, bits);
         vec a = {0};
 #if INTEGER_DOTS
         if (dots) {
@@ -351,7 +344,10 @@ ROWS(8, INTEGER_DOTS)
  * order of the sums either way (tests/fast/test_int4.py builds int4.c both ways). */
 int gpt2port_int4_integer_dots(void) { return INTEGER_DOTS; }
 
-/* P (n, k * bits / 8 + k / 8) packed rows of `bits`-bit codes (4, 6 or 8), x (k), b (n) or NULL, y (n); k a
+/* Bytes of a packed row of k numbers (a multiple of GROUP) of `bits`-bit codes (scripts/bench/int4_kernel.py asks). */
+int64_t gpt2port_int4_row_bytes(int64_t k, int bits) { return k * bits / 8 + 2 * (k / GROUP) + 4; }
+
+/* P (n, k * bits / 8 + k / 16 + 4) packed rows of `bits`-bit codes (4, 6 or 8), x (k), b (n) or NULL, y (n); k a
  * multiple of GROUP. 0, or -1 where memory for the scratch could not be had (nothing written). */
 int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads) {
@@ -372,20 +368,17 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
     return 0;
 }
 
-/* The same rows dequantized: W (n, k) fp32, w = code * scale + min (the compiler may fuse the two: within a rounding
- * of PyTorch's reference, gpt2port/quant4.py). */
+/* The same rows dequantized: W (n, k) fp32, w = s (code + z u), as gpt2port/quant4.py's reference forms it. */
 void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int bits, int threads) {
-    int64_t groups = k / GROUP, codes = k * bits / 8, stride = codes + 4 * groups;
+    int64_t groups = k / GROUP, codes = k * bits / 8, stride = codes + 2 * groups + 4;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
-        const uint8_t *row = P + r * stride;
-        const uint16_t *s = (const uint16_t *)(row + codes), *m = s + groups;
-        float *out = W + r * k;
+        const uint8_t *row = P + r * stride, *c = row + codes;
+        const int8_t *z = (const int8_t *)(c + groups);
+        float base, *out = W + r * k;
+        memcpy(&base, c + 2 * groups, 4);
         for (int64_t g = 0; g < groups; g++) {
-            uint16_t sg, mg;
-            memcpy(&sg, s + g, 2);
-            memcpy(&mg, m + g, 2);
-            float scale = half_to_float(sg), low = half_to_float(mg);
+            float scale = group_scale(base, c[g]), zu = zero_codes(z[g], bits);
             int_vec v, u;
             if (bits == 8) {
                 v = widen_bytes(row + g * GROUP);
@@ -393,9 +386,9 @@ void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, 
             } else {
                 narrow_codes(row + g * 4 * bits, bits, &v, &u);
             }
-            vec a = __builtin_convertvector(v, vec) * scale + low, c = __builtin_convertvector(u, vec) * scale + low;
+            vec a = (__builtin_convertvector(v, vec) + zu) * scale, e = (__builtin_convertvector(u, vec) + zu) * scale;
             memcpy(out + g * GROUP, &a, sizeof a);
-            memcpy(out + g * GROUP + 16, &c, sizeof c);
+            memcpy(out + g * GROUP + 16, &e, sizeof e);
         }
     }
 }

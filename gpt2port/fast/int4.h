@@ -1,44 +1,36 @@
 /* What int4.c (the products) and int4_fit.c (the quantizer) share: the group size of gpt2port/quant4.py's packed
- * rows, and IEEE half <-> single for their scales and minimums. */
+ * rows and how a group's scale and zero are read from their bytes. */
 #ifndef GPT2PORT_INT4_H
 #define GPT2PORT_INT4_H
 
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #define GROUP 32
 
-/* IEEE half to single, exactly (normal, subnormal, zero, infinity, NaN). */
-static inline float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
-    if (e == 0x1f) u = sign | 0x7f800000u | (m << 13);
-    else if (e) u = sign | ((e + 112) << 23) | (m << 13);
-    else if (!m) u = sign;
-    else {  /* subnormal: m * 2^-24, exact in fp32 */
-        float f = (float)m * 5.9604644775390625e-8f;
-        memcpy(&u, &f, sizeof u);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+/* 2^(-j / 32), j = 0..31, rounded to fp32 (gpt2port/quant4.py's SCALE_STEPS: the same numbers) */
+static const float SCALE_STEP[32] = {
+    0x1.0p+0f, 0x1.f50766p-1f, 0x1.ea4afap-1f, 0x1.dfc974p-1f, 0x1.d5818ep-1f, 0x1.cb720ep-1f,
+    0x1.c199bep-1f, 0x1.b7f77p-1f, 0x1.ae89fap-1f, 0x1.a5503cp-1f, 0x1.9c4918p-1f, 0x1.93737cp-1f,
+    0x1.8ace54p-1f, 0x1.82589ap-1f, 0x1.7a1148p-1f, 0x1.71f75ep-1f, 0x1.6a09e6p-1f, 0x1.6247ecp-1f,
+    0x1.5ab07ep-1f, 0x1.5342b6p-1f, 0x1.4bfdaep-1f, 0x1.44e086p-1f, 0x1.3dea64p-1f, 0x1.371a74p-1f,
+    0x1.306fep-1f, 0x1.29e9ep-1f, 0x1.2387a6p-1f, 0x1.1d4874p-1f, 0x1.172b84p-1f, 0x1.11301ep-1f,
+    0x1.0b5586p-1f, 0x1.059b0ep-1f};
 
-/* Single to IEEE half, rounded to nearest, ties to even (as PyTorch's .half()). */
-static inline uint16_t float_to_half(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint32_t sign = (u >> 16) & 0x8000, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00);
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00);  /* 65520 and up: infinity */
-    if (a < 0x38800000u) {  /* below 2^-14: a subnormal half, v * 2^24 rounded (exactly representable first) */
-        float v;
-        memcpy(&v, &a, sizeof v);
-        return (uint16_t)(sign | (uint16_t)lrintf(v * 16777216.0f));
-    }
-    a += 0xfffu + ((a >> 13) & 1u);
-    return (uint16_t)(sign | ((a - 0x38000000u) >> 13));
+/* 2^(-j), j = 0..7 */
+static const float POWER[8] = {1.f, 0.5f, 0.25f, 0.125f, 0.0625f, 0.03125f, 0.015625f, 0.0078125f};
+
+/* A group's scale from its row's base and its scale byte c: base * 2^(-c / 32), as base * 2^(-(c % 32) / 32) rounded,
+ * then times 2^(-(c / 32)) (exact but where it underflows, and then rounded as a scaling is) */
+static inline float group_scale(float base, uint8_t c) { return base * SCALE_STEP[c & 31] * POWER[c >> 5]; }
+
+/* A group's zero byte z in codes: z u - 2^(bits - 1), u = 2^(bits - ZERO_SHIFT) (its middle code's offset, so that a
+ * zero reaches either side alike) */
+#ifndef ZERO_SHIFT
+#define ZERO_SHIFT 8
+#endif
+static inline float zero_codes(int8_t z, int bits) {
+    return (float)z * (float)(1 << bits) / (float)(1 << ZERO_SHIFT) - (float)(1 << (bits - 1));
 }
 
 #endif

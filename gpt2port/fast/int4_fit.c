@@ -1,5 +1,6 @@
 /* The quantizer of gpt2port's int4 weights (gpt2port/quant4.py gives the layout, int4.c multiplies by it): each
- * group of GROUP numbers of a row fitted to codes of 4, 6 or 8 bits with an fp16 scale and minimum, at load. */
+ * group of GROUP numbers of a row fitted to codes of 4, 6 or 8 bits, a scale byte and a zero byte under the row's
+ * fp32 base, at load. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -8,11 +9,10 @@
 #include "int4.h"
 
 
-/* One group's codes, scale and minimum (see gpt2port/quant4.py): over candidate scales span / (15 + step * i), the
- * codes rounded from the minimum, the scale and minimum refitted by least squares, the least squared error kept;
- * then the pair rounded to fp16 and the codes rounded against it. */
-static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t *low, float levels, int candidates,
-                      float step) {
+/* One group's scale and minimum, unrounded (see gpt2port/quant4.py): over candidate scales span / (levels + step *
+ * i), the codes rounded from the minimum, the scale and minimum refitted by least squares, the least squared error
+ * kept. A constant group: the scale that puts its value at the range's end. */
+static void fit_group(const float *x, float levels, int candidates, float step, float *scale, float *low) {
     float lo = x[0], hi = x[0], sum_x = 0.f;
     for (int i = 0; i < GROUP; i++) {
         lo = x[i] < lo ? x[i] : lo;
@@ -20,7 +20,8 @@ static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t 
         sum_x += x[i];
     }
     float best_s = (hi - lo) / levels, best_m = lo, best_err = INFINITY;
-    if (hi > lo) {
+    if (!(hi > lo)) best_s = fabsf(lo) / levels;
+    else
         for (int c = -candidates; c <= candidates; c++) {
             float inv = (levels + step * (float)c) / (hi - lo), sl = 0.f, sl2 = 0.f, sxl = 0.f, l[GROUP];
             for (int i = 0; i < GROUP; i++) {
@@ -39,13 +40,64 @@ static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t 
             }
             if (err < best_err) best_err = err, best_s = s, best_m = m;
         }
-    }
-    *scale = float_to_half(best_s);
-    *low = float_to_half(best_m);
-    float s = half_to_float(*scale), m = half_to_float(*low);
+    *scale = best_s;
+    *low = best_m;
+}
+
+static inline float clampf(float v, float a, float b) { return !(v >= a) ? a : v > b ? b : v; }  /* NaN: a */
+
+/* The codes of x against scale s and a zero of zu codes (int4.h's zero_codes): w = s (code + zu), each code rounded,
+ * clamped. Returns the squared error. */
+static float codes_for(const float *x, float s, float zu, float levels, uint8_t *codes) {
+    float err = 0.f;
     for (int i = 0; i < GROUP; i++) {
-        float q = s != 0.f ? nearbyintf((x[i] - m) / s) : 0.f;
-        codes[i] = (uint8_t)(q < 0.f ? 0.f : q > levels ? levels : q);
+        float q = clampf(nearbyintf(x[i] / s - zu), 0.f, levels), d = s * (q + zu) - x[i];
+        codes[i] = (uint8_t)q;
+        err += d * d;
+    }
+    return err;
+}
+
+/* One group against its row's base: of the stored scales next to the fitted one (scale bytes c0 - 2 .. c0 + 1), with
+ * each zero near the fitted minimum (rounded down and up, and the nearest that leaves no number outside the codes'
+ * range), the codes rounded against the pair, the zero refitted once to the codes' mean error and the codes rounded
+ * again: the pair with the least squared error. */
+static void store_group(const float *x, float base, float fit_s, float fit_m, int bits, uint8_t *codes,
+                        uint8_t *c_out, int8_t *z_out) {
+    float best_err = INFINITY, lo = x[0], hi = x[0], levels = (float)((1 << bits) - 1);
+    float unit = (float)(1 << bits) / (float)(1 << ZERO_SHIFT), half = (float)(1 << (bits - 1));
+    uint8_t trial[GROUP];
+    *c_out = 0, *z_out = 0;
+    memset(codes, 0, GROUP);
+    if (!(base > 0.f)) return;  /* a row of zeros */
+    for (int i = 1; i < GROUP; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+    }
+    int c0 = fit_s > 0.f ? (int)clampf(nearbyintf(-32.f * log2f(fit_s / base)), 0.f, 255.f) : 255;
+    for (int c = c0 - 2; c <= c0 + 1; c++) {
+        if (c < 0 || c > 255) continue;
+        float s = group_scale(base, (uint8_t)c);
+        if (!(s > 0.f)) continue;
+        /* zeros (in units) putting the minimum at fit_m, at or below lo, and the top at or above hi */
+        float at = (fit_m / s + half) / unit, top = floorf((lo / s + half) / unit),
+              bottom = ceilf((hi / s - levels + half) / unit);
+        float zs[3] = {floorf(at), ceilf(at), bottom <= top ? clampf(nearbyintf(at), bottom, top) : floorf(at)};
+        for (int t = 0; t < 3; t++) {
+            float z = clampf(zs[t], -128.f, 127.f);
+            for (int round = 0; round < 2; round++) {
+                float err = codes_for(x, s, zero_codes((int8_t)z, bits), levels, trial);
+                if (err < best_err) {
+                    best_err = err, *c_out = (uint8_t)c, *z_out = (int8_t)z;
+                    memcpy(codes, trial, GROUP);
+                }
+                float mean = 0.f;
+                for (int i = 0; i < GROUP; i++) mean += x[i] - s * (float)trial[i];
+                float refit = clampf(nearbyintf((mean / GROUP / s + half) / unit), -128.f, 127.f);
+                if (refit == z) break;
+                z = refit;
+            }
+        }
     }
 }
 
@@ -53,22 +105,34 @@ static void fit_group(const float *x, uint8_t *codes, uint16_t *scale, uint16_t 
  * of the range's, `step` apart (in units of one code). */
 void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, int bits, int candidates, float step,
                             int threads) {
-    int64_t groups = k / GROUP, codes_bytes = k * bits / 8, stride = codes_bytes + 4 * groups;
+    int64_t groups = k / GROUP, codes_bytes = k * bits / 8, stride = codes_bytes + 2 * groups + 4;
+    float levels = (float)((1 << bits) - 1);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         uint8_t *row = P + r * stride, codes[GROUP];
-        for (int64_t g = 0; g < groups; g++) {
-            uint16_t s, m;
-            fit_group(W + r * k + g * GROUP, codes, &s, &m, (float)((1 << bits) - 1), candidates, step);
-            uint8_t *at = row + g * 4 * bits;
-            if (bits == 8) memcpy(at, codes, GROUP);
-            else for (int i = 0; i < 16; i++) at[i] = (uint8_t)((codes[i] & 15) | (codes[i + 16] & 15) << 4);
-            if (bits == 6)
-                for (int j = 0; j < 8; j++)
-                    at[16 + j] = (uint8_t)(codes[j] >> 4 | (codes[j + 8] >> 4) << 2 | (codes[j + 16] >> 4) << 4 |
-                                           (codes[j + 24] >> 4) << 6);
-            memcpy(row + codes_bytes + 2 * g, &s, 2);
-            memcpy(row + codes_bytes + 2 * (groups + g), &m, 2);
-        }
+        float fits[2 * 256], *fit = groups <= 256 ? fits : NULL, base = 0.f;
+        for (int pass = 0; pass < 2; pass++)
+            for (int64_t g = 0; g < groups; g++) {
+                const float *x = W + r * k + g * GROUP;
+                float s, m;
+                if (fit && pass) s = fit[2 * g], m = fit[2 * g + 1];
+                else fit_group(x, levels, candidates, step, &s, &m);  /* wide rows: fitted twice */
+                if (!pass) {
+                    if (fit) fit[2 * g] = s, fit[2 * g + 1] = m;
+                    base = s > base ? s : base;  /* a NaN's scale is never kept */
+                    if (g == groups - 1) base /= SCALE_STEP[2];  /* 2^(2 / 32) up: the widest group can widen too */
+                    continue;
+                }
+                uint8_t *at = row + g * 4 * bits;
+                store_group(x, base, s, m, bits, codes, row + codes_bytes + g,
+                            (int8_t *)(row + codes_bytes + groups + g));
+                if (bits == 8) memcpy(at, codes, GROUP);
+                else for (int i = 0; i < 16; i++) at[i] = (uint8_t)((codes[i] & 15) | (codes[i + 16] & 15) << 4);
+                if (bits == 6)
+                    for (int j = 0; j < 8; j++)
+                        at[16 + j] = (uint8_t)(codes[j] >> 4 | (codes[j + 8] >> 4) << 2 | (codes[j + 16] >> 4) << 4 |
+                                               (codes[j + 24] >> 4) << 6);
+            }
+        memcpy(row + codes_bytes + 2 * groups, &base, 4);
     }
 }

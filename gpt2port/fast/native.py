@@ -116,7 +116,7 @@ def _define_ops() -> None:
     for name in ("attend_one", "attend_one.at"):
         _OPS.impl(name, lambda qkv, keys, values, length, scale: qkv.new_empty(*qkv.shape[:-1], qkv.size(-1) // 3),
                   "Meta")
-    # 4- to 8-bit weights (int4.c, gpt2port.quant4): packed rows (n, k * bits / 8 + k / 8) uint8 of k numbers
+    # 4- to 8-bit weights (int4.c, gpt2port.quant4): packed rows (n, k * bits / 8 + k / 16 + 4) uint8 of k numbers
     _OPS.define("matvec_int4(Tensor x, Tensor packed, Tensor? bias, int k) -> Tensor")
     _OPS.define("dequantize_int4(Tensor packed, int k) -> Tensor")
     _OPS.impl("matvec_int4", lambda x, packed, bias, k: x.new_empty(*x.shape[:-1], packed.size(0)), "Meta")

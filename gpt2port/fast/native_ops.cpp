@@ -122,14 +122,14 @@ at::Tensor attend_one_at(const at::Tensor &qkv, at::Tensor &keys, at::Tensor &va
   return attend_one(qkv, keys, values, *length.const_data_ptr<int64_t>(), scale);
 }
 
-// The bits of int4.c's packed rows of k numbers (k a multiple of 32), uint8 (n, k * bits / 8 + k / 8), bits 4, 6 or
-// 8; 0 where `packed` is none of them.
+// The bits of int4.c's packed rows of k numbers (k a multiple of 32), uint8 (n, k * bits / 8 + k / 16 + 4), bits 4,
+// 6 or 8; 0 where `packed` is none of them.
 int packed_bits(const at::Tensor &packed, int64_t k) {
   if (packed.scalar_type() != at::kByte || !packed.device().is_cpu() || packed.dim() != 2 || !packed.is_contiguous() ||
       k <= 0 || k % 32 != 0)
     return 0;
   for (int bits : {4, 6, 8})
-    if (packed.size(1) == k * bits / 8 + k / 8) return bits;
+    if (packed.size(1) == k * bits / 8 + k / 16 + 4) return bits;
   return 0;
 }
 
@@ -142,7 +142,8 @@ at::Tensor matvec_int4(const at::Tensor &x, const at::Tensor &packed, const std:
                         (!bias || (bias->scalar_type() == at::kFloat && bias->device().is_cpu() &&
                                    bias->is_contiguous() && bias->numel() == packed.size(0))),
                     "gpt2port::matvec_int4 takes one fp32 row of k numbers (1, ..., k), k a multiple of 32, and "
-                    "contiguous packed rows (n, k * bits / 8 + k / 8) uint8, bits 4, 6 or 8; got x ", shape(x), " ", x.scalar_type(),
+                    "contiguous packed rows (n, k * bits / 8 + k / 16 + 4) uint8, bits 4, 6 or 8; got x ", shape(x), " ",
+                    x.scalar_type(),
                     ", packed ", shape(packed), " ", packed.scalar_type(), ", k ", k);
   int64_t n = packed.size(0);
   std::vector<int64_t> shape_of_y = x.sizes().vec();
@@ -156,10 +157,10 @@ at::Tensor matvec_int4(const at::Tensor &x, const at::Tensor &packed, const std:
   return y;
 }
 
-// packed rows (n, k * bits / 8 + k / 8) -> the fp32 rows (n, k) they stand for
+// packed rows (n, k * bits / 8 + k / 16 + 4) -> the fp32 rows (n, k) they stand for
 at::Tensor dequantize_int4(const at::Tensor &packed, int64_t k) {
   int bits = packed_bits(packed, k);
-  TORCH_CHECK_VALUE(bits, "gpt2port::dequantize_int4 takes contiguous packed rows (n, k * bits / 8 + k / 8) "
+  TORCH_CHECK_VALUE(bits, "gpt2port::dequantize_int4 takes contiguous packed rows (n, k * bits / 8 + k / 16 + 4) "
                     "uint8, bits 4, 6 or 8, k a multiple of 32; got ", shape(packed), " ", packed.scalar_type(), ", k ",
                     k);
   at::Tensor w = at::empty({packed.size(0), k}, packed.options().dtype(at::kFloat));

@@ -178,7 +178,9 @@ def test_the_fit_beats_min_max_rounding_and_codes_stay_in_range(n, k, bits):
     packed = quantize(w, bits)
     d = dequantize(packed, k)
     err = float((d - w).pow(2).sum())
-    assert err < 0.95 * minmax_error(w, 2**bits - 1)
+    # against min-max rounding with an fp32 scale and minimum: the fit gains most where codes are few; at 8 bits the
+    # stored scale's 2^(1/32) steps cost about what the fit gains (measured 0.80, 0.85, 1.00)
+    assert err < {4: 0.85, 6: 0.9, 8: 1.02}[bits] * minmax_error(w, 2**bits - 1)
     # every number within one code step of its group's range (the padding's zeros are never returned)
     span = F.pad(w, (0, -k % GROUP)).reshape(n, -1, GROUP)
     step = ((span.amax(-1) - span.amin(-1)) / (2**bits - 1)).repeat_interleave(GROUP, dim=1)[:, :k]
@@ -189,18 +191,23 @@ def test_the_fit_beats_min_max_rounding_and_codes_stay_in_range(n, k, bits):
 @pytest.mark.usefixtures("int4_kernel")
 @pytest.mark.parametrize("bits", [4, 6, 8])
 def test_the_packed_bytes_are_the_layout_the_docstring_gives(bits):
-    """Codes chosen by hand in one row of two groups, read back from the bytes as int4.c's docstring lays them out:
+    """Codes chosen by hand in one row of three groups, read back from the bytes as int4.c's docstring lays them out:
     nibbles (element i low, i + 16 high), for 6 bits 8 bytes of high bits (byte j: elements j, j + 8, j + 16, j + 24,
-    two bits each from the low end), then fp16 scales, then minimums."""
-    k, levels = 2 * GROUP, 2**bits - 1
+    two bits each from the low end), then scale bytes, zero bytes and the row's fp32 base."""
+    k, levels, unit = 3 * GROUP, 2**bits - 1, 2.0 ** (bits - 8)
     codes = torch.tensor([(7 * i + 3) % (levels + 1) for i in range(k)])
-    codes[[0, GROUP + 1]], codes[[1, GROUP]] = 0, levels  # each group spans its whole range: the fit keeps
-    # scale 1/64 and minimum -1, every number on the grid
-    w = (codes.float() / 64 - 1).view(1, k)
+    codes[[0, GROUP + 1, 2 * GROUP + 2]], codes[[1, GROUP, 2 * GROUP]] = 0, levels  # each group spans its range
+    # scales 1/64, 2^(-34/32) / 64 and 2^(-64/32) / 64 under a base of 2^(2/32) / 64 (the widest group's, 2 steps
+    # up); zeros of -60, -40 and 0 units from the middle code: every number on the grid, so the fit finds these
+    scales = [1 / 64, 2 ** (-34 / 32) / 64, 2**-2 / 64]
+    zeros = [-60, -40, 0]
+    w = torch.cat([(codes[g * GROUP : (g + 1) * GROUP].double() + zeros[g] * unit - 2 ** (bits - 1)) * scales[g]
+                   for g in range(3)])
+    w = w.float().view(1, k)
     packed = quantize(w, bits)
-    assert packed.shape == (1, k * bits // 8 + k // 8) == (1, row_bytes(k, bits))
+    assert packed.shape == (1, k * bits // 8 + k // 16 + 4) == (1, row_bytes(k, bits))
     row = packed[0].tolist()
-    for g in range(2):
+    for g in range(3):
         c, at = codes[g * GROUP : (g + 1) * GROUP].tolist(), g * 4 * bits
         if bits == 8:
             assert row[at : at + GROUP] == c
@@ -208,9 +215,11 @@ def test_the_packed_bytes_are_the_layout_the_docstring_gives(bits):
         assert row[at : at + 16] == [(c[i] & 15) | (c[i + 16] & 15) << 4 for i in range(16)]
         if bits == 6:
             assert row[at + 16 : at + 24] == [sum((c[j + 8 * m] >> 4) << 2 * m for m in range(4)) for j in range(8)]
-    halves = packed[0, k * bits // 8 :].view(torch.float16).float().tolist()
-    assert halves == [1 / 64, 1 / 64, -1.0, -1.0]
-    torch.testing.assert_close(dequantize(packed, k), w, rtol=0, atol=0)
+    at = k * bits // 8
+    assert row[at : at + 3] == [2, 36, 66]
+    assert packed[0, at + 3 : at + 6].view(torch.int8).tolist() == zeros
+    assert packed[0, at + 6 :].clone().view(torch.float32).item() == pytest.approx(2 ** (2 / 32) / 64, rel=1e-6)
+    torch.testing.assert_close(dequantize(packed, k), w, rtol=2e-6, atol=0)
 
 
 @pytest.mark.usefixtures("int4_kernel")
@@ -218,7 +227,7 @@ def test_logits_against_fp32_on_realistic_weights_every_path(ckpt):
     ref, q = GPT.from_pretrained(ckpt), from_pretrained(ckpt, dtype="int4")
     assert q.quantized == "int4" and isinstance(q.lm_head, Int4Linear) and isinstance(q.tok_emb, Int4Embedding)
     assert q.tok_emb.table is q.lm_head  # the tied matrix held once, at 8 bits as the q/k/v matrices; the rest at 4
-    assert q.lm_head.weight.size(1) == row_bytes(96, 8) == 96 * 9 // 8
+    assert q.lm_head.weight.size(1) == row_bytes(96, 8) == 96 + 3 * 2 + 4
     widths = {(n.rsplit(".", 1)[-1], m.weight.size(1)) for n, m in q.blocks.named_modules() if type(m) is Int4Linear}
     assert widths == {("qkv", row_bytes(96, 8)), ("proj", row_bytes(96)), ("fc", row_bytes(96)),
                       ("proj", row_bytes(384))}
@@ -232,7 +241,9 @@ def test_logits_against_fp32_on_realistic_weights_every_path(ckpt):
 
         cache = KVCache(q.config, 1, 48)
         steps = torch.cat([q(ids[:, i : i + 1], cache=cache, pos=i)[0] for i in range(48)], dim=1)
-        torch.testing.assert_close(steps, b, rtol=1e-4, atol=1e-3)  # logits of ~10: sums in another order
+        # sums in another order: an activation on a rounding boundary now and then lands on the neighbouring 8-bit step
+        # and the layers after it spread that (measured 1.4% of the largest logit here; graph.py allows int4 5%)
+        torch.testing.assert_close(steps, b, rtol=0, atol=0.03 * b.abs().max().item())
         accelerate(q, Settings())
         assert type(q.lm_head) is FastInt4Linear and q.lm_head.weight is q.tok_emb.table.weight
         torch.testing.assert_close(q(ids)[0], b, rtol=1e-5, atol=1e-5)
