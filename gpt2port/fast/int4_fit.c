@@ -14,6 +14,7 @@
  * kept. A constant group: the scale that puts its value at the range's end. */
 static void fit_group(const float *x, float levels, int candidates, float step, float *scale, float *low) {
     float lo = x[0], hi = x[0], sum_x = 0.f;
+    #pragma omp simd reduction(min : lo) reduction(max : hi) reduction(+ : sum_x)
     for (int i = 0; i < GROUP; i++) {
         lo = x[i] < lo ? x[i] : lo;
         hi = x[i] > hi ? x[i] : hi;
@@ -24,6 +25,7 @@ static void fit_group(const float *x, float levels, int candidates, float step, 
     else
         for (int c = -candidates; c <= candidates; c++) {
             float inv = (levels + step * (float)c) / (hi - lo), sl = 0.f, sl2 = 0.f, sxl = 0.f, l[GROUP];
+            #pragma omp simd reduction(+ : sl, sl2, sxl)  /* sums in lanes: the quantizer's time at load */
             for (int i = 0; i < GROUP; i++) {
                 float q = nearbyintf((x[i] - lo) * inv);
                 l[i] = q < 0.f ? 0.f : q > levels ? levels : q;
@@ -34,6 +36,7 @@ static void fit_group(const float *x, float levels, int candidates, float step, 
             float det = GROUP * sl2 - sl * sl;
             if (det <= 0.f) continue;
             float s = (GROUP * sxl - sl * sum_x) / det, m = (sl2 * sum_x - sl * sxl) / det, err = 0.f;
+            #pragma omp simd reduction(+ : err)
             for (int i = 0; i < GROUP; i++) {
                 float d = l[i] * s + m - x[i];
                 err += d * d;
@@ -49,12 +52,14 @@ static inline float clampf(float v, float a, float b) { return !(v >= a) ? a : v
 /* The codes of x against scale s and a zero of zu codes (int4.h's zero_codes): w = s (code + zu), each code rounded,
  * clamped. Returns the squared error. */
 static float codes_for(const float *x, float s, float zu, float levels, uint8_t *codes) {
-    float err = 0.f;
+    float err = 0.f, inv = 1.f / s, q[GROUP];
+    #pragma omp simd reduction(+ : err)
     for (int i = 0; i < GROUP; i++) {
-        float q = clampf(nearbyintf(x[i] / s - zu), 0.f, levels), d = s * (q + zu) - x[i];
-        codes[i] = (uint8_t)q;
+        q[i] = clampf(nearbyintf(x[i] * inv - zu), 0.f, levels);
+        float d = s * (q[i] + zu) - x[i];
         err += d * d;
     }
+    for (int i = 0; i < GROUP; i++) codes[i] = (uint8_t)q[i];
     return err;
 }
 
@@ -82,20 +87,25 @@ static void store_group(const float *x, float base, float fit_s, float fit_m, in
         /* zeros (in units) putting the minimum at fit_m, at or below lo, and the top at or above hi */
         float at = (fit_m / s + half) / unit, top = floorf((lo / s + half) / unit),
               bottom = ceilf((hi / s - levels + half) / unit);
-        float zs[3] = {floorf(at), ceilf(at), bottom <= top ? clampf(nearbyintf(at), bottom, top) : floorf(at)};
+        float zs[3] = {floorf(at), ceilf(at), bottom <= top ? clampf(nearbyintf(at), bottom, top) : floorf(at)},
+              tried[6];
+        int n_tried = 0;
         for (int t = 0; t < 3; t++) {
             float z = clampf(zs[t], -128.f, 127.f);
             for (int round = 0; round < 2; round++) {
+                int seen = 0;
+                for (int j = 0; j < n_tried; j++) seen |= tried[j] == z;
+                if (seen) break;
+                tried[n_tried++] = z;
                 float err = codes_for(x, s, zero_codes((int8_t)z, bits), levels, trial);
                 if (err < best_err) {
                     best_err = err, *c_out = (uint8_t)c, *z_out = (int8_t)z;
                     memcpy(codes, trial, GROUP);
                 }
                 float mean = 0.f;
+                #pragma omp simd reduction(+ : mean)
                 for (int i = 0; i < GROUP; i++) mean += x[i] - s * (float)trial[i];
-                float refit = clampf(nearbyintf((mean / GROUP / s + half) / unit), -128.f, 127.f);
-                if (refit == z) break;
-                z = refit;
+                z = clampf(nearbyintf((mean / GROUP / s + half) / unit), -128.f, 127.f);
             }
         }
     }
