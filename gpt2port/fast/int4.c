@@ -73,9 +73,11 @@ static inline float row_setup(const uint8_t *row, const float *d, const float *s
     for (; g < groups; g += 16) {  /* the last 1-15 groups under a mask (one scalar call each cost a third of a row) */
         __mmask16 on = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
         __m512i cs = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(on, c + g));
-        __m512 s = _mm512_scalef_ps(_mm512_mul_ps(b, _mm512_permutex2var_ps(steps, cs, steps2)),
-                                    _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setzero_si512(),
-                                                                        _mm512_srli_epi32(cs, 5))));
+        /* 2^(-(c % 32) / 32) looked up, 2^(-(c / 32)) subtracted from its exponent (exact: no table entry is near
+         * underflow), then times the base: the same product as group_scale's but where it underflows */
+        __m512i e = _mm512_slli_epi32(_mm512_srli_epi32(cs, 5), 23);
+        __m512 s = _mm512_mul_ps(b, _mm512_castsi512_ps(_mm512_sub_epi32(
+                                        _mm512_castps_si512(_mm512_permutex2var_ps(steps, cs, steps2)), e)));
         __m512 zu = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(on, z + g))), u, h);
         _mm512_mask_storeu_ps(scales + g, on, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(on, d + g)));
         acc = _mm512_fmadd_ps(_mm512_mul_ps(s, zu), _mm512_maskz_loadu_ps(on, sums + g), acc);
@@ -238,10 +240,14 @@ static inline __attribute__((always_inline)) __m512 pair_dot(const uint8_t *code
         c = _mm512_loadu_si512(codes);
     } else {
         const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  /* upper half: the high nibbles */
-        __m256i nibbles = _mm256_loadu_si256((const __m256i *)codes);
-        if (bits == 6)  /* a 6-bit group is 24 bytes: g + 1's nibbles start at byte 24 */
-            nibbles = _mm256_inserti128_si256(nibbles, _mm_loadu_si128((const __m128i *)(codes + 24)), 1);
-        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles), nibbles, 1);
+        __m512i both;
+        if (bits == 4) {  /* one broadcast from memory */
+            both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)codes));
+        } else {  /* a 6-bit group is 24 bytes: g + 1's nibbles start at byte 24 */
+            __m256i nibbles = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)codes)),
+                                                      _mm_loadu_si128((const __m128i *)(codes + 24)), 1);
+            both = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles), nibbles, 1);
+        }
         c = _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(15));
         if (bits == 6) {
             __m128i crumbs = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(codes + 16)),
@@ -284,10 +290,12 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const a
             const int8_t *q = bits == 8 ? act->q : act->q4;
             __m512 i0 = _mm512_setzero_ps(), i1 = i0, i2 = i0, i3 = i0;
             for (int64_t g = 0; g < paired; g += 2) {
-                __builtin_prefetch(w0 + g * per + AHEAD);
-                __builtin_prefetch(w1 + g * per + AHEAD);
-                __builtin_prefetch(w2 + g * per + AHEAD);
-                __builtin_prefetch(w3 + g * per + AHEAD);
+                if (bits != 4 || !(g & 2)) {  /* once a cache line: a 4-bit pair is half of one */
+                    __builtin_prefetch(w0 + g * per + AHEAD);
+                    __builtin_prefetch(w1 + g * per + AHEAD);
+                    __builtin_prefetch(w2 + g * per + AHEAD);
+                    __builtin_prefetch(w3 + g * per + AHEAD);
+                }
                 i0 = pair_dot(w0 + g * per, q + g * GROUP, s0 + g, i0, bits);
                 i1 = pair_dot(w1 + g * per, q + g * GROUP, s1 + g, i1, bits);
                 i2 = pair_dot(w2 + g * per, q + g * GROUP, s2 + g, i2, bits);
