@@ -118,7 +118,7 @@ def main() -> None:
             rows["gpt2port int4, decode"] = (*scores(stepwise(q, ids), ref), size)
             rows["gpt2port int4, prefill"] = (*scores(q(ids)[0][0], ref), size)
             del q
-            llama = llama_q4_k_m(ckpt, ids, root / f"{args.size}-q4_k_m")
+            llama = llama_q4_k_m(ckpt, ids, root / f"{ckpt.name}-q4_k_m")  # not int4_speed.py's random weights
         if llama is not None:
             rows["llama.cpp Q4_K_M, decode"] = (*scores(llama[0], ref), llama[1])
     print(f"{args.size} shape, trained-like weights (tests/realistic.py), {ids.size(1)} tokens of English text: "
