@@ -20,9 +20,11 @@ fp32.
 Each group's scale and minimum are fitted, not just taken from its range: over candidate scales around
 (max - min) / 15 (or 255) the codes are rounded, the scale and minimum refitted to them by least squares, and the
 pair with the least squared error kept (llama.cpp's make_qkx2_quants does the same for Q4_K, there with weights).
-The row's base is its largest fitted scale two steps up; each group then tries the four stored scales nearest its
-own, each with the zeros nearest its minimum (down, up, and the nearest that leaves no number outside the codes'
-range), refitted once to the codes, and keeps the pair with the least squared error.
+A group lying far to one side of 0, beyond its zero's reach, takes the least scale that reaches it (no worse than
+rounding its largest magnitude). The row's base is its largest fitted scale two steps up; each group then tries the
+four stored scales nearest its own, each with the zeros nearest its minimum (down, up, and the nearest that leaves
+no number outside the codes' range), refitted once to the codes, and keeps the pair with the least squared error.
+A row holding a NaN or an infinity gets a NaN base, so every number of it reads back NaN and no product hides it.
 scripts/bench/int4_error.py compares the logits' KL divergence from fp32 with llama.cpp's Q4_K_M on the same weights
 (docs/performance.md).
 

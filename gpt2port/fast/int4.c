@@ -2,8 +2,9 @@
  * (+ b[n]), and a block of rows dequantized to fp32 (for products of many rows, which a GEMM does better).
  *
  * A packed row of k numbers (k a multiple of GROUP) is its codes, 4 * bits bytes per group, then k / GROUP scale
- * bytes c, then k / GROUP zero bytes z (int8), then the row's fp32 base: w[GROUP g + i] = s[g] (code + z[g] u), s[g]
- * = base 2^(-c[g] / 32) (int4.h's group_scale), u = 2^bits / 128. 8-bit codes are one byte each.
+ * bytes c, then k / GROUP zero bytes z (int8), then the row's fp32 base: w[GROUP g + i] = s[g] (code + zu[g]),
+ * s[g] = base 2^(-c[g] / 32) (int4.h's group_scale), zu[g] = z[g] 2^bits / 256 - 2^(bits - 1) (zero_codes).
+ * 8-bit codes are one byte each.
  * Narrower codes keep their low four bits as nibbles, byte i of a group holding element i in its low nibble and
  * element i + 16 in its high one (so that one vector of bytes widens into the group's two halves); a 6-bit code's
  * two higher bits follow in 8 bytes, byte j holding those of elements j, j + 8, j + 16, j + 24 from its low bits up
@@ -12,7 +13,7 @@
  *
  * The activations are rounded first, per group of GROUP: d = max|x_g| / 127, q = round(x / d) (ties to even; 0 where
  * d is 0; a group holding a NaN or an infinity gives NaN), as llama.cpp rounds them for its 4-bit types, and gpt2port's
- * quant4.round_activations in PyTorch. The product is then y = sum_g s[g] d[g] (codes_g . q_g) + sum_g s[g] z[g] u d[g]
+ * quant4.round_activations in PyTorch. The product is then y = sum_g s[g] d[g] (codes_g . q_g) + sum_g s[g] zu[g] d[g]
  * (sum of q_g): every group's dot product of codes and q is an integer (at most 32 x 255 x 127 < 2^24, so exact in
  * fp32 too), so the result is the fp32 product of the dequantized weight by the rounded activations up to the order
  * of its sums, whichever of the two ways below forms it. Where the CPU has AVX-512 VNNI, codes of every width meet q in
@@ -20,7 +21,7 @@
  * a weight than widening both to floats, which is what bounded the step (docs/performance.md); elsewhere codes and q
  * are widened to fp32. Rows are read STREAMS at a time from far-apart runs, as matvec.c does
  * (and each slice of q loaded once for the four), each run prefetched AHEAD bytes ahead: without it a step's products
- * (107 MB at 124M, none in cache) ran at half of what one core reads (scripts/bench/int4_kernel.py).
+ * (100 MB at 124M, none in cache) ran at half of what one core reads (scripts/bench/int4_kernel.py).
  * With AVX-512, nibbles become floats by a lookup in {0, ..., 15} (vpermps reads an index's low four bits, so the
  * low nibble needs no mask and no conversion), and a 6-bit code's high bits by a lookup in {0, 16, 32, 48}: fewer
  * instructions per group where the narrow rows are bound by them (a masked add per bit, bit planes, took 1.6x the
@@ -58,8 +59,8 @@ static inline __attribute__((always_inline)) int_vec widen_bytes(const uint8_t *
 #endif
 }
 
-/* The row's group scales times the groups' d into `scales`, and sum_g s[g] z[g] u * sums[g] (the minimums' part of
- * the product): 16 groups at a time with AVX-512 (a table lookup of 2^(-(c % 32) / 32), a scaling by 2^(-c / 32)). */
+/* The row's group scales times the groups' d into `scales`, and sum_g s[g] zu[g] sums[g] (the minimums' part of the
+ * product): 16 groups at a time with AVX-512. */
 static inline float row_setup(const uint8_t *row, const float *d, const float *sums, float *scales, int64_t groups,
                               int64_t codes, int bits) {
     const uint8_t *c = row + codes;
@@ -282,8 +283,10 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const a
     for (int64_t i = 0; i < run; i++) {
         int64_t r = r0 + i;
         const uint8_t *w0 = P + r * stride, *w1 = w0 + run * stride, *w2 = w1 + run * stride, *w3 = w2 + run * stride;
-        float o0 = row_setup(w0, d, sums, s0, groups, codes, bits), o1 = row_setup(w1, d, sums, s1, groups, codes, bits),
-              o2 = row_setup(w2, d, sums, s2, groups, codes, bits), o3 = row_setup(w3, d, sums, s3, groups, codes, bits);
+        float o0 = row_setup(w0, d, sums, s0, groups, codes, bits),
+              o1 = row_setup(w1, d, sums, s1, groups, codes, bits),
+              o2 = row_setup(w2, d, sums, s2, groups, codes, bits),
+              o3 = row_setup(w3, d, sums, s3, groups, codes, bits);
         vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
 #if INTEGER_DOTS
         if (dots) {

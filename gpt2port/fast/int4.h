@@ -26,9 +26,7 @@ static inline float group_scale(float base, uint8_t c) { return base * SCALE_STE
 
 /* A group's zero byte z in codes: z u - 2^(bits - 1), u = 2^(bits - ZERO_SHIFT) (its middle code's offset, so that a
  * zero reaches either side alike) */
-#ifndef ZERO_SHIFT
 #define ZERO_SHIFT 8
-#endif
 static inline float zero_codes(int8_t z, int bits) {
     return (float)z * (float)(1 << bits) / (float)(1 << ZERO_SHIFT) - (float)(1 << (bits - 1));
 }

@@ -11,14 +11,20 @@
 
 /* One group's scale and minimum, unrounded (see gpt2port/quant4.py): over candidate scales span / (levels + step *
  * i), the codes rounded from the minimum, the scale and minimum refitted by least squares, the least squared error
- * kept. A constant group: the scale that puts its value at the range's end. */
-static void fit_group(const float *x, float levels, int candidates, float step, float *scale, float *low) {
+ * kept. A constant group: the scale that puts its value at the range's end. Then at least the scale whose codes and
+ * zero reach the whole group. */
+static void fit_group(const float *x, int bits, int candidates, float step, float *scale, float *low) {
+    float levels = (float)((1 << bits) - 1), top = zero_codes(127, bits), bottom = zero_codes(-128, bits);
     float lo = x[0], hi = x[0], sum_x = 0.f;
     #pragma omp simd reduction(min : lo) reduction(max : hi) reduction(+ : sum_x)
     for (int i = 0; i < GROUP; i++) {
         lo = x[i] < lo ? x[i] : lo;
         hi = x[i] > hi ? x[i] : hi;
         sum_x += x[i];
+    }
+    if (!isfinite(sum_x)) {  /* a NaN or an infinity: the row is marked (gpt2port_quantize_int4) */
+        *scale = *low = NAN;
+        return;
     }
     float best_s = (hi - lo) / levels, best_m = lo, best_err = INFINITY;
     if (!(hi > lo)) best_s = fabsf(lo) / levels;
@@ -43,6 +49,9 @@ static void fit_group(const float *x, float levels, int candidates, float step, 
             }
             if (err < best_err) best_err = err, best_s = s, best_m = m;
         }
+    /* a group the zero cannot reach at that scale (all of it far to one side of 0): the least scale that reaches */
+    float reach = fmaxf(hi > 0.f ? hi / (levels + top) : 0.f, lo < 0.f ? lo / bottom : 0.f);
+    if (best_s < reach) best_s = reach, best_m = fminf(fmaxf(lo, reach * bottom), reach * top);
     *scale = best_s;
     *low = best_m;
 }
@@ -112,11 +121,11 @@ static void store_group(const float *x, float base, float fit_s, float fit_m, in
 }
 
 /* W (n, k) fp32, k a multiple of GROUP -> P packed rows of `bits` (4, 6 or 8) codes; `candidates` scales each side
- * of the range's, `step` apart (in units of one code). */
+ * of the range's, `step` apart (in units of one code). A row holding a NaN or an infinity gets a NaN base: every
+ * number of it reads back NaN, so that no product hides it. */
 void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, int bits, int candidates, float step,
                             int threads) {
     int64_t groups = k / GROUP, codes_bytes = k * bits / 8, stride = codes_bytes + 2 * groups + 4;
-    float levels = (float)((1 << bits) - 1);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         uint8_t *row = P + r * stride, codes[GROUP];
@@ -126,10 +135,10 @@ void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, in
                 const float *x = W + r * k + g * GROUP;
                 float s, m;
                 if (fit && pass) s = fit[2 * g], m = fit[2 * g + 1];
-                else fit_group(x, levels, candidates, step, &s, &m);  /* wide rows: fitted twice */
+                else fit_group(x, bits, candidates, step, &s, &m);  /* wide rows: fitted twice */
                 if (!pass) {
                     if (fit) fit[2 * g] = s, fit[2 * g + 1] = m;
-                    base = s > base ? s : base;  /* a NaN's scale is never kept */
+                    base = isnan(base) || s <= base ? base : s;  /* a NaN scale is kept, and stays */
                     if (g == groups - 1) base /= SCALE_STEP[2];  /* 2^(2 / 32) up: the widest group can widen too */
                     continue;
                 }

@@ -3,7 +3,7 @@
 Both versions of int4.c (the working tree's and `--against`'s, read with `git show`) are built with native.py's flags
 into libraries of their own, each packs the same random trained-scale weights with its own quantizer, and both
 multiply one row by each matrix of one decode step (every matrix once, in the model's order), alternating round by
-round. "cold": the step's matrices held in --copies distinct copies (a 124M step is 107 MB; 4 copies are more than
+round. "cold": the step's matrices held in --copies distinct copies (a 124M step is 100 MB; 4 copies are more than
 this host's caches), a different copy each round, as a real step finds them; "hot": one matrix of each shape, over and
 over (in cache). Figures: CPU time (time.process_time) at --threads 1, the best of the rounds; at more threads wall
 time (CPU time would count the threads' waiting), so run those on a quiet host. The load average is printed.

@@ -190,6 +190,50 @@ def test_the_fit_beats_min_max_rounding_and_codes_stay_in_range(n, k, bits):
 
 @pytest.mark.usefixtures("int4_kernel")
 @pytest.mark.parametrize("bits", [4, 6, 8])
+def test_hard_rows_stay_within_their_bounds(bits):
+    """Rows the two bytes a group find hard: zeros (exact), constant groups, a group far from zero (beyond the zero's
+    reach: no worse than rounding its largest magnitude symmetrically), a group 1000x its neighbours (theirs clamped
+    to the scale byte's last step, 2^-8 of the row's base), and one group spanning everything."""
+    levels = 2**bits - 1
+    g = torch.Generator().manual_seed(bits)
+    rows = torch.randn(5, 4 * GROUP, generator=g) * 0.05
+    rows[0] = 0
+    rows[1, :GROUP], rows[1, GROUP : 2 * GROUP] = 0.5, -0.25
+    rows[2, :GROUP] = 10 + torch.rand(GROUP, generator=g) * 0.1
+    rows[3, :GROUP] *= 1000
+    rows[4, 5], rows[4, 70] = 3.0, -3.0
+    d = dequantize(quantize(rows, bits), rows.size(1))
+    assert torch.equal(d[0], rows[0])
+    err = (d - rows).abs().reshape(5, -1, GROUP).amax(-1)
+    magnitude = rows.abs().reshape(5, -1, GROUP).amax(-1)
+    spread = (rows.reshape(5, -1, GROUP).amax(-1) - rows.reshape(5, -1, GROUP).amin(-1)) / levels
+    assert bool((err[1, :2] <= 0.01 * magnitude[1, :2]).all())  # constants
+    assert float(err[2, 0]) <= float(magnitude[2, 0]) / levels  # far from zero
+    base = float(spread[3, 0]) * 2 ** (2 / 32)  # the 1000x group's scale, give or take its fit
+    assert bool((err[3, 1:] <= 0.6 * base / 256).all())
+    # everything else within one step of its own group's range (the fit may clip a little, never more)
+    ordinary = torch.ones_like(err, dtype=torch.bool)
+    ordinary[0], ordinary[1, :2], ordinary[2, 0], ordinary[3] = False, False, False, False
+    assert bool((err <= spread * 1.01 + 1e-7)[ordinary].all())
+
+
+@pytest.mark.usefixtures("int4_kernel")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_weight_that_is_not_finite_makes_its_row_nan(bits):
+    """Nothing wrong passes in silence: a row holding a NaN or an infinity reads back NaN, in the reference and in the
+    kernel's products; the other rows are untouched."""
+    w = torch.randn(4, 96, generator=torch.Generator().manual_seed(0)) * 0.1
+    w[1, 5], w[2, 70] = float("nan"), float("inf")
+    packed = quantize(w, bits)
+    clean = quantize(w[[0, 3]], bits)
+    d = dequantize(packed, 96)
+    assert bool(d[1:3].isnan().all()) and torch.equal(d[[0, 3]], dequantize(clean, 96))
+    y = torch.ops.gpt2port.matvec_int4(torch.randn(1, 96), packed, None, 96)
+    assert bool(y[0, 1:3].isnan().all()) and bool(y[0, [0, 3]].isfinite().all())
+
+
+@pytest.mark.usefixtures("int4_kernel")
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_the_packed_bytes_are_the_layout_the_docstring_gives(bits):
     """Codes chosen by hand in one row of three groups, read back from the bytes as int4.c's docstring lays them out:
     nibbles (element i low, i + 16 high), for 6 bits 8 bytes of high bits (byte j: elements j, j + 8, j + 16, j + 24,
