@@ -9,7 +9,7 @@ group's middle sits within half its range of 0, to 1/16 of a 4-bit step). Two by
 minimum took four: 4.5 bits per weight at 4-bit codes (was 5), as llama.cpp's Q4_K, whose 6-bit scales and minimums
 are linear under a pair per 256 numbers; a scale's 2^(1/32) steps are even across magnitudes (eight octaves below
 the row's largest group), and codes are rounded against the stored pair. At 4 bits the squared error is that of fp16
-scales and minimums (within 0.2%); at 6 and 8 bits, where codes are fine enough for the scale's steps to show, 8% and
+scales and minimums (within 0.5%); at 6 and 8 bits, where codes are fine enough for the scale's steps to show, 8% and
 23% above it (scripts/bench/int4_error.py: the logits' KL divergence moves by less than its noise at 8 bits).
 Most matrices take 4-bit codes (0..15); the tied head and each block's q/k/v matrix (BITS, HEAD_BITS) take 8-bit codes
 (8.5 bits per weight), as llama.cpp's Q4_K_M gives its head and half its q/k/v matrices Q6_K: on trained-like weights
