@@ -65,7 +65,7 @@ static inline float row_setup(const uint8_t *row, const float *d, const float *s
                               int64_t codes, int bits) {
     const uint8_t *c = row + codes;
     const int8_t *z = (const int8_t *)(c + groups);
-    float base, unit = (float)(1 << bits) / (float)(1 << ZERO_SHIFT), half = (float)(1 << (bits - 1)), offset = 0.f;
+    float base, unit = zero_unit(bits), half = zero_middle(bits), offset = 0.f;
     memcpy(&base, c + 2 * groups, 4);  /* rows start at any even byte: read unaligned */
     int64_t g = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -277,7 +277,7 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const a
                                                        float *y, int64_t r0, int64_t r1, int64_t k, float *scratch,
                                                        int bits, int dots) {
     int64_t groups = k / GROUP, codes = k * bits / 8, per = 4 * bits, paired = dots ? groups & ~(int64_t)1 : 0;
-    int64_t stride = codes + 2 * groups + 4, run = (r1 - r0) / STREAMS;
+    int64_t stride = row_stride(k, bits), run = (r1 - r0) / STREAMS;
     const float *x = act->qf, *d = act->d, *sums = act->sums;
     float *s0 = scratch, *s1 = s0 + groups, *s2 = s1 + groups, *s3 = s2 + groups;
     for (int64_t i = 0; i < run; i++) {
@@ -356,7 +356,7 @@ ROWS(8, INTEGER_DOTS)
 int gpt2port_int4_integer_dots(void) { return INTEGER_DOTS; }
 
 /* Bytes of a packed row of k numbers (a multiple of GROUP) of `bits`-bit codes (scripts/bench/int4_kernel.py asks). */
-int64_t gpt2port_int4_row_bytes(int64_t k, int bits) { return k * bits / 8 + 2 * (k / GROUP) + 4; }
+int64_t gpt2port_int4_row_bytes(int64_t k, int bits) { return row_stride(k, bits); }
 
 /* P (n, k * bits / 8 + k / 16 + 4) packed rows of `bits`-bit codes (4, 6 or 8), x (k), b (n) or NULL, y (n); k a
  * multiple of GROUP. 0, or -1 where memory for the scratch could not be had (nothing written). */
@@ -381,7 +381,7 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
 
 /* The same rows dequantized: W (n, k) fp32, w = s (code + z u), as gpt2port/quant4.py's reference forms it. */
 void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int bits, int threads) {
-    int64_t groups = k / GROUP, codes = k * bits / 8, stride = codes + 2 * groups + 4;
+    int64_t groups = k / GROUP, codes = k * bits / 8, stride = row_stride(k, bits);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *row = P + r * stride, *c = row + codes;

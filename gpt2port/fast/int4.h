@@ -27,8 +27,11 @@ static inline float group_scale(float base, uint8_t c) { return base * SCALE_STE
 /* A group's zero byte z in codes: z u - 2^(bits - 1), u = 2^(bits - ZERO_SHIFT) (its middle code's offset, so that a
  * zero reaches either side alike) */
 #define ZERO_SHIFT 8
-static inline float zero_codes(int8_t z, int bits) {
-    return (float)z * (float)(1 << bits) / (float)(1 << ZERO_SHIFT) - (float)(1 << (bits - 1));
-}
+static inline float zero_unit(int bits) { return (float)(1 << bits) / (float)(1 << ZERO_SHIFT); }
+static inline float zero_middle(int bits) { return (float)(1 << (bits - 1)); }
+static inline float zero_codes(int8_t z, int bits) { return (float)z * zero_unit(bits) - zero_middle(bits); }
+
+/* Bytes of a packed row of k numbers (a multiple of GROUP): codes, scale bytes, zero bytes, the fp32 base */
+static inline int64_t row_stride(int64_t k, int bits) { return k * bits / 8 + 2 * (k / GROUP) + 4; }
 
 #endif

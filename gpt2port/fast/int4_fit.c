@@ -13,7 +13,11 @@
  * i), the codes rounded from the minimum, the scale and minimum refitted by least squares, the least squared error
  * kept. A constant group: the scale that puts its value at the range's end. Then at least the scale whose codes and
  * zero reach the whole group. */
-static void fit_group(const float *x, int bits, int candidates, float step, float *scale, float *low) {
+typedef struct {
+    float s, m, lo, hi;  /* the fitted scale and minimum; the group's range */
+} group_fit;
+
+static void fit_group(const float *x, int bits, int candidates, float step, group_fit *out) {
     float levels = (float)((1 << bits) - 1), top = zero_codes(127, bits), bottom = zero_codes(-128, bits);
     float lo = x[0], hi = x[0], sum_x = 0.f;
     #pragma omp simd reduction(min : lo) reduction(max : hi) reduction(+ : sum_x)
@@ -22,8 +26,9 @@ static void fit_group(const float *x, int bits, int candidates, float step, floa
         hi = x[i] > hi ? x[i] : hi;
         sum_x += x[i];
     }
+    out->lo = lo, out->hi = hi;
     if (!isfinite(sum_x)) {  /* a NaN or an infinity: the row is marked (gpt2port_quantize_int4) */
-        *scale = *low = NAN;
+        out->s = out->m = NAN;
         return;
     }
     float best_s = (hi - lo) / levels, best_m = lo, best_err = INFINITY;
@@ -52,8 +57,8 @@ static void fit_group(const float *x, int bits, int candidates, float step, floa
     /* a group the zero cannot reach at that scale (all of it far to one side of 0): the least scale that reaches */
     float reach = fmaxf(hi > 0.f ? hi / (levels + top) : 0.f, lo < 0.f ? lo / bottom : 0.f);
     if (best_s < reach) best_s = reach, best_m = fminf(fmaxf(lo, reach * bottom), reach * top);
-    *scale = best_s;
-    *low = best_m;
+    out->s = best_s;
+    out->m = best_m;
 }
 
 static inline float clampf(float v, float a, float b) { return !(v >= a) ? a : v > b ? b : v; }  /* NaN: a */
@@ -76,18 +81,15 @@ static float codes_for(const float *x, float s, float zu, float levels, uint8_t 
  * each zero near the fitted minimum (rounded down and up, and the nearest that leaves no number outside the codes'
  * range), the codes rounded against the pair, the zero refitted once to the codes' mean error and the codes rounded
  * again: the pair with the least squared error. */
-static void store_group(const float *x, float base, float fit_s, float fit_m, int bits, uint8_t *codes,
-                        uint8_t *c_out, int8_t *z_out) {
-    float best_err = INFINITY, lo = x[0], hi = x[0], levels = (float)((1 << bits) - 1);
-    float unit = (float)(1 << bits) / (float)(1 << ZERO_SHIFT), half = (float)(1 << (bits - 1));
+static void store_group(const float *x, float base, const group_fit *fit, int bits, uint8_t *codes, uint8_t *c_out,
+                        int8_t *z_out) {
+    float best_err = INFINITY, lo = fit->lo, hi = fit->hi, fit_s = fit->s, fit_m = fit->m;
+    float levels = (float)((1 << bits) - 1);
+    float unit = zero_unit(bits), half = zero_middle(bits);
     uint8_t trial[GROUP];
     *c_out = 0, *z_out = 0;
     memset(codes, 0, GROUP);
     if (!(base > 0.f)) return;  /* a row of zeros */
-    for (int i = 1; i < GROUP; i++) {
-        lo = x[i] < lo ? x[i] : lo;
-        hi = x[i] > hi ? x[i] : hi;
-    }
     int c0 = fit_s > 0.f ? (int)clampf(nearbyintf(-32.f * log2f(fit_s / base)), 0.f, 255.f) : 255;
     for (int c = c0 - 2; c <= c0 + 1; c++) {
         if (c < 0 || c > 255) continue;
@@ -125,25 +127,24 @@ static void store_group(const float *x, float base, float fit_s, float fit_m, in
  * number of it reads back NaN, so that no product hides it. */
 void gpt2port_quantize_int4(const float *W, uint8_t *P, int64_t n, int64_t k, int bits, int candidates, float step,
                             int threads) {
-    int64_t groups = k / GROUP, codes_bytes = k * bits / 8, stride = codes_bytes + 2 * groups + 4;
+    int64_t groups = k / GROUP, codes_bytes = k * bits / 8, stride = row_stride(k, bits);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         uint8_t *row = P + r * stride, codes[GROUP];
-        float fits[2 * 256], *fit = groups <= 256 ? fits : NULL, base = 0.f;
+        group_fit fits[256], *fitted = groups <= 256 ? fits : NULL, one;
+        float base = 0.f;
         for (int pass = 0; pass < 2; pass++)
             for (int64_t g = 0; g < groups; g++) {
                 const float *x = W + r * k + g * GROUP;
-                float s, m;
-                if (fit && pass) s = fit[2 * g], m = fit[2 * g + 1];
-                else fit_group(x, bits, candidates, step, &s, &m);  /* wide rows: fitted twice */
+                group_fit *fit = fitted ? fitted + g : &one;
+                if (!(fitted && pass)) fit_group(x, bits, candidates, step, fit);  /* wide rows: fitted twice */
                 if (!pass) {
-                    if (fit) fit[2 * g] = s, fit[2 * g + 1] = m;
-                    base = isnan(base) || s <= base ? base : s;  /* a NaN scale is kept, and stays */
+                    base = isnan(base) || fit->s <= base ? base : fit->s;  /* a NaN scale is kept, and stays */
                     if (g == groups - 1) base /= SCALE_STEP[2];  /* 2^(2 / 32) up: the widest group can widen too */
                     continue;
                 }
                 uint8_t *at = row + g * 4 * bits;
-                store_group(x, base, s, m, bits, codes, row + codes_bytes + g,
+                store_group(x, base, fit, bits, codes, row + codes_bytes + g,
                             (int8_t *)(row + codes_bytes + groups + g));
                 if (bits == 8) memcpy(at, codes, GROUP);
                 else for (int i = 0; i < 16; i++) at[i] = (uint8_t)((codes[i] & 15) | (codes[i + 16] & 15) << 4);

@@ -31,6 +31,7 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
                          int threads);
 void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int bits, int threads);
 void gpt2port_round_int4(const float *x, float *out, int64_t rows, int64_t k, int threads);
+int64_t gpt2port_int4_row_bytes(int64_t k, int bits);
 }
 
 namespace {
@@ -129,7 +130,7 @@ int packed_bits(const at::Tensor &packed, int64_t k) {
       k <= 0 || k % 32 != 0)
     return 0;
   for (int bits : {4, 6, 8})
-    if (packed.size(1) == k * bits / 8 + k / 16 + 4) return bits;
+    if (packed.size(1) == gpt2port_int4_row_bytes(k, bits)) return bits;
   return 0;
 }
 
