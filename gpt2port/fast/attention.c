@@ -42,29 +42,6 @@ static inline float lanes_sum(vec a) {
     return t;
 }
 
-typedef int32_t i32_vec __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-/* e^x for each of x's lanes, x <= 0 (a score minus the largest), to a relative 1e-7 (measured against exp in double
- * over [-87, 0]): x = n ln2 + r with n whole and |r| <= ln2 / 2, e^r by a polynomial, 2^n put into the exponent's
- * bits. Below -87, where e^x < 2^-125 is nothing beside the largest score's 1, it gives 0; a NaN stays a NaN. expf
- * one number at a time took a third of a 1024-position head's time. */
-static inline vec exp_lanes(vec x) {
-    const vec zero = {0};
-    i32_vec under = x < zero - 87.f;
-    /* taken as -87 there, so that n converts to a whole number in range (the result is masked to 0 after) */
-    x = (vec)(((i32_vec)x & ~under) | ((i32_vec)(zero - 87.f) & under));
-    vec n = (x * 1.44269504f + 12582912.f) - 12582912.f;  /* x / ln2 rounded to a whole number (1.5 * 2^23's trick) */
-    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;    /* ln2 in two parts, the first exact in a few bits */
-    vec p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    i32_vec bits = (__builtin_convertvector(n, i32_vec) + 127) << 23;
-    return (vec)((i32_vec)(p * (vec)bits) & ~under);
-}
-
 static inline __attribute__((always_inline)) void head(const void *qkv, void *K, void *V, void *y, int64_t h,
                                                        int64_t H, int64_t T, int64_t D, int64_t length, float scale,
                                                        float *scratch, int half) {

@@ -1,5 +1,6 @@
 """Which kernel computes each product, decided in one place (`choose`), and the layers swapped into a model to use
-it (`accelerate`).
+it (`accelerate`), with the small layers of a decode step on gpt2port's kernels (layers.c: LayerNorm, the MLP's tanh
+GELU) where they are built.
 
 The kernels, for inference on the CPU (autograd, torch.compile and other devices always get F.linear):
 - NATIVE: gpt2port's own one-row product (native.py, matvec.c), fp32 or bf16: a decode step's every product.
@@ -18,8 +19,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpt2port.activations import TABLE
 from gpt2port.fast import native
 from gpt2port.fast.settings import Settings
+from gpt2port.model import MLP
 from gpt2port.quant import Int8Linear
 from gpt2port.quant4 import Int4Linear
 
@@ -48,6 +51,14 @@ def product(kind: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.linear(x, weight, bias)
 
 
+@functools.cache
+def _entry(name: str):
+    """torch.ops.gpt2port.<name>'s default overload by its C++ entry: a decode step makes ~100 such calls, and the
+    overload's Python __call__ is a frame more each."""
+    op = getattr(torch.ops.gpt2port, name).default
+    return getattr(op, "_op", op)
+
+
 class FastLinear(nn.Linear):
     """nn.Linear whose inference products on the CPU run on choose's kernels (one row, and several rows, each
     chosen once, when the layer is made). The same Parameters as the layer it replaces, so the same state_dict;
@@ -68,12 +79,8 @@ class FastLinear(nn.Linear):
             new.one_row = choose(new.weight, new.bias, 1, settings)
             new.rows = choose(new.weight, new.bias, 2, settings)
             new.chosen_for = (new.weight.dtype, new.weight.device)
-            # A decode step makes ~50 of these calls: the one-row kernel is looked up once, not per call, and
-            # called through its C++ entry (the overload's Python __call__ is a frame more per product).
-            new.matvec = None
-            if new.one_row == NATIVE:
-                op = torch.ops.gpt2port.matvec.default
-                new.matvec = getattr(op, "_op", op)
+            # the one-row kernel looked up once, not per call
+            new.matvec = _entry("matvec") if new.one_row == NATIVE else None
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,8 +119,7 @@ class FastInt4Linear(Int4Linear):
     def of(cls, layer: Int4Linear, settings: Settings | None = None) -> Int4Linear:
         new = super().of(layer)
         new.settings = settings or Settings()
-        op = torch.ops.gpt2port.matvec_int4.default
-        new.op = getattr(op, "_op", op)
+        new.op = _entry("matvec_int4")
         return new
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +145,58 @@ class FastDropout(nn.Dropout):
         return super().forward(x) if self.training else x
 
 
+def _one_row(x: torch.Tensor) -> bool:
+    """Whether x is one fp32 row on the CPU in inference (a decode step's): what layers.c's kernels are used for.
+    Prefill's many rows keep PyTorch's kernels, which spread them over the threads."""
+    return x.dtype is torch.float32 and x.device.type == "cpu" and x.numel() == x.size(-1) and \
+        not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+class FastLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose one-row fp32 inference on the CPU runs on gpt2port's kernel (layers.c); everything else
+    (many rows, other dtypes and devices, autograd, torch.compile) through nn.LayerNorm's forward. The same Parameters
+    as the layer it replaces."""
+
+    @classmethod
+    def of(cls, layer: nn.LayerNorm, fast: bool = True) -> nn.LayerNorm:
+        """A layer of this class (nn.LayerNorm itself where not fast) over `layer`'s own Parameters."""
+        kind = cls if fast else nn.LayerNorm
+        new = kind.__new__(kind)
+        nn.Module.__init__(new)
+        new.normalized_shape, new.eps, new.elementwise_affine = layer.normalized_shape, layer.eps, \
+            layer.elementwise_affine
+        new.register_parameter("weight", layer.weight)
+        new.register_parameter("bias", layer.bias)
+        return new.train(layer.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        params = self._parameters
+        weight, bias = params["weight"], params["bias"]
+        if _one_row(x) and len(self.normalized_shape) == 1 and (weight is None or weight.dtype is torch.float32) and \
+                (bias is None or bias.dtype is torch.float32) and x.size(-1) == self.normalized_shape[0]:
+            return _entry("layer_norm")(x, weight, bias, self.eps)
+        return super().forward(x)
+
+
+GPT2_GELU = TABLE["gelu_new"].fn  # what model.py's MLP computes for GPT-2's activation
+
+
+def fast_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's tanh GELU, on gpt2port's kernel for one fp32 row on the CPU in inference, else as the model computes
+    it: what accelerate sets as the activation of each MLP of gpt2port's whose activation is GPT-2's."""
+    return _entry("gelu_tanh")(x) if _one_row(x) else GPT2_GELU(x)
+
+
+def _layers_built(settings: Settings) -> bool:
+    """Whether layers.c's operators may be used: native kernels asked for, and their C++ operators built."""
+    return settings.native and native.kernels().attend_one
+
+
 def _fast(layer: nn.Module, settings: Settings) -> nn.Module:
     if type(layer) is nn.Dropout:
         return FastDropout.of(layer)
+    if type(layer) is nn.LayerNorm:
+        return FastLayerNorm.of(layer, _layers_built(settings))
     if type(layer) is nn.Linear:
         return FastLinear.of(layer, settings)
     if type(layer) is Int4Linear:
@@ -157,14 +212,16 @@ def _plain(layer: nn.Module) -> nn.Module:
         return FastLinear.of(layer)
     if type(layer) is FastDropout:
         return FastDropout.of(layer, fast=False)
+    if type(layer) is FastLayerNorm:
+        return FastLayerNorm.of(layer, fast=False)
     if type(layer) is FastInt4Linear:
         return Int4Linear.of(layer)
     return Int8Linear.of(layer) if type(layer) is FastInt8Linear else layer
 
 
 # Exact types only: a user's subclass (whose forward may compute something else) keeps its own.
-PLAIN_LAYERS = (nn.Linear, Int8Linear, Int4Linear, nn.Dropout)
-FAST_LAYERS = (FastLinear, FastInt8Linear, FastInt4Linear, FastDropout)
+PLAIN_LAYERS = (nn.Linear, Int8Linear, Int4Linear, nn.Dropout, nn.LayerNorm)
+FAST_LAYERS = (FastLinear, FastInt8Linear, FastInt4Linear, FastDropout, FastLayerNorm)
 
 
 def _swappable(model: nn.Module, kinds: tuple = PLAIN_LAYERS + FAST_LAYERS) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -174,41 +231,59 @@ def _swappable(model: nn.Module, kinds: tuple = PLAIN_LAYERS + FAST_LAYERS) -> l
             if type(layer) in kinds and not (layer._forward_hooks or layer._forward_pre_hooks)]
 
 
+def _activated(model: nn.Module, fn) -> list[MLP]:
+    """gpt2port's own MLPs in the model (exactly model.MLP: a subclass may compute something else) whose activation
+    is `fn`."""
+    return [m for m in model.modules() if type(m) is MLP and m.act is fn]
+
+
 def accelerate(model: nn.Module, settings: Settings | None = None) -> nn.Module:
     """Replace the model's linear layers (exactly nn.Linear, Int8Linear or Int4Linear, without hooks) by fast ones
-    computing the same product on choose's kernels, and its dropouts (exactly nn.Dropout) by FastDropout, in place,
-    and return it. Each new layer holds the old one's Parameters and buffers (so a state_dict, a tied head, an
-    optimizer's references are the same); it is set where the old one was, as a submodule (a layer given alone is
-    returned replaced). With native kernels asked for, they are built or loaded here (once per machine, with a line
-    on stderr). Calling it again re-chooses with the new settings."""
+    computing the same product on choose's kernels, its dropouts (exactly nn.Dropout) by FastDropout and its
+    LayerNorms (exactly nn.LayerNorm) by FastLayerNorm, in place, and return it; each MLP of model.py's whose
+    activation is GPT-2's tanh GELU gets fast_gelu_tanh. Each new layer holds the old one's Parameters and buffers
+    (so a state_dict, a tied head, an optimizer's references are the same); it is set where the old one was, as a
+    submodule (a layer given alone is returned replaced). With native kernels asked for, they are built or loaded
+    here (once per machine, with a line on stderr). Calling it again re-chooses with the new settings."""
     settings = settings or Settings.from_env()
     if type(model) in PLAIN_LAYERS + FAST_LAYERS:  # a layer alone: its replacement is returned
         return _fast(_plain(model), settings)
     for parent, name, layer in _swappable(model):
         setattr(parent, name, _fast(_plain(layer), settings))
+    fast = _layers_built(settings)
+    for mlp in _activated(model, GPT2_GELU if fast else fast_gelu_tanh):
+        mlp.act = fast_gelu_tanh if fast else GPT2_GELU
     return model
 
 
 @contextlib.contextmanager
 def accelerated(model: nn.Module, settings: Settings) -> Iterator[nn.Module]:
-    """The model with its plain linear layers replaced by fast ones within the block, and the very same layers put
-    back after (layers that were fast already keep their own choice)."""
+    """The model with its plain layers replaced by fast ones within the block, and the very same layers (and
+    activations) put back after (layers that were fast already keep their own choice)."""
     plain = _swappable(model, PLAIN_LAYERS)
     for parent, name, layer in plain:
         setattr(parent, name, _fast(layer, settings))
+    gelus = _activated(model, GPT2_GELU) if _layers_built(settings) else []
+    for mlp in gelus:
+        mlp.act = fast_gelu_tanh
     try:
         yield model
     finally:
         for parent, name, layer in plain:
             setattr(parent, name, layer)
+        for mlp in gelus:
+            mlp.act = GPT2_GELU
 
 
 def restore(model: nn.Module) -> nn.Module:
-    """Undo accelerate: every fast layer replaced by a plain one holding its Parameters."""
+    """Undo accelerate: every fast layer replaced by a plain one holding its Parameters, and GPT-2's GELU as the
+    model computes it put back."""
     if type(model) in FAST_LAYERS:
         return _plain(model)
     for parent, name, layer in _swappable(model, FAST_LAYERS):
         setattr(parent, name, _plain(layer))
+    for mlp in _activated(model, fast_gelu_tanh):
+        mlp.act = GPT2_GELU
     return model
 
 

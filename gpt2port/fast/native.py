@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 # The library's C files, and the header they share (part of what a build is named after).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "attention.c", "int4.c", "int4_fit.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "attention.c", "int4.c", "int4_fit.c",
+                                                            "layers.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("vectors.h", "int4.h"))
 LIBRARY_NAME = "libgpt2port_native.so"
 BINDING_SOURCE, BINDING_NAME = Path(__file__).with_name("native_ops.cpp"), "libgpt2port_ops.so"
@@ -124,6 +125,11 @@ def _define_ops() -> None:
     # activations as the int4 products take them, rounded to 8 bits per group of 32 (gpt2port.quant4.round_activations)
     _OPS.define("round_int4(Tensor x) -> Tensor")
     _OPS.impl("round_int4", lambda x: x.new_empty(x.shape), "Meta")
+    # a decode step's small layers (layers.c): LayerNorm over the last dimension, GPT-2's tanh GELU
+    _OPS.define("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps) -> Tensor")
+    _OPS.define("gelu_tanh(Tensor x) -> Tensor")
+    _OPS.impl("layer_norm", lambda x, weight, bias, eps: x.new_empty(x.shape), "Meta")
+    _OPS.impl("gelu_tanh", lambda x: x.new_empty(x.shape), "Meta")
 
 
 def _matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -233,8 +239,9 @@ def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL, lock: bool = True) -> s
             path.unlink(missing_ok=True)  # a broken or foreign file: built again next time
             errors.append(f"{path} does not load")
             continue
-        if not _agrees(lambda w, x, b, threads, out: torch.ops.gpt2port.matvec(x, w, b)) or not _attends_right():
-            return f"{path} disagrees with F.linear or PyTorch's attention on a probe"
+        if not _agrees(lambda w, x, b, threads, out: torch.ops.gpt2port.matvec(x, w, b)) or not _attends_right() \
+                or not _layers_right():
+            return f"{path} disagrees with F.linear, PyTorch's attention, layer_norm or GELU on a probe"
         return None
     return f"building {BINDING_SOURCE.name} with {cxx} failed: " + "; ".join(errors)
 
@@ -384,3 +391,23 @@ def _attends_right() -> bool:
                     torch.allclose(y.float(), want, rtol=tolerance, atol=tolerance)):
                 return False
     return True
+
+
+def _layers_right() -> bool:
+    """gpt2port::layer_norm and gelu_tanh against F.layer_norm and F.gelu(approximate="tanh"), from a private
+    generator: rows of whole and partial vectors, with weight and bias and without, at the scales of a trained
+    model's activations (std ~2, a few outliers), and a row holding NaN and infinities."""
+    g = torch.Generator().manual_seed(0)
+    for rows, n in ((1, 768), (3, 37), (2, 5)):
+        x = torch.randn(rows, n, generator=g) * 2
+        x[:, 0] = 40.0  # an outlier channel
+        w, b = 1 + 0.3 * torch.randn(n, generator=g), torch.randn(n, generator=g)
+        for weight, bias in ((w, b), (None, None)):
+            if not torch.allclose(torch.ops.gpt2port.layer_norm(x, weight, bias, 1e-5),
+                                  F.layer_norm(x, (n,), weight, bias, 1e-5), rtol=1e-5, atol=1e-5):
+                return False
+        if not torch.allclose(torch.ops.gpt2port.gelu_tanh(x), F.gelu(x, approximate="tanh"), rtol=1e-5, atol=1e-6):
+            return False
+    edges = torch.tensor([float("nan"), float("inf"), -float("inf"), -1e20, 1e20, -0.0, 0.0, -6.0, 3.0])
+    return torch.allclose(torch.ops.gpt2port.gelu_tanh(edges), F.gelu(edges, approximate="tanh"), atol=1e-6,
+                          equal_nan=True)

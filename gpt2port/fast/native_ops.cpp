@@ -1,7 +1,7 @@
-// The kernels of gpt2port's operators on the CPU, in C++: gpt2port::matvec (one row times a weight, matvec.c) and
+// The kernels of gpt2port's operators on the CPU, in C++: gpt2port::matvec (one row times a weight, matvec.c),
 // gpt2port::attend_one (attention for one new token, attention.c), gpt2port::matvec_int4, dequantize_int4 and
-// round_int4 (4-bit weights, int4.c), each checking its arguments, then calling the
-// library gpt2port/fast/native.py built from those C files.
+// round_int4 (4-bit weights, int4.c), gpt2port::layer_norm and gelu_tanh (layers.c), each checking its arguments,
+// then calling the library gpt2port/fast/native.py built from those C files.
 //
 // Why C++: a decode step makes ~50 one-row products (~200 at 1.5B), and a kernel written in Python costs each a round
 // trip from PyTorch's dispatcher into the interpreter and out through ctypes, which an operator registered from C++
@@ -32,6 +32,9 @@ int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float
 void gpt2port_dequantize_int4(const uint8_t *P, float *W, int64_t n, int64_t k, int bits, int threads);
 void gpt2port_round_int4(const float *x, float *out, int64_t rows, int64_t k, int threads);
 int64_t gpt2port_int4_row_bytes(int64_t k, int bits);
+void gpt2port_layer_norm(const float *x, const float *w, const float *b, float *y, int64_t rows, int64_t n,
+                         float eps);
+void gpt2port_gelu_tanh(const float *x, float *y, int64_t n);
 }
 
 namespace {
@@ -184,6 +187,37 @@ at::Tensor round_int4(const at::Tensor &x) {
   return y;
 }
 
+// An optional LayerNorm weight or bias that fits rows of n fp32 numbers: none, or n contiguous fp32 on the CPU.
+bool affine(const std::optional<at::Tensor> &t, int64_t n) {
+  return !t || (t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous() && t->numel() == n);
+}
+
+// rows (..., n) fp32, weight and bias (n,) fp32 or None -> LayerNorm over the last dimension
+at::Tensor layer_norm(const at::Tensor &x, const std::optional<at::Tensor> &weight,
+                      const std::optional<at::Tensor> &bias, double eps) {
+  int64_t n = x.dim() ? x.size(-1) : 0;
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat && n > 0 && affine(weight, n) &&
+                        affine(bias, n),
+                    "gpt2port::layer_norm takes fp32 rows (..., n) and an fp32 weight and bias of n numbers or None; "
+                    "got x ", shape(x), " ", x.scalar_type());
+  at::Tensor rows = x.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  gpt2port_layer_norm(rows.const_data_ptr<float>(), weight ? weight->const_data_ptr<float>() : nullptr,
+                      bias ? bias->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), x.numel() / n, n,
+                      static_cast<float>(eps));
+  return y;
+}
+
+// fp32 numbers of any shape -> GPT-2's tanh GELU of each
+at::Tensor gelu_tanh(const at::Tensor &x) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.scalar_type() == at::kFloat,
+                    "gpt2port::gelu_tanh takes fp32 numbers on the CPU; got ", shape(x), " ", x.scalar_type());
+  at::Tensor numbers = x.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  gpt2port_gelu_tanh(numbers.const_data_ptr<float>(), y.mutable_data_ptr<float>(), x.numel());
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gpt2port, CPU, m) {
@@ -193,4 +227,6 @@ TORCH_LIBRARY_IMPL(gpt2port, CPU, m) {
   m.impl("matvec_int4", matvec_int4);
   m.impl("dequantize_int4", dequantize_int4);
   m.impl("round_int4", round_int4);
+  m.impl("layer_norm", layer_norm);
+  m.impl("gelu_tanh", gelu_tanh);
 }
