@@ -127,7 +127,7 @@ class FastInt4Linear(Int4Linear):
         # module's dicts (nn.Module.__getattr__ is a Python call per name)
         if x.dtype is torch.float32 and x.numel() == self.padded == self.in_features and \
                 not torch.compiler.is_compiling():
-            return self.op(x, self._buffers["weight"], self._parameters["bias"], self.padded)
+            return self.op(x, self._buffers["weight"], self._parameters.get("bias"), self.padded)
         return super().forward(x)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
