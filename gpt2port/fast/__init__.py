@@ -7,12 +7,13 @@
 What is here, one module per concern:
 - settings.py  Settings: which accelerations to use, passed explicitly (`generate` takes one).
 - native.py    gpt2port's own C kernels (matvec.c: one row times a weight; attention.c: attention for one new
-               token; int4.c: 4-bit weights), built on purpose into a per-machine cache and registered as
-               torch.ops.gpt2port.*.
+               token; int4.c: 4-bit weights; layers.c: LayerNorm and GPT-2's GELU on one row), built on purpose into
+               a per-machine cache and registered as torch.ops.gpt2port.*.
 - int4.py      the int4 kernel checked before use, its quantizer, and the loader of an int4 model (gpt2port.quant4).
 - kernels.py   `choose`, the one function that picks each product's kernel, and `accelerate`, which replaces the
-               model's linear layers by ones that use it (same Parameters, same product), and its dropouts by
-               ones that skip F.dropout out of training.
+               model's linear layers by ones that use it (same Parameters, same product), its dropouts by ones
+               that skip F.dropout out of training, its LayerNorms by ones that take one row on layers.c, and the
+               MLPs' tanh GELU by the same function on layers.c.
 - cache.py     the KV cache generation hands the model: one new token's attention on gpt2port's kernel where it
                computes what model.KVCache.attend does.
 - graph.py     the decode step: the model's own forward, on a GPU optionally recorded as a CUDA graph.

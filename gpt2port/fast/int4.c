@@ -286,16 +286,20 @@ static inline __attribute__((always_inline)) __m512 pair_dot(const uint8_t *code
     if (bits == 8) {
         c = _mm512_loadu_si512(codes);
     } else {
-        const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  /* upper half: the high nibbles */
-        __m512i both;
-        if (bits == 4) {  /* one broadcast from memory */
-            both = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)codes));
+        if (bits == 4) {
+            /* one broadcast from memory, then the low nibbles kept in the lower half and the high ones, in place
+             * (16 times the code), in the upper half: its lanes' sums are 16 times theirs until FOLD_HIGH */
+            const __m512i nibbles = _mm512_set_epi64(~0x0f0f0f0f0f0f0f0fLL, ~0x0f0f0f0f0f0f0f0fLL,
+                                                     ~0x0f0f0f0f0f0f0f0fLL, ~0x0f0f0f0f0f0f0f0fLL, 0x0f0f0f0f0f0f0f0fLL,
+                                                     0x0f0f0f0f0f0f0f0fLL, 0x0f0f0f0f0f0f0f0fLL, 0x0f0f0f0f0f0f0f0fLL);
+            c = _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)codes)), nibbles);
         } else {  /* a 6-bit group is 24 bytes: g + 1's nibbles start at byte 24 */
+            const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);  /* upper half: the high nibbles */
             __m256i nibbles = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)codes)),
                                                       _mm_loadu_si128((const __m128i *)(codes + 24)), 1);
-            both = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles), nibbles, 1);
+            __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles), nibbles, 1);
+            c = _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(15));
         }
-        c = _mm512_and_si512(_mm512_srlv_epi64(both, shifts), _mm512_set1_epi8(15));
         if (bits == 6) {
             __m128i crumbs = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(codes + 16)),
                                                 _mm_loadl_epi64((const __m128i *)(codes + 40)));
@@ -312,6 +316,10 @@ static inline __attribute__((always_inline)) __m512 pair_dot(const uint8_t *code
     __m512 s = _mm512_permutexvar_ps(bits == 8 ? pick8 : pick4, two);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), s, acc);
 }
+/* A 4-bit row's sums with their upper lanes (the high nibbles', taken in place) divided by 16: exact, a power of two
+ * (each sum was formed 16 times as large, each rounding with it), once a row rather than a shift per pair. */
+#define FOLD_HIGH(acc) _mm512_mul_ps((acc), _mm512_set_ps(0.0625f, 0.0625f, 0.0625f, 0.0625f, 0.0625f, 0.0625f, \
+                                                          0.0625f, 0.0625f, 1, 1, 1, 1, 1, 1, 1, 1))
 #else
 #define INTEGER_DOTS 0
 #endif
@@ -348,6 +356,7 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const a
                 i2 = pair_dot(w2 + g * per, q + g * GROUP, s2 + g, i2, bits);
                 i3 = pair_dot(w3 + g * per, q + g * GROUP, s3 + g, i3, bits);
             }
+            if (bits == 4) i0 = FOLD_HIGH(i0), i1 = FOLD_HIGH(i1), i2 = FOLD_HIGH(i2), i3 = FOLD_HIGH(i3);
             a0 = (vec)i0, a1 = (vec)i1, a2 = (vec)i2, a3 = (vec)i3;
         }
 #endif
@@ -376,7 +385,7 @@ static inline __attribute__((always_inline)) void rows(const uint8_t *P, const a
             __m512 i0 = _mm512_setzero_ps();
             for (int64_t g = 0; g < paired; g += 2, __builtin_prefetch(w + g * per + AHEAD))
                 i0 = pair_dot(w + g * per, q + g * GROUP, s0 + g, i0, bits);
-            a = (vec)i0;
+            a = (vec)(bits == 4 ? FOLD_HIGH(i0) : i0);
         }
 #endif
         for (int64_t g = paired; g < groups; g++, __builtin_prefetch(w + g * per + AHEAD))
@@ -406,17 +415,21 @@ int64_t gpt2port_int4_row_bytes(int64_t k, int bits) { return row_stride(k, bits
 int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads) {
     int64_t groups = k / GROUP;
+    /* each thread's scales on cache lines of their own (64 bytes, 16 floats): a line two threads both wrote at every
+     * row went back and forth between their cores, and 2 threads multiplied 768-wide 4-bit rows no faster than 1 */
+    int64_t line = 16, slice = (groups * STREAMS + line - 1) / line * line;
     void *block;
     activations act;
-    if (round_activations(x, k, &block, &act, groups * STREAMS * (int64_t)threads) != 0) return -1;
+    if (round_activations(x, k, &block, &act, slice * (int64_t)threads + line) != 0) return -1;
     float *scratch = (float *)act.qf + k;
+    scratch += (line - ((uintptr_t)scratch / sizeof(float)) % line) % line;
     #pragma omp parallel num_threads(threads)
     {
         int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
         int64_t per = (n + T - 1) / T, r0 = t * per, r1 = r0 + per < n ? r0 + per : n;
         void (*run)(const uint8_t *, const activations *, const float *, float *, int64_t, int64_t, int64_t,
                     float *) = bits == 8 ? rows8 : bits == 6 ? rows6 : rows4;
-        if (r0 < r1) run(P, &act, b, y, r0, r1, k, scratch + groups * STREAMS * t);
+        if (r0 < r1) run(P, &act, b, y, r0, r1, k, scratch + slice * t);
     }
     free(block);
     return 0;
