@@ -247,7 +247,7 @@ def test_the_model_is_plain_pytorch():
 BLOCK_ARITHMETIC = {"layer_norm", "rms_norm", "scaled_dot_product_attention", "gelu", "silu", "relu", "ACTIVATIONS"}
 MODEL_PARTS = {"blocks", "ln1", "ln2", "final_norm", "attn", "mlp", "qkv", "fc", "act"}
 # Probes of a kernel against PyTorch's own function (not the model's) before the kernel is used.
-PROBES = {("native.py", "_attends_right")}
+PROBES = {("native.py", "_attends_right"), ("native.py", "_layers_right")}
 
 
 def _second_forward(path: Path) -> list[str]:

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from gpt2port.activations import TABLE
 from gpt2port.fast import native
 from gpt2port.fast.settings import Settings
-from gpt2port.model import MLP
 from gpt2port.quant import Int8Linear
 from gpt2port.quant4 import Int4Linear
 
@@ -191,13 +190,26 @@ GPT2_GELU = TABLE["gelu_new"].fn  # what model.py's MLP computes for GPT-2's act
 
 def fast_gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh GELU, on gpt2port's kernel for one fp32 row on the CPU in inference, else as the model computes
-    it: what accelerate sets as the activation of each MLP of gpt2port's whose activation is GPT-2's."""
+    it: what accelerate sets where a module holds GPT2_GELU (an MLP's activation)."""
     return _entry("gelu_tanh")(x) if _one_row(x) else GPT2_GELU(x)
 
 
 def _layers_built(settings: Settings) -> bool:
     """Whether layers.c's operators may be used: native kernels asked for, and their C++ operators built."""
     return settings.native and native.kernels().attend_one
+
+
+@functools.cache
+def _gelu_agrees() -> bool:
+    """Whether layers.c's GELU computes what GPT2_GELU, as activations.py now has it, does: over pre-activations
+    from -12 to 12 (an edited formula is then left to run as it is)."""
+    x = torch.linspace(-12, 12, 4801)
+    with torch.no_grad():
+        return torch.allclose(_entry("gelu_tanh")(x), GPT2_GELU(x), rtol=1e-5, atol=1e-6)
+
+
+def _fast_gelu(settings: Settings) -> bool:
+    return _layers_built(settings) and _gelu_agrees()
 
 
 def _fast(layer: nn.Module, settings: Settings) -> nn.Module:
@@ -239,28 +251,30 @@ def _swappable(model: nn.Module, kinds: tuple = PLAIN_LAYERS + FAST_LAYERS) -> l
             if type(layer) in kinds and not (layer._forward_hooks or layer._forward_pre_hooks)]
 
 
-def _activated(model: nn.Module, fn) -> list[MLP]:
-    """gpt2port's own MLPs in the model (exactly model.MLP: a subclass may compute something else) whose activation
-    is `fn`."""
-    return [m for m in model.modules() if type(m) is MLP and m.act is fn]
+def _holding(model: nn.Module, fn) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) for every attribute of the model's modules that is the function `fn` itself (an
+    activation is a function, where layers are modules): by identity, so a user's own function, even one computing
+    the same, is left alone."""
+    return [(m, name) for m in model.modules() for name, value in vars(m).items() if value is fn]
 
 
 def accelerate(model: nn.Module, settings: Settings | None = None) -> nn.Module:
     """Replace the model's linear layers (exactly nn.Linear, Int8Linear or Int4Linear, without hooks) by fast ones
     computing the same product on choose's kernels, its dropouts (exactly nn.Dropout) by FastDropout and its
-    LayerNorms (exactly nn.LayerNorm) by FastLayerNorm, in place, and return it; each MLP of model.py's whose
-    activation is GPT-2's tanh GELU gets fast_gelu_tanh. Each new layer holds the old one's Parameters and buffers
-    (so a state_dict, a tied head, an optimizer's references are the same); it is set where the old one was, as a
-    submodule (a layer given alone is returned replaced). With native kernels asked for, they are built or loaded
-    here (once per machine, with a line on stderr). Calling it again re-chooses with the new settings."""
+    LayerNorms (exactly nn.LayerNorm) by FastLayerNorm, in place, and return it; an attribute holding GPT-2's tanh
+    GELU as model.py computes it (an MLP's activation) gets fast_gelu_tanh. Each new layer holds the old one's
+    Parameters and buffers (so a state_dict, a tied head, an optimizer's references are the same); it is set where
+    the old one was, as a submodule (a layer given alone is returned replaced). With native kernels asked for, they
+    are built or loaded here (once per machine, with a line on stderr). Calling it again re-chooses with the new
+    settings."""
     settings = settings or Settings.from_env()
     if type(model) in PLAIN_LAYERS + FAST_LAYERS:  # a layer alone: its replacement is returned
         return _fast(_plain(model), settings)
     for parent, name, layer in _swappable(model):
         setattr(parent, name, _fast(_plain(layer), settings))
-    fast = _layers_built(settings)
-    for mlp in _activated(model, GPT2_GELU if fast else fast_gelu_tanh):
-        mlp.act = fast_gelu_tanh if fast else GPT2_GELU
+    fast = _fast_gelu(settings)
+    for module, name in _holding(model, GPT2_GELU if fast else fast_gelu_tanh):
+        setattr(module, name, fast_gelu_tanh if fast else GPT2_GELU)
     return model
 
 
@@ -271,16 +285,16 @@ def accelerated(model: nn.Module, settings: Settings) -> Iterator[nn.Module]:
     plain = _swappable(model, PLAIN_LAYERS)
     for parent, name, layer in plain:
         setattr(parent, name, _fast(layer, settings))
-    gelus = _activated(model, GPT2_GELU) if _layers_built(settings) else []
-    for mlp in gelus:
-        mlp.act = fast_gelu_tanh
+    gelus = _holding(model, GPT2_GELU) if _fast_gelu(settings) else []
+    for module, name in gelus:
+        setattr(module, name, fast_gelu_tanh)
     try:
         yield model
     finally:
         for parent, name, layer in plain:
             setattr(parent, name, layer)
-        for mlp in gelus:
-            mlp.act = GPT2_GELU
+        for module, name in gelus:
+            setattr(module, name, GPT2_GELU)
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -290,8 +304,8 @@ def restore(model: nn.Module) -> nn.Module:
         return _plain(model)
     for parent, name, layer in _swappable(model, FAST_LAYERS):
         setattr(parent, name, _plain(layer))
-    for mlp in _activated(model, fast_gelu_tanh):
-        mlp.act = GPT2_GELU
+    for module, name in _holding(model, fast_gelu_tanh):
+        setattr(module, name, GPT2_GELU)
     return model
 
 

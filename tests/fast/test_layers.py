@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt2port import GPT, GPTConfig
-from gpt2port.fast import Settings, accelerate, restore
+from gpt2port.fast import Settings, accelerate, kernels, restore
 from gpt2port.fast.kernels import GPT2_GELU, FastLayerNorm, accelerated, fast_gelu_tanh
 
 pytestmark = pytest.mark.usefixtures("native_kernels")
@@ -84,6 +84,7 @@ def test_a_model_takes_them_for_one_row_and_gets_its_own_numbers(monkeypatch):
     with torch.inference_mode():
         want = logits_of_steps(model, ids)
     calls = []
+    kernels._gelu_agrees()  # its probe, before the calls are counted
     monkeypatch.setattr("gpt2port.fast.kernels._entry", lambda name: counted(name, calls))
     accelerate(model, Settings())
     assert all(type(m) is FastLayerNorm for m in model.modules() if isinstance(m, nn.LayerNorm))
@@ -139,3 +140,16 @@ def test_accelerated_puts_back_the_very_same_layers():
     accelerate(model, Settings(native=False))
     assert all(type(m) is nn.LayerNorm for m in model.modules() if isinstance(m, nn.LayerNorm))
     assert all(b.mlp.act is GPT2_GELU for b in model.blocks)
+
+
+def test_an_edited_activation_is_left_to_run_as_it_is(monkeypatch):
+    """The GELU is swapped only where layers.c computes what activations.py's function does now."""
+    kernels._gelu_agrees.cache_clear()
+    monkeypatch.setattr(kernels, "GPT2_GELU", lambda x: F.gelu(x))  # as if the formula were edited to erf's
+    model = GPT(CONFIG)
+    monkeypatch.setattr(model.blocks[0].mlp, "act", kernels.GPT2_GELU)
+    try:
+        accelerate(model, Settings())
+        assert model.blocks[0].mlp.act is kernels.GPT2_GELU
+    finally:
+        kernels._gelu_agrees.cache_clear()
