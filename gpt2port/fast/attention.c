@@ -53,27 +53,7 @@ static inline __attribute__((always_inline)) void head(const void *qkv, void *K,
     for (int64_t d = 0; d < D; d++) q[d] = ELEM(qkv, h * D + d, half);
 
     float top = -INFINITY;
-    int64_t j = 0;
-    /* four keys at a time where D is whole vectors (GPT-2's 64): four sums in flight rather than one chain */
-    for (; body == D && j + 4 <= length + 1; j += 4) {
-        const char *key = keys + j * D * size;
-        for (int64_t o = 0; o < 4 * D * size; o += 64) {
-            __builtin_prefetch(key + PF * D * size + o);
-            __builtin_prefetch(values + j * D * size + o);
-        }
-        vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t d = 0; d < D; d += LANES) {
-            vec qd = load(q + d);
-            a0 += VEC(key, d, half) * qd;
-            a1 += VEC(key, D + d, half) * qd;
-            a2 += VEC(key, 2 * D + d, half) * qd;
-            a3 += VEC(key, 3 * D + d, half) * qd;
-        }
-        s[j] = lanes_sum(a0) * scale, s[j + 1] = lanes_sum(a1) * scale;
-        s[j + 2] = lanes_sum(a2) * scale, s[j + 3] = lanes_sum(a3) * scale;
-        for (int i = 0; i < 4; i++) top = s[j + i] > top ? s[j + i] : top;
-    }
-    for (; j <= length; j++) {
+    for (int64_t j = 0; j <= length; j++) {
         const char *key = keys + j * D * size;
         for (int64_t o = 0; o < D * size; o += 64) {
             __builtin_prefetch(key + PF * D * size + o);
