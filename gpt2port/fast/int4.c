@@ -160,7 +160,8 @@ static inline void totals(vec a0, vec a1, vec a2, vec a3, float t[4]) {
            y = _mm512_add_ps(_mm512_unpacklo_ps((__m512)a2, (__m512)a3), _mm512_unpackhi_ps((__m512)a2, (__m512)a3));
     /* each 128-bit lane: a0, a1, a2, a3's partial sums */
     __m512 z = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xee));
-    __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));
+    __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1));  /* AVX-512F alone */
+    __m256 w = _mm256_add_ps(_mm512_castps512_ps256(z), upper);
     _mm_storeu_ps(t, _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)));
 #else
     t[0] = total(a0), t[1] = total(a1), t[2] = total(a2), t[3] = total(a3);
