@@ -153,7 +153,7 @@ static inline float total(vec acc) {
 }
 
 /* The totals of four rows' sums at once, into t[0..3]: with AVX-512 the four vectors are interleaved and added in
- * one tree (13 instructions where four reductions took 32: a 768-wide 4-bit row is only ~150). */
+ * one tree, a third of the instructions of four reductions (a 768-wide 4-bit row has few to spare). */
 static inline void totals(vec a0, vec a1, vec a2, vec a3, float t[4]) {
 #ifdef __AVX512F__
     __m512 x = _mm512_add_ps(_mm512_unpacklo_ps((__m512)a0, (__m512)a1), _mm512_unpackhi_ps((__m512)a0, (__m512)a1)),
@@ -416,8 +416,8 @@ int64_t gpt2port_int4_row_bytes(int64_t k, int bits) { return row_stride(k, bits
 int gpt2port_matvec_int4(const uint8_t *P, const float *x, const float *b, float *y, int64_t n, int64_t k, int bits,
                          int threads) {
     int64_t groups = k / GROUP;
-    /* each thread's scales on cache lines of their own (64 bytes, 16 floats): a line two threads both wrote at every
-     * row went back and forth between their cores, and 2 threads multiplied 768-wide 4-bit rows no faster than 1 */
+    /* each thread's scales on cache lines of their own (64 bytes, 16 floats): a line two threads both write at every
+     * row goes back and forth between their cores */
     int64_t line = 16, slice = (groups * STREAMS + line - 1) / line * line;
     void *block;
     activations act;

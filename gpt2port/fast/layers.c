@@ -1,9 +1,8 @@
 /* The small layers of a decode step, fp32, on the rows they are given: LayerNorm and GPT-2's tanh GELU.
  *
- * Why: on one row of 768 numbers PyTorch's layer_norm and gelu cost 8-30 us a call (dispatch, set-up, a parallel
- * region for a few hundred numbers), where the arithmetic is well under one; a 124M step makes 25 of the one and 12 of
- * the other, ~1 ms of a ~9 ms int4 step (docs/performance.md). gpt2port.fast swaps these in for nn.LayerNorm and for
- * the MLP's tanh GELU, each only after a probe against PyTorch's (gpt2port/fast/native.py).
+ * Why: on one row PyTorch's layer_norm and gelu spend many times their arithmetic on dispatch and set-up, and a
+ * decode step makes two LayerNorms and a GELU a block (docs/performance.md). gpt2port.fast swaps these in for
+ * nn.LayerNorm and for the MLP's tanh GELU, each only after a probe against PyTorch's (gpt2port/fast/native.py).
  *
  * LayerNorm as PyTorch forms it: the mean and the biased variance of each row, rstd = 1 / sqrt(var + eps), then
  * y = (x rstd - mean rstd) w + b; the sums in fp32, two passes (the variance around the mean), LANES at a time.
