@@ -27,7 +27,6 @@ import argparse
 import ctypes
 import functools
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 from gpt2port import GPT
 from gpt2port.fast import Settings, accelerate, decode_step, native
 from gpt2port.fast.cache import new_cache
+from scripts.bench import scratch_root
 from scripts.bench.generate import prepare
 
 H, D, LAYERS = 12, 64, 12
@@ -161,7 +161,7 @@ def main() -> None:
         why = native.kernels().binding_why_not
         raise SystemExit(f"gpt2port's attention kernel is not in use here: {why}")
     print(f"torch {torch.__version__}, {args.threads} threads")
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="gpt2port-bench-"))
+    root = args.workdir or scratch_root("gpt2port-bench-")
     if args.against is not None:
         print(f"attention, one layer (12 heads of 64), us: this checkout's attention.c warm / cold, "
               f"{args.against}'s warm / cold")

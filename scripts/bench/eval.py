@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch
 
 from gpt2port.evaluation.run import run_eval
 from scripts import eval_data
+from scripts.bench import scratch_root
 
 
 def _load() -> str:
@@ -48,7 +48,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from tests.realistic import realistic_checkpoint
 
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-eval-"))
+    root = args.workdir or scratch_root("bench-eval-")
     hf_dir, ckpt = root / "hf", root / "ckpt"
     if not (ckpt / "model.safetensors").is_file():
         hf_dir, ckpt = realistic_checkpoint(root, args.size, seed=0)

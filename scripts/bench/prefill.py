@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from gpt2port import GPT
 from gpt2port.fast import Settings
 from gpt2port.fast.kernels import accelerated
 from gpt2port.model import KVCache
-from scripts.bench import llama_contender
+from scripts.bench import llama_contender, scratch_root
 from scripts.bench.generate import prepare
 
 
@@ -53,7 +52,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import GPT2LMHeadModel
 
-    root = args.workdir or Path(tempfile.mkdtemp(prefix="bench-prefill-"))
+    root = args.workdir or scratch_root("bench-prefill-")
     hf_dir, ckpt = prepare(args.size, root)
     ids = torch.randint(0, 50257, (1, args.tokens), generator=torch.Generator().manual_seed(1))
     fp32, bf16 = GPT.from_pretrained(ckpt), GPT.from_pretrained(ckpt, dtype="bf16")
