@@ -23,25 +23,6 @@
  * step ago, ~40 MB of weights back at 124M, so it comes from memory (bench_attention's cold figures halved). */
 #define PF 4
 
-typedef float half_vec __attribute__((vector_size(LANES * sizeof(float) / 2)));
-typedef float quarter_vec __attribute__((vector_size(LANES * sizeof(float) / 4)));
-
-/* The sum of a vector's lanes, halving it (the halves copied out, which compilers turn into register moves): a few
- * dependent additions instead of LANES. */
-static inline float lanes_sum(vec a) {
-    half_vec lo, hi;
-    memcpy(&lo, &a, sizeof lo);
-    memcpy(&hi, (char *)&a + sizeof lo, sizeof hi);
-    lo += hi;
-    quarter_vec q0, q1;
-    memcpy(&q0, &lo, sizeof q0);
-    memcpy(&q1, (char *)&lo + sizeof q0, sizeof q1);
-    q0 += q1;
-    float t = 0.f;
-    for (int l = 0; l < LANES / 4; l++) t += q0[l];
-    return t;
-}
-
 static inline __attribute__((always_inline)) void head(const void *qkv, void *K, void *V, void *y, int64_t h,
                                                        int64_t H, int64_t T, int64_t D, int64_t length, float scale,
                                                        float *scratch, int half) {

@@ -65,13 +65,14 @@ static inline vec row_setup(const uint8_t *row, const float *d, const float *sum
                             int64_t codes, int bits) {
     const uint8_t *c = row + codes;
     const int8_t *z = (const int8_t *)(c + groups);
-    float base, unit = zero_unit(bits), half = zero_middle(bits), offset = 0.f;
+    float base, offset = 0.f;
     vec partial = {0};
     memcpy(&base, c + 2 * groups, 4);  /* rows start at any even byte: read unaligned */
     int64_t g = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     __m512 acc = _mm512_setzero_ps(), b = _mm512_set1_ps(base), steps = _mm512_loadu_ps(SCALE_STEP),
-           steps2 = _mm512_loadu_ps(SCALE_STEP + 16), u = _mm512_set1_ps(unit), h = _mm512_set1_ps(half);
+           steps2 = _mm512_loadu_ps(SCALE_STEP + 16), u = _mm512_set1_ps(zero_unit(bits)),
+           h = _mm512_set1_ps(zero_middle(bits));
     for (; g < groups; g += 16) {  /* the last 1-15 groups under a mask (one scalar call each cost a third of a row) */
         __mmask16 on = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1);
         __m512i cs = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(on, c + g));
@@ -146,9 +147,7 @@ static inline float total(vec acc) {
 #ifdef __AVX512F__
     return _mm512_reduce_add_ps((__m512)acc);  /* a tree of adds: shorter than 16 in a row, once per row */
 #else
-    float v = 0.f;
-    for (int l = 0; l < LANES; l++) v += acc[l];
-    return v;
+    return lanes_sum(acc);
 #endif
 }
 

@@ -16,13 +16,6 @@
 
 #include "vectors.h"
 
-/* The sum of a vector's lanes (once per row: the order is fixed, the cost is not what matters here). */
-static inline float lanes_total(vec a) {
-    float t = 0.f;
-    for (int l = 0; l < LANES; l++) t += a[l];
-    return t;
-}
-
 /* x, y (rows, n); w, b (n) or NULL (then 1 and 0). */
 void gpt2port_layer_norm(const float *x, const float *w, const float *b, float *y, int64_t rows, int64_t n,
                          float eps) {
@@ -32,7 +25,7 @@ void gpt2port_layer_norm(const float *x, const float *w, const float *b, float *
         float *yr = y + r * n;
         vec s = {0};
         for (int64_t i = 0; i < body; i += LANES) s += load(xr + i);
-        float sum = lanes_total(s);
+        float sum = lanes_sum(s);
         for (int64_t i = body; i < n; i++) sum += xr[i];
         float mean = sum / (float)n;
         vec v = {0};
@@ -40,7 +33,7 @@ void gpt2port_layer_norm(const float *x, const float *w, const float *b, float *
             vec d = load(xr + i) - mean;
             v += d * d;
         }
-        float var = lanes_total(v);
+        float var = lanes_sum(v);
         for (int64_t i = body; i < n; i++) var += (xr[i] - mean) * (xr[i] - mean);
         float rstd = 1.f / sqrtf(var / (float)n + eps), shift = -mean * rstd;
         for (int64_t i = 0; i < body; i += LANES) {

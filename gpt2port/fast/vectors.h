@@ -1,6 +1,6 @@
 /* What gpt2port's C kernels (matvec.c, attention.c, int4.c, layers.c) share: vectors of LANES fp32 numbers in the
  * vector extension of GCC and Clang (whatever the target, the compiler maps them onto its registers), bf16 <-> fp32 as
- * PyTorch converts, the reading of a row of either as fp32, and e^x lane by lane. */
+ * PyTorch converts, the reading of a row of either as fp32, the sum of a vector's lanes and e^x lane by lane. */
 #ifndef GPT2PORT_VECTORS_H
 #define GPT2PORT_VECTORS_H
 
@@ -40,6 +40,25 @@ static inline uint16_t f32_to_bf16(float f) {
  * constant wherever these are inlined, so each kernel has one copy per type). */
 #define ELEM(p, j, half) ((half) ? bf16_to_f32(((const uint16_t *)(p))[j]) : ((const float *)(p))[j])
 #define VEC(p, j, half) ((half) ? widen((const uint16_t *)(p) + (j)) : (vec)load((const float *)(p) + (j)))
+
+typedef float half_vec __attribute__((vector_size(LANES * sizeof(float) / 2)));
+typedef float quarter_vec __attribute__((vector_size(LANES * sizeof(float) / 4)));
+
+/* The sum of a vector's lanes, halving it (the halves copied out, which compilers turn into register moves): a few
+ * dependent additions instead of LANES. */
+static inline float lanes_sum(vec a) {
+    half_vec lo, hi;
+    memcpy(&lo, &a, sizeof lo);
+    memcpy(&hi, (char *)&a + sizeof lo, sizeof hi);
+    lo += hi;
+    quarter_vec q0, q1;
+    memcpy(&q0, &lo, sizeof q0);
+    memcpy(&q1, (char *)&lo + sizeof q0, sizeof q1);
+    q0 += q1;
+    float t = 0.f;
+    for (int l = 0; l < LANES / 4; l++) t += q0[l];
+    return t;
+}
 
 typedef int32_t i32_vec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
