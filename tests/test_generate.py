@@ -360,8 +360,9 @@ def test_cli_verbose_says_how_close_decoding_came_to_the_bandwidth_floor(lively,
                       r"token, ([\d.]+) GB/s measured now\)$", out.err, re.M)
     assert match, out.err
     assert float(match.group(2)) > 0 and float(match.group(4)) > 0
-    assert re.search(r"^decode steps ran on the model's forward; "
-                     r"attention on (gpt2port's kernel|SDPA \(.+\))$",
+    # one row on gpt2port's attention kernel: the forward replayed from C++ (tests/fast/test_replay.py)
+    assert re.search(r"^decode steps ran on the model's forward(, replayed from C\+\+ \(its \d+ operator calls "
+                     r"recorded once\); attention on gpt2port's kernel|; attention on SDPA \(.+\))$",
                      out.err, re.M), out.err
     assert re.search(r"^one-row products on (gpt2port's one-row kernel|oneDNN|F.linear), several rows on "
                      r"(oneDNN|F.linear)$", out.err, re.M), out.err

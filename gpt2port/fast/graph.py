@@ -96,18 +96,18 @@ class Graphed(Forward):
         self.graph = graph
 
 
-COMPILE_CHECKS = 2  # positions at which a compiled step is checked: one that froze the position agrees at the first
+CAPTURE_CHECKS = 2  # positions at which a captured step is checked: one that froze the position agrees at the first
 
 
-class Compiled(Forward):
-    """The same forward compiled ahead of time (gpt2port.fast.package) on its first call (one unpadded row on the
-    CPU), checked against the forward as it is at its first COMPILE_CHECKS steps, then run compiled."""
+class Captured(Forward):
+    """The forward captured on its first call (one unpadded row on the CPU), checked against the forward as it is at
+    its first CAPTURE_CHECKS steps, then run captured; where the capture fails or disagrees, the forward as it is."""
 
-    def __init__(self, model, cache: KVCache, attention: str = ""):
-        super().__init__(model, cache, "the model's forward, compiled ahead of time by AOTInductor", attention)
+    def __init__(self, model, cache: KVCache, how: str, attention: str = ""):
+        super().__init__(model, cache, how, attention)
         # the step's inputs, each a tensor of its own (generation's ids are a view of its tokens)
         self.ids, self.pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-        self.unchecked, self.declined, self.step = COMPILE_CHECKS, False, None
+        self.unchecked, self.declined, self.step = CAPTURE_CHECKS, False, None
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         if self.declined or torch.is_grad_enabled():
@@ -116,49 +116,100 @@ class Compiled(Forward):
         self.pos.fill_(pos)
         if not self.unchecked:
             return self.step(self.ids, self.pos)
-        # Checked: the compiled step from the cache as it is, then the slots it may have written put back (a wrong
-        # step may write anywhere up to pos; what lies past it is written before it is read) and the forward as it is
         self.unchecked -= 1
-        written = self.cache.k[..., : pos + 1, :], self.cache.v[..., : pos + 1, :]
-        kept = [t.clone() for t in written]
+        eager = None
         try:
             if self.step is None:
-                from gpt2port.fast import package
-
-                self.step = package.load(self.model, self.cache)
-            got = self.step(self.ids, self.pos)
-        except Exception as e:  # noqa: BLE001 - export and the compiler raise many kinds; each means: decode without it
+                eager = self._capture()  # the forward's own logits where capturing ran it
+            # The capture checked: run as it is, then the slots it may have written put back (a wrong step may write
+            # anywhere up to pos; what lies past it is written before it is read) and compared with the forward
+            written = self.cache.k[..., : pos + 1, :], self.cache.v[..., : pos + 1, :]
+            kept = [t.clone() for t in written]
+            try:
+                got = self.step(self.ids, self.pos)
+            finally:
+                for t, old in zip(written, kept):
+                    t.copy_(old)
+        except Exception as e:  # noqa: BLE001 - export, compilers and replays raise many kinds; each: decode without
             got = None
             self._decline(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-        for t, old in zip(written, kept):
-            t.copy_(old)
-        eager = super().__call__(ids, pos)
+        if eager is None:
+            eager = super().__call__(ids, pos)
+        if got is not None and not self._agrees(got, eager):
+            self._forget()
+            self._decline(f"its {self.kind} disagreed with it at position {pos}")
+        return eager
+
+
+class Replayed(Captured):
+    """The forward's operator calls recorded on its first call and replayed from C++ after (gpt2port.fast.replay):
+    the same kernels in the same order, one call from Python a step instead of ~250."""
+    kind = "replay"
+
+    def __init__(self, model, cache: KVCache, attention: str = ""):
+        super().__init__(model, cache, "the model's forward, replayed from C++", attention)
+
+    def _capture(self) -> torch.Tensor:
+        from gpt2port.fast import replay
+
+        eager, self.step = replay.record(
+            lambda: self.model(self.ids, cache=self.cache, pos=self.pos, logits_to_keep=1)[0], (self.ids, self.pos))
+        self.how = f"the model's forward, replayed from C++ (its {self.step.calls} operator calls recorded once)"
+        return eager
+
+    def _agrees(self, got: torch.Tensor, eager: torch.Tensor) -> bool:
+        # the same kernels on the same numbers: equal but for a kernel that sums in another order from call to call
+        return torch.allclose(got.float(), eager.float(), rtol=1e-5, atol=1e-5 * float(eager.abs().max()))
+
+    def _forget(self) -> None:
+        self.step = None
+
+    def _decline(self, why: str) -> None:
+        self.declined, self.how = True, f"the model's forward (not replayed: {why[:300]})"
+
+
+class Compiled(Captured):
+    """The same forward compiled ahead of time (gpt2port.fast.package) on its first call."""
+    kind = "compiled forward"
+
+    def __init__(self, model, cache: KVCache, attention: str = ""):
+        super().__init__(model, cache, "the model's forward, compiled ahead of time by AOTInductor", attention)
+
+    def _capture(self) -> None:
+        from gpt2port.fast import package
+
+        self.step = package.load(self.model, self.cache)
+
+    def _agrees(self, got: torch.Tensor, eager: torch.Tensor) -> bool:
         # Inductor fuses and orders the arithmetic its own way: the same numbers to float rounding, which in bf16
         # is coarse, and in int4 moves an activation's 8-bit rounding by a step now and then, which the layers after
         # it spread (1-1.5% of the largest logit at 124M; a wrong position or weight moves logits by far more)
         int4 = getattr(self.model, "quantized", None) == "int4"
         tolerance = 5e-2 if int4 else 1e-3 if eager.dtype == torch.float32 else 3e-2
-        if got is not None and not torch.allclose(got.float(), eager.float(), rtol=tolerance,
-                                                  atol=tolerance * float(eager.abs().max())):
-            from gpt2port.fast import package
+        return torch.allclose(got.float(), eager.float(), rtol=tolerance, atol=tolerance * float(eager.abs().max()))
 
-            package.forget(self.step)
-            self._decline(f"its compiled forward disagreed with it at position {pos}")
-        return eager
+    def _forget(self) -> None:
+        from gpt2port.fast import package
+
+        package.forget(self.step)
 
     def _decline(self, why: str) -> None:
         self.declined, self.how = True, f"the model's forward (not compiled: {why[:300]})"
 
 
 def decode_step(model, cache: KVCache, settings: Settings, attention: str = "") -> Forward:
-    """How generation runs one token per row: the model's forward, compiled on the CPU for one unpadded row when
-    settings.compile, recorded as a CUDA graph on a CUDA device when settings.cuda_graph, where nothing forbids it.
-    `.description` says which (and `attention`, what the cache said)."""
-    on_cuda = cache.k.device.type == "cuda"
-    why = _why_not_captured(model, cache, settings.cuda_graph if on_cuda else settings.compile)
+    """How generation runs one token per row: the model's forward, on the CPU for one unpadded row replayed from C++
+    (settings.replay) or compiled (settings.compile, which takes precedence), on a CUDA device recorded as a CUDA
+    graph when settings.cuda_graph, where nothing forbids it. `.description` says which (and `attention`, what the
+    cache said)."""
+    if cache.k.device.type == "cuda":
+        kind, asked = "CUDA graph", settings.cuda_graph
+    else:  # a replay, the default, serves what the attention kernel serves: where that says why not, it is enough
+        kind, asked = ("compile", True) if settings.compile else \
+            ("replay", settings.replay and isinstance(cache, KernelCache))
+    why = _why_not_captured(model, cache, asked)
     if why is None:
-        return Graphed(model, cache, attention) if on_cuda else Compiled(model, cache, attention)
-    kind = "CUDA graph" if on_cuda else "compile"
+        return {"CUDA graph": Graphed, "compile": Compiled, "replay": Replayed}[kind](model, cache, attention)
     return Forward(model, cache, "the model's forward" + (f" (no {kind}: {why})" if why else ""), attention)
 
 
@@ -169,7 +220,7 @@ def _why_not_captured(model, cache: KVCache, asked: bool) -> str | None:
     if cache.k.device.type == "cpu" and not isinstance(cache, KernelCache):  # a batch, or the kernel declined
         return "attention is not on gpt2port's kernel"
     if cache.k.device.type == "cpu" and getattr(model, "quantized", None) == "int8":
-        return "int8's one-row products take fbgemm's packed weights, which torch.export cannot take"
+        return "int8's one-row products take fbgemm's packed weights, which a capture cannot hold"
     if any(m.training for m in model.modules()):
         return "the model is in training mode"
     if hooked(model):

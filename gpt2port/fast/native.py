@@ -15,9 +15,10 @@ starts, under a file lock so that N processes started together build once) or lo
 operators, and says what it got. `gpt2port doctor` calls it; so does gpt2port.fast.accelerate, which is where
 `generate` asks for speed. A plain GPT never builds anything.
 
-The operators' kernels are native_ops.cpp, built against the running PyTorch's headers with the machine's C++
-compiler and linked to the library. Where that cannot be built, a kernel in Python serves gpt2port::matvec through
-ctypes, a few us slower a product, and attention stays on PyTorch's (`Kernels.binding_why_not`).
+The operators' kernels are native_ops.cpp (and replay.cpp, the replay of a recorded forward: fast/replay.py), built
+against the running PyTorch's headers with the machine's C++ compiler and linked to the library. Where that cannot
+be built, a kernel in Python serves gpt2port::matvec through ctypes, a few us slower a product, and attention stays on
+PyTorch's (`Kernels.binding_why_not`).
 
 Builds live in a cache (GPT2PORT_NATIVE_CACHE, else $XDG_CACHE_HOME/gpt2port/native, else ~/.cache/gpt2port/native),
 under names derived from the sources, the compiler, the flags and the CPU (and, for the C++ kernels, PyTorch's
@@ -51,7 +52,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.c", "attenti
                                                             "layers.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("vectors.h", "int4.h"))
 LIBRARY_NAME = "libgpt2port_native.so"
-BINDING_SOURCE, BINDING_NAME = Path(__file__).with_name("native_ops.cpp"), "libgpt2port_ops.so"
+BINDING_SOURCES = tuple(Path(__file__).with_name(name) for name in ("native_ops.cpp", "replay.cpp"))
+BINDING_NAME = "libgpt2port_ops.so"
 # Tried in order: the machine's own vector instructions, then the compiler's defaults.
 FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"])
 # PyTorch's headers want C++17 or later; C++20 spares warnings from recent ones.
@@ -130,6 +132,9 @@ def _define_ops() -> None:
     _OPS.define("gelu_tanh(Tensor x) -> Tensor")
     _OPS.impl("layer_norm", lambda x, weight, bias, eps: x.new_empty(x.shape), "Meta")
     _OPS.impl("gelu_tanh", lambda x: x.new_empty(x.shape), "Meta")
+    _OPS.define("replay_make(str program, Tensor[] constants) -> int")  # fast/replay.py; never traced: no Meta
+    _OPS.define("replay_run(int program, Tensor[] inputs) -> Tensor")
+    _OPS.define("replay_free(int program) -> ()")
 
 
 def _matvec(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -221,15 +226,17 @@ def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL, lock: bool = True) -> s
     version = _run([cxx, "--version"])
     if version is None:
         return f"the C++ compiler {cxx} does not run"
-    torch_dir, source, errors = Path(torch.__file__).parent, BINDING_SOURCE.read_bytes(), []
+    torch_dir, errors = Path(torch.__file__).parent, []
+    source = b"\0".join(path.read_bytes() for path in BINDING_SOURCES)
     for flags in BINDING_FLAG_SETS:
         flags = [*flags, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
         # PyTorch's version in the key: the C++ kernel is built against its headers and calls into its libraries
         path = cache / _key(source, cxx, version, flags, lib._name, torch.__version__,
                             str(torch.version.git_version)) / BINDING_NAME
         if not path.is_file():
-            error = _build([cxx, *flags, "-shared", "-fPIC", "-I", str(torch_dir / "include"), str(BINDING_SOURCE),
-                            lib._name, "-L", str(torch_dir / "lib"), "-lc10", "-ltorch_cpu"], path, lock)
+            error = _build([cxx, *flags, "-shared", "-fPIC", "-I", str(torch_dir / "include"),
+                            *map(str, BINDING_SOURCES), lib._name, "-L", str(torch_dir / "lib"), "-lc10",
+                            "-ltorch_cpu"], path, lock)
             if error is not None:
                 errors.append(f"{' '.join(flags)}: {error}")
                 continue
@@ -243,7 +250,7 @@ def bind(cache: Path, cxx: str | None, lib: ctypes.CDLL, lock: bool = True) -> s
                 or not _layers_right():
             return f"{path} disagrees with F.linear, PyTorch's attention, layer_norm or GELU on a probe"
         return None
-    return f"building {BINDING_SOURCE.name} with {cxx} failed: " + "; ".join(errors)
+    return f"building {' and '.join(p.name for p in BINDING_SOURCES)} with {cxx} failed: " + "; ".join(errors)
 
 
 def _key(source: bytes, cc: str, version: str, flags: list[str], *more: str) -> str:

@@ -237,7 +237,7 @@ def test_a_cpp_compiler_that_fails(tmp_path):
                    'echo "native_ops.cpp:1: error: no such header" >&2; exit 1\n')
     cxx.chmod(0o755)
     why = native.bind(tmp_path / "cache", str(cxx), type("Lib", (), {"_name": "/nowhere/lib.so"})())
-    assert why.startswith(f"building native_ops.cpp with {cxx} failed: -O2 -std=c++20")
+    assert why.startswith(f"building native_ops.cpp and replay.cpp with {cxx} failed: -O2 -std=c++20")
     assert "; -O2 -std=c++17" in why and why.endswith("native_ops.cpp:1: error: no such header")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.name != ".lock"]  # nothing half-built
     assert native.bind(tmp_path, None, None).startswith("no C++ compiler found")
@@ -267,7 +267,8 @@ def first_calls(env: dict) -> tuple[list[str], str]:
 
 
 OPERATORS = ("['gpt2port::attend_one', 'gpt2port::attend_one.at', 'gpt2port::dequantize_int4', 'gpt2port::gelu_tanh', "
-             "'gpt2port::layer_norm', 'gpt2port::matvec', 'gpt2port::matvec_int4', 'gpt2port::round_int4'] True")
+             "'gpt2port::layer_norm', 'gpt2port::matvec', 'gpt2port::matvec_int4', 'gpt2port::replay_free', "
+             "'gpt2port::replay_make', 'gpt2port::replay_run', 'gpt2port::round_int4'] True")
 
 
 @needs_kernel
