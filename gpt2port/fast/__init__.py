@@ -16,7 +16,9 @@ What is here, one module per concern:
                MLPs' tanh GELU by the same function on layers.c.
 - cache.py     the KV cache generation hands the model: one new token's attention on gpt2port's kernel where it
                computes what model.KVCache.attend does.
-- graph.py     the decode step: the model's own forward, on a GPU optionally recorded as a CUDA graph.
+- graph.py     the decode step: the model's own forward; for one row on the CPU replayed from C++ by default (or
+               compiled ahead of time, package.py), on a GPU optionally recorded as a CUDA graph.
+- replay.py    a forward's operator calls recorded as it runs, made into a program replay.cpp calls again.
 - speed.py     the memory-bandwidth floor that decode rates are compared with.
 - doctor.py    `gpt2port doctor`: builds the kernels and says what generation will run on.
 

@@ -44,7 +44,8 @@ def report(settings: Settings | None = None) -> list[str]:
             lines.append(f"gpt2port's CPU kernels: one-row product through Python only ({built.binding_why_not}); "
                          f"cache {where}")
         else:
-            lines.append(f"gpt2port's CPU kernels: built (one-row product, one-token attention); cache {where}")
+            lines.append(f"gpt2port's CPU kernels: built (one-row products, one-token attention, LayerNorm and GELU on "
+                         f"one row, the replay of a step); cache {where}")
     lines.append(f"oneDNN linear: {'works' if onednn_works() else 'not available'}; "
                  f"fbgemm int8: {'works' if _fbgemm_works() else 'not available'}")
     lines.append(f"memory bandwidth (one-row product, 256 MB weight): {matvec_bandwidth('cpu') / 1e9:.1f} GB/s"
@@ -56,11 +57,15 @@ def report(settings: Settings | None = None) -> list[str]:
     lines.append("generate --dtype int8: decode products on " + ("fbgemm" if _fbgemm_works() else "int8pack"))
     one_row = settings.native and settings.attend_one and native.kernels().attend_one
     if settings.compile:
-        compiled = "compiled ahead of time (AOTInductor)" if one_row else \
+        how = "compiled ahead of time (AOTInductor)" if one_row else \
             "not compiled (attention is not on gpt2port's kernel)"
+    elif not settings.replay:
+        how = "called from Python each step (GPT2PORT_REPLAY=0; GPT2PORT_COMPILE=1 compiles it)"
+    elif one_row:
+        how = "replayed from C++ after its first step (GPT2PORT_COMPILE=1 compiles it instead)"
     else:
-        compiled = "not compiled (GPT2PORT_COMPILE=1 compiles it)"
-    lines.append(f"decode steps of one row on the CPU: the model's forward, {compiled}")
+        how = "called from Python each step (a replay needs gpt2port's attention kernel)"
+    lines.append(f"decode steps of one row on the CPU: the model's forward, {how}")
     if torch.cuda.is_available():
         graph = "recorded as a CUDA graph" if settings.cuda_graph else "not recorded (GPT2PORT_CUDA_GRAPH=1 records it)"
         lines.append(f"CUDA: {torch.cuda.get_device_name()}; decode step {graph}")

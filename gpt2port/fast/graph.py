@@ -1,25 +1,25 @@
-"""The decode step: the model's own forward for one new token per row, called as it is, compiled ahead of time on
-the CPU (opt-in), or on a GPU recorded as a CUDA graph. Nothing here computes any of the model: a compiled step
-and a graph are the forward, captured.
+"""The decode step: the model's own forward for one new token per row, called as it is, replayed from C++ or
+compiled ahead of time on the CPU, or on a GPU recorded as a CUDA graph. Nothing here computes any of the model: a
+replay, a compiled step and a graph are the forward, captured.
 
-On the CPU a step is, by default, the forward called from Python, on the kernels gpt2port.fast swapped in (layers
-and the cache's attention): ~140 module calls a token, milliseconds of Python at 124M (docs/performance.md). It
-was traced with TorchScript's tracer; TorchScript is deprecated, and the private graph passes it needed are no
-supported API, so nothing here uses either. The supported capture is `Compiled` (Settings(compile=True) or
-GPT2PORT_COMPILE=1): the same forward exported by torch.export and compiled ahead of time by AOTInductor into a
-package kept per machine and model shape (gpt2port.fast.package), its one-row products and attention still
-gpt2port's operators, the rest C++ with no Python between them. It is asked for, not the default: the first run of a
-model shape compiles for tens of seconds.
+Called from Python, a step is ~140 module calls and ~250 operator calls a token on the kernels gpt2port.fast swapped
+in, milliseconds of Python at 124M (docs/performance.md). By default one unpadded row on the CPU is `Replayed`: the
+forward's operator calls recorded on its first step (gpt2port.fast.replay, a dispatch mode: the very operators it
+called, with its arguments) and called again from C++ by replay.cpp, one call from Python a step. `Compiled`
+(Settings(compile=True) or GPT2PORT_COMPILE=1) exports the same forward with torch.export and compiles it ahead of
+time with AOTInductor into a package kept per machine and model shape (gpt2port.fast.package): asked for, not the
+default, as the first run of a model shape compiles for tens of seconds and Inductor's import costs memory. Neither
+uses TorchScript (deprecated) or private graph passes.
 
 Why a graph on a GPU: a step is a few hundred small kernels each launched from Python, bound by launches rather than
 by memory; a graph records them once and replays them with one launch.
 
-Both captures take the forward's static-shape form: GPT.forward with the position a (1,) tensor, which the cache's
+Every capture takes the forward's static-shape form: GPT.forward with the position a (1,) tensor, which the cache's
 attention reads when it runs (gpt2port's kernel on the CPU; on a GPU, KVCache.attend writes at it by index_copy_
 and reads over every slot of the cache, masked). Before a capture is trusted, its first steps are checked against
-the forward called as it is, at the same positions (a compiled step at two, so that a position read in Python and
-frozen shows); where they differ, or the forward cannot be captured, decoding goes on without it and says why
-(`generate -v`).
+the forward called as it is, at the same positions (a replay and a compiled step at two, so that a position or a
+token read in Python and frozen shows); where they differ, or the forward cannot be captured, decoding goes on
+without it and says why (`generate -v`).
 """
 from __future__ import annotations
 
@@ -159,7 +159,10 @@ class Replayed(Captured):
 
     def _agrees(self, got: torch.Tensor, eager: torch.Tensor) -> bool:
         # the same kernels on the same numbers: equal but for a kernel that sums in another order from call to call
-        return torch.allclose(got.float(), eager.float(), rtol=1e-5, atol=1e-5 * float(eager.abs().max()))
+        # (a model's NaN or infinite logits are its own: the replay has them where the forward does)
+        eager = eager.float()
+        return torch.allclose(got.float(), eager, rtol=1e-5, atol=1e-5 * float(eager.abs().nan_to_num(0, 0, 0).max()),
+                              equal_nan=True)
 
     def _forget(self) -> None:
         self.step = None
