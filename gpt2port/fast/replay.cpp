@@ -172,6 +172,7 @@ Arg parse_value(const std::string &tok, const c10::Argument &a, int64_t slots) {
       return arg;
   }
   TORCH_CHECK_VALUE(false, "gpt2port::replay_make: token '", tok, "' for ", a.name());
+  return arg;
 }
 
 Call parse_call(const std::string &line, int64_t slots) {
@@ -306,6 +307,8 @@ at::Tensor replay_run(int64_t id, const std::vector<at::Tensor> &inputs) {
         out++;
       }
     }
+    for (; out < call.outs.size(); out++)  // results the recording had that this call did not give: none kept
+      TORCH_CHECK(call.outs[out] < 0, "gpt2port::replay_run: ", call.op.schema().name(), " gave fewer results");
   }
   at::Tensor result = p.slots[p.result];
   for (size_t s = 0; s < p.slots.size(); s++)  // the step's own tensors freed now, not at the next step

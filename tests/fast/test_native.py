@@ -384,4 +384,8 @@ def test_doctor_builds_and_reports(tmp_path, monkeypatch, capsys):
     bandwidth = next(line for line in lines if line.startswith("memory bandwidth"))
     assert bandwidth.startswith("memory bandwidth (one-row product, 256 MB weight): 12.3 GB/s")
     assert any(line.startswith("generate on the CPU, float32: decode products on ") for line in lines)
+    step = next(line for line in lines if line.startswith("decode steps of one row on the CPU: the model's forward, "))
+    assert step.endswith("replayed from C++ after its first step (GPT2PORT_COMPILE=1 compiles it instead)"
+                         if built.attend_one else "called from Python each step (a replay needs gpt2port's attention "
+                         "kernel)"), step
     assert lines[-1].startswith("CUDA: ")
