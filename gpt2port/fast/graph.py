@@ -17,9 +17,9 @@ by memory; a graph records them once and replays them with one launch.
 Every capture takes the forward's static-shape form: GPT.forward with the position a (1,) tensor, which the cache's
 attention reads when it runs (gpt2port's kernel on the CPU; on a GPU, KVCache.attend writes at it by index_copy_
 and reads over every slot of the cache, masked). Before a capture is trusted, its first steps are checked against
-the forward called as it is, at the same positions (a replay and a compiled step at two, so that a position or a
-token read in Python and frozen shows); where they differ, or the forward cannot be captured, decoding goes on
-without it and says why (`generate -v`).
+the forward called as it is (a compiled step at its first two positions, a replay on a scratch cache at another
+position and token, so that a position or a token read in Python and frozen shows); where they differ, or the
+forward cannot be captured, decoding goes on without it and says why (`generate -v`).
 """
 from __future__ import annotations
 
@@ -96,18 +96,18 @@ class Graphed(Forward):
         self.graph = graph
 
 
-CAPTURE_CHECKS = 2  # positions at which a captured step is checked: one that froze the position agrees at the first
+COMPILE_CHECKS = 2  # positions at which a compiled step is checked: one that froze the position agrees at the first
 
 
-class Captured(Forward):
-    """The forward captured on its first call (one unpadded row on the CPU), checked against the forward as it is at
-    its first CAPTURE_CHECKS steps, then run captured; where the capture fails or disagrees, the forward as it is."""
+class Compiled(Forward):
+    """The same forward compiled ahead of time (gpt2port.fast.package) on its first call (one unpadded row on the
+    CPU), checked against the forward as it is at its first COMPILE_CHECKS steps, then run compiled."""
 
-    def __init__(self, model, cache: KVCache, how: str, attention: str = ""):
-        super().__init__(model, cache, how, attention)
+    def __init__(self, model, cache: KVCache, attention: str = ""):
+        super().__init__(model, cache, "the model's forward, compiled ahead of time by AOTInductor", attention)
         # the step's inputs, each a tensor of its own (generation's ids are a view of its tokens)
         self.ids, self.pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-        self.unchecked, self.declined, self.step = CAPTURE_CHECKS, False, None
+        self.unchecked, self.declined, self.step = COMPILE_CHECKS, False, None
 
     def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
         if self.declined or torch.is_grad_enabled():
@@ -116,88 +116,107 @@ class Captured(Forward):
         self.pos.fill_(pos)
         if not self.unchecked:
             return self.step(self.ids, self.pos)
+        # Checked: the compiled step from the cache as it is, then the slots it may have written put back (a wrong
+        # step may write anywhere up to pos; what lies past it is written before it is read) and the forward as it is
         self.unchecked -= 1
-        eager = None
+        written = self.cache.k[..., : pos + 1, :], self.cache.v[..., : pos + 1, :]
+        kept = [t.clone() for t in written]
         try:
             if self.step is None:
-                eager = self._capture()  # the forward's own logits where capturing ran it
-            # The capture checked: run as it is, then the slots it may have written put back (a wrong step may write
-            # anywhere up to pos; what lies past it is written before it is read) and compared with the forward
-            written = self.cache.k[..., : pos + 1, :], self.cache.v[..., : pos + 1, :]
-            kept = [t.clone() for t in written]
-            try:
-                got = self.step(self.ids, self.pos)
-            finally:
-                for t, old in zip(written, kept):
-                    t.copy_(old)
-        except Exception as e:  # noqa: BLE001 - export, compilers and replays raise many kinds; each: decode without
+                from gpt2port.fast import package
+
+                self.step = package.load(self.model, self.cache)
+            got = self.step(self.ids, self.pos)
+        except Exception as e:  # noqa: BLE001 - export and the compiler raise many kinds; each means: decode without it
             got = None
             self._decline(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-        if eager is None:
-            eager = super().__call__(ids, pos)
-        if got is not None and not self._agrees(got, eager):
-            self._forget()
-            self._decline(f"its {self.kind} disagreed with it at position {pos}")
-        return eager
-
-
-class Replayed(Captured):
-    """The forward's operator calls recorded on its first call and replayed from C++ after (gpt2port.fast.replay):
-    the same kernels in the same order, one call from Python a step instead of ~250."""
-    kind = "replay"
-
-    def __init__(self, model, cache: KVCache, attention: str = ""):
-        super().__init__(model, cache, "the model's forward, replayed from C++", attention)
-
-    def _capture(self) -> torch.Tensor:
-        from gpt2port.fast import replay
-
-        eager, self.step = replay.record(
-            lambda: self.model(self.ids, cache=self.cache, pos=self.pos, logits_to_keep=1)[0], (self.ids, self.pos))
-        self.how = f"the model's forward, replayed from C++ (its {self.step.calls} operator calls recorded once)"
-        return eager
-
-    def _agrees(self, got: torch.Tensor, eager: torch.Tensor) -> bool:
-        # the same kernels on the same numbers: equal but for a kernel that sums in another order from call to call
-        # (a model's NaN or infinite logits are its own: the replay has them where the forward does)
-        eager = eager.float()
-        return torch.allclose(got.float(), eager, rtol=1e-5, atol=1e-5 * float(eager.abs().nan_to_num(0, 0, 0).max()),
-                              equal_nan=True)
-
-    def _forget(self) -> None:
-        self.step = None
-
-    def _decline(self, why: str) -> None:
-        self.declined, self.how = True, f"the model's forward (not replayed: {why[:300]})"
-
-
-class Compiled(Captured):
-    """The same forward compiled ahead of time (gpt2port.fast.package) on its first call."""
-    kind = "compiled forward"
-
-    def __init__(self, model, cache: KVCache, attention: str = ""):
-        super().__init__(model, cache, "the model's forward, compiled ahead of time by AOTInductor", attention)
-
-    def _capture(self) -> None:
-        from gpt2port.fast import package
-
-        self.step = package.load(self.model, self.cache)
-
-    def _agrees(self, got: torch.Tensor, eager: torch.Tensor) -> bool:
+        for t, old in zip(written, kept):
+            t.copy_(old)
+        eager = super().__call__(ids, pos)
         # Inductor fuses and orders the arithmetic its own way: the same numbers to float rounding, which in bf16
         # is coarse, and in int4 moves an activation's 8-bit rounding by a step now and then, which the layers after
         # it spread (1-1.5% of the largest logit at 124M; a wrong position or weight moves logits by far more)
         int4 = getattr(self.model, "quantized", None) == "int4"
         tolerance = 5e-2 if int4 else 1e-3 if eager.dtype == torch.float32 else 3e-2
-        return torch.allclose(got.float(), eager.float(), rtol=tolerance, atol=tolerance * float(eager.abs().max()))
+        if got is not None and not torch.allclose(got.float(), eager.float(), rtol=tolerance,
+                                                  atol=tolerance * float(eager.abs().max())):
+            from gpt2port.fast import package
 
-    def _forget(self) -> None:
-        from gpt2port.fast import package
-
-        package.forget(self.step)
+            package.forget(self.step)
+            self._decline(f"its compiled forward disagreed with it at position {pos}")
+        return eager
 
     def _decline(self, why: str) -> None:
         self.declined, self.how = True, f"the model's forward (not compiled: {why[:300]})"
+
+
+class Replayed(Forward):
+    """The forward's operator calls recorded on its first call (gpt2port.fast.replay: the same kernels in the same
+    order) and replayed from C++ after, one call from Python a step instead of ~250.
+
+    The recording is the forward itself at the first position. Before the program is trusted it is checked on a
+    scratch cache of a few slots (random keys and values, the same in two copies) at another position and another
+    token, against the forward there: logits and both caches, so that a position or token the forward read into
+    Python and froze, or a write to the wrong slot, shows without touching the generation's own cache (whose size
+    grows with the prompt). The generation's cache is an input of every replay, not a constant of the program."""
+
+    def __init__(self, model, cache: KVCache, attention: str = ""):
+        super().__init__(model, cache, "the model's forward, replayed from C++", attention)
+        self.ids, self.pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        self.declined, self.program = False, None
+
+    def __call__(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.declined or torch.is_grad_enabled():
+            return super().__call__(ids, pos)
+        self.ids.copy_(ids)
+        self.pos.fill_(pos)
+        if self.program is not None:
+            return self.program(self.ids, self.pos, self.cache.k, self.cache.v)
+        from gpt2port.fast import replay
+
+        try:
+            step = lambda: self.model(self.ids, cache=self.cache, pos=self.pos, logits_to_keep=1)[0]  # noqa: E731
+            eager, program = replay.record(step, (self.ids, self.pos, self.cache.k, self.cache.v))
+            self._check(program, pos)
+        except Exception as e:  # noqa: BLE001 - a recording or a replay may fail in many ways; each: decode without
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            why = text if isinstance(e, replay.Unreplayable) else f"{type(e).__name__}: {text}"
+            self.declined, self.how = True, f"the model's forward (not replayed: {why[:300]})"
+            return super().__call__(ids, pos)  # the slot the recording wrote, written again the same
+        self.program, self.how = program, f"the model's forward, replayed from C++ (its {program.calls} operator " \
+                                          f"calls recorded once)"
+        return eager
+
+    def _check(self, program, recorded: int) -> None:
+        """Raises where the program and the forward differ on a scratch cache, at a position that differs from the
+        recorded one by parity and by three, and another token."""
+        from gpt2port.fast.replay import Unreplayable
+
+        at = next((p for p in range(1, min(7, self.model.config.n_positions)) if p % 2 != recorded % 2 and
+                   p % 3 != recorded % 3), None)
+        if at is None:
+            raise Unreplayable(f"a context of {self.model.config.n_positions} positions leaves none to check it at")
+        k = self.cache.k
+        g = torch.Generator().manual_seed(0)
+        scratch = [type(self.cache)(self.model.config, 1, at + 1, k.dtype, k.device) for _ in range(2)]
+        for name in ("k", "v"):
+            contents = torch.randn(getattr(scratch[0], name).shape, generator=g).to(k.dtype)
+            for c in scratch:
+                getattr(c, name).copy_(contents)
+        self.ids.add_(1).remainder_(self.model.config.vocab_size)
+        self.pos.fill_(at)
+        want = self.model(self.ids, cache=scratch[0], pos=at, logits_to_keep=1)[0]  # the forward as it is
+        got = program(self.ids, self.pos, scratch[1].k, scratch[1].v)
+        if not (_same(got, want) and _same(scratch[1].k, scratch[0].k) and _same(scratch[1].v, scratch[0].v)):
+            raise Unreplayable(f"its replay disagreed with it at position {at} (a scratch cache)")
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The same kernels on the same numbers: equal but for a kernel that sums in another order from call to call
+    (a model's own NaN or infinite logits are its own: the replay has them where the forward does)."""
+    want = want.float()
+    return torch.allclose(got.float(), want, rtol=1e-5, atol=1e-5 * float(want.abs().nan_to_num(0, 0, 0).max()),
+                          equal_nan=True)
 
 
 def decode_step(model, cache: KVCache, settings: Settings, attention: str = "") -> Forward:

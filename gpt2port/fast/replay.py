@@ -8,8 +8,8 @@ replayed, and neither are the calls only such reads needed. Nothing here knows a
 made, in its order, on the kernels it chose (gpt2port.fast's swapped layers included).
 
 What a replay cannot reproduce is what the forward decided in Python from a value: a branch on a token, a position
-read as a number. gpt2port.fast.graph.Replayed checks the replay against the forward itself at two positions before
-trusting it, as it does a compiled step. An argument of a kind the program cannot hold (an opaque object, such as
+read as a number. gpt2port.fast.graph.Replayed checks the replay against the forward itself at another position and
+token before trusting it. An argument of a kind the program cannot hold (an opaque object, such as
 int8's packed weights) raises Unreplayable, with what it was.
 """
 

@@ -19,7 +19,7 @@ class Settings:
     # AOTInductor), opt-in: the first run of a model shape compiles for tens of seconds (docs/performance.md)
     compile: bool = False
     # one row's decode steps on the CPU: the model's forward recorded once as its operator calls and replayed from C++
-    # (fast.replay), checked against the forward at two positions first; compile, where asked, takes precedence
+    # (fast.replay), checked against the forward on a scratch cache first; compile, where asked, takes precedence
     replay: bool = True
 
     @classmethod
