@@ -8,11 +8,11 @@
 //
 // A program is text, one call a line (replay.py writes it): the operator's name and overload, then its arguments,
 // then "->" and where its results go. Values live in numbered slots: the inputs first, then the constants (the
-// tensors the forward read but did not make: weights, the cache), then every result. Argument tokens:
+// other tensors the forward read but did not make: the weights), then every result. Argument tokens:
 //   t<slot>  a tensor            T<slot|n>,...  a list of tensors (n: None, in a Tensor?[])
 //   n  None   i<int>   f<float>   b0 b1   l<int>,...  a list of ints   s<text>
 //   d<dtype>  D<device>   y<layout>   m<memory format>     k<name>=<token>: a keyword argument
-// and result tokens: o<slot> a tensor kept, _ a result no later call reads (a tensor list counts one per tensor).
+// and result tokens: o<slot> a tensor, _ a result that is not one (a list of tensors counts one per tensor).
 // Calls whose results nothing reads and that write nothing are dropped when the program is made (the reads of a
 // number that the forward made for Python, such as a check of its token ids).
 #include <ATen/ScalarOps.h>

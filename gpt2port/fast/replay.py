@@ -1,16 +1,17 @@
 """A forward's operator calls, recorded as it runs and replayed from C++ (replay.cpp): one call from Python a step.
 
 `record(run, inputs)` runs `run()` (the model's forward, as it is) under a dispatch mode that notes every operator it
-calls, with the arguments it called it with and what each returned. The tensors the forward read but did not make
-(weights, the cache) are the program's constants, held by reference; the step's `inputs` (token ids, the position as
-a tensor) are given anew to each replay; whatever Python read of a tensor's value (a check of the token ids) is not
-replayed, and neither are the calls only such reads needed. Nothing here knows a model: it is the calls the forward
-made, in its order, on the kernels it chose (gpt2port.fast's swapped layers included).
+calls, with the arguments it called it with and what each returned. The step's `inputs` (token ids, the position as
+a tensor, the cache's keys and values) are given anew to each replay; every other tensor the forward read but did
+not make (the weights) is a constant of the program, held by reference; whatever Python read of a tensor's value (a
+check of the token ids) is not replayed, and neither are the calls only such reads needed. Nothing here knows a
+model: it is the calls the forward made, in its order, on the kernels it chose (gpt2port.fast's swapped layers
+included).
 
 What a replay cannot reproduce is what the forward decided in Python from a value: a branch on a token, a position
 read as a number. gpt2port.fast.graph.Replayed checks the replay against the forward itself at another position and
-token before trusting it. An argument of a kind the program cannot hold (an opaque object, such as
-int8's packed weights) raises Unreplayable, with what it was.
+token before trusting it. An argument of a kind the program cannot hold (an opaque object, such as int8's packed
+weights) raises Unreplayable, with what it was.
 """
 
 from __future__ import annotations
