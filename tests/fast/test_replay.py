@@ -50,7 +50,8 @@ def tokens(model, n: int, settings: Settings, report: list | None = None) -> lis
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_program_is_the_forward_bit_for_bit_logits_and_cache(kernels, dtype):
+@pytest.mark.parametrize("cache_given", [True, False], ids=["the cache an input", "the cache a constant"])
+def test_a_program_is_the_forward_bit_for_bit_logits_and_cache(kernels, dtype, cache_given):
     from gpt2port.fast import replay
 
     model = realistic(dtype)
@@ -58,16 +59,17 @@ def test_a_program_is_the_forward_bit_for_bit_logits_and_cache(kernels, dtype):
     twin, _, _ = a_step(model)  # the same prompt in a second cache, stepped by the forward as it is
     twin_cache = twin.cache
     ids, pos = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    inputs = (ids, pos, cache.k, cache.v) if cache_given else (ids, pos)  # graph.Replayed gives the cache
     with torch.inference_mode():
         ids[0, 0], pos[0] = 11, len(PROMPT)
-        first, program = replay.record(lambda: model(ids, cache=cache, pos=pos, logits_to_keep=1)[0], (ids, pos))
+        first, program = replay.record(lambda: model(ids, cache=cache, pos=pos, logits_to_keep=1)[0], inputs)
         want = model(ids, cache=twin_cache, pos=len(PROMPT), logits_to_keep=1)[0]
         assert torch.equal(first, want)
         kept = []
         for i, token in enumerate((42, 299, 0, 7, 7, 150)):
             at = len(PROMPT) + 1 + i
             ids[0, 0], pos[0] = token, at
-            got = program(ids, pos)
+            got = program(*inputs)
             want = model(torch.tensor([[token]]), cache=twin_cache, pos=at, logits_to_keep=1)[0]
             assert torch.equal(got, want), (i, float((got - want).abs().max()))
             kept.append((got, got.clone()))
